@@ -1,0 +1,284 @@
+"""Socket set-up shared by the broker, the producer's publisher and the consumer SDK (no domain logic).
+
+Endpoints. A broker has three endpoints: ``producers`` (ROUTER; publishers' DEALERs connect), ``consumers``
+(ROUTER; consumers' DEALERs connect) and ``stats`` (REP). A broker *address* names all three:
+
+- a directory path (a run dir) -> ``ipc://DIR/producers.sock``, ``.../consumers.sock``, ``.../stats.sock``;
+- ``ipc://DIR/producers.sock`` (or ``consumers.sock`` / ``stats.sock``) -> the three sockets of DIR;
+- ``tcp://HOST:PORT`` -> producers on PORT, consumers on PORT+1, stats on PORT+2 (CURVE required).
+
+``MIA_STREAM_BROKER`` holds the address producers and consumers use when none is given; without it the
+default run dir is ``$MIA_STREAM_RUN_DIR`` or ``/tmp/mia_stream-$UID`` (created 0700; socket files 0600).
+
+CURVE. ``mia-stream keys DIR`` writes a key dir::
+
+    DIR/broker.key, DIR/broker.key_secret      the broker's pair (peers need only broker.key)
+    DIR/clients/NAME.key, NAME.key_secret      one pair per client (default: producer, consumer)
+    DIR/authorized/NAME.key                    public keys the broker lets connect
+    DIR/steer/NAME.key                         public keys the broker accepts steering commands from
+
+``MIA_STREAM_KEYS`` (a key dir) and ``MIA_STREAM_KEY_NAME`` (a client name) are the defaults of peers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import stat
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import zmq
+
+from mia_stream.errors import TransportError
+
+ENV_BROKER = "MIA_STREAM_BROKER"
+ENV_RUN_DIR = "MIA_STREAM_RUN_DIR"
+ENV_KEYS = "MIA_STREAM_KEYS"
+ENV_KEY_NAME = "MIA_STREAM_KEY_NAME"
+_ROLES = ("producers", "consumers", "stats")
+_MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux; keep a margin
+
+ZAP_DOMAIN = "mia_stream"
+HEARTBEAT_S = 0.5  # application heartbeat interval of every peer
+RECONNECT_IVL_MS = 100
+RECONNECT_IVL_MAX_MS = 1000
+
+
+# ---------------------------------------------------------------------------------------------- endpoints
+
+@dataclass(frozen=True)
+class BrokerEndpoints:
+    producers: str
+    consumers: str
+    stats: str
+
+    @property
+    def is_tcp(self) -> bool:
+        return any(e.startswith("tcp://") for e in (self.producers, self.consumers, self.stats))
+
+
+def default_run_dir() -> Path:
+    """``$MIA_STREAM_RUN_DIR`` or ``/tmp/mia_stream-$UID``, created with mode 0700."""
+    path = Path(os.environ.get(ENV_RUN_DIR) or f"/tmp/mia_stream-{os.getuid()}")
+    return ensure_run_dir(path)
+
+
+def ensure_run_dir(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise TransportError(f"run dir {path} belongs to uid {st.st_uid}, not to this user; refusing to use it")
+    if stat.S_IMODE(st.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
+
+
+def endpoints_for(address: str | os.PathLike | None = None) -> BrokerEndpoints:
+    """The three endpoints of a broker address (see the module docstring); None = env / default."""
+    if address is None:
+        address = os.environ.get(ENV_BROKER) or str(default_run_dir())
+    address = str(address)
+    if address.startswith("tcp://"):
+        host, _, port = address[len("tcp://"):].rpartition(":")
+        try:
+            base = int(port)
+        except ValueError:
+            raise TransportError(f"tcp broker address needs a numeric port: {address!r}") from None
+        return BrokerEndpoints(*(f"tcp://{host}:{base + i}" for i in range(3)))
+    if address.startswith("ipc://"):
+        path = Path(address[len("ipc://"):])
+        run_dir = path.parent if path.name in {f"{r}.sock" for r in _ROLES} else path
+    elif "://" in address:
+        raise TransportError(f"unsupported broker address {address!r}: use a run dir, ipc:// or tcp://")
+    else:
+        run_dir = Path(address)
+    eps = BrokerEndpoints(*(f"ipc://{run_dir / (r + '.sock')}" for r in _ROLES))
+    for ep in (eps.producers, eps.consumers, eps.stats):
+        if len(ep) - len("ipc://") > _MAX_IPC_PATH:
+            raise TransportError(f"ipc path too long for a unix socket ({len(ep)} chars): {ep}; use a shorter run dir")
+    return eps
+
+
+def ipc_path(endpoint: str) -> Path | None:
+    return Path(endpoint[len("ipc://"):]) if endpoint.startswith("ipc://") else None
+
+
+# ---------------------------------------------------------------------------------------------- CURVE keys
+
+@dataclass(frozen=True)
+class ServerKeys:
+    """The broker's CURVE pair and who may connect / steer (z85 public keys)."""
+
+    public: bytes
+    secret: bytes
+    authorized_dir: Path
+    steer_public_keys: frozenset[bytes]
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+
+def _read_key(path: Path, secret: bool) -> bytes:
+    import zmq.auth
+
+    try:
+        public, secret_key = zmq.auth.load_certificate(str(path))
+    except (OSError, ValueError) as e:
+        raise TransportError(f"cannot read CURVE key {path}: {e}") from None
+    if secret and not secret_key:
+        raise TransportError(f"{path} holds no secret key")
+    return secret_key if secret else public
+
+
+def load_server_keys(key_dir: str | os.PathLike) -> ServerKeys:
+    d = Path(key_dir)
+    public = _read_key(d / "broker.key_secret", secret=False)
+    secret = _read_key(d / "broker.key_secret", secret=True)
+    authorized = d / "authorized"
+    if not authorized.is_dir():
+        raise TransportError(f"key dir {d} has no authorized/ dir of client public keys")
+    steer = frozenset(_read_key(p, secret=False) for p in sorted((d / "steer").glob("*.key")))
+    return ServerKeys(public, secret, authorized, steer)
+
+
+def load_client_keys(key_dir: str | os.PathLike, name: str | None = None) -> ClientKeys:
+    d = Path(key_dir)
+    name = name or os.environ.get(ENV_KEY_NAME) or "consumer"
+    secret_file = d / "clients" / f"{name}.key_secret"
+    return ClientKeys(_read_key(secret_file, False), _read_key(secret_file, True),
+                      _read_key(d / "broker.key", secret=False))
+
+
+def resolve_client_keys(keys: Any, default_name: str) -> ClientKeys | None:
+    """``keys`` may be ClientKeys, a key dir, or None (then ``$MIA_STREAM_KEYS`` if set)."""
+    if isinstance(keys, ClientKeys):
+        return keys
+    if keys is None:
+        keys = os.environ.get(ENV_KEYS)
+        if not keys:
+            return None
+    return load_client_keys(keys, os.environ.get(ENV_KEY_NAME) or default_name)
+
+
+def create_keys(key_dir: str | os.PathLike, clients=("producer", "consumer"), steer=("consumer",)) -> Path:
+    """Create a key dir (see the module docstring); existing keys are overwritten."""
+    import zmq.auth
+
+    d = Path(key_dir)
+    for sub in ("", "clients", "authorized", "steer"):
+        (d / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
+    zmq.auth.create_certificates(str(d), "broker")
+    for name in clients:
+        zmq.auth.create_certificates(str(d / "clients"), name)
+        shutil.copy(d / "clients" / f"{name}.key", d / "authorized" / f"{name}.key")
+        if name in steer:
+            shutil.copy(d / "clients" / f"{name}.key", d / "steer" / f"{name}.key")
+    for p in d.rglob("*.key_secret"):
+        os.chmod(p, 0o600)
+    return d
+
+
+def keys_main(argv: list[str]) -> int:
+    """``mia-stream keys DIR``: create the broker's and clients' CURVE key pairs for tcp endpoints."""
+    ap = argparse.ArgumentParser(prog="mia-stream keys", description=keys_main.__doc__)
+    ap.add_argument("dir", help="key dir to create")
+    ap.add_argument("--clients", default="producer,consumer", help="comma-separated client names")
+    ap.add_argument("--steer", default="consumer", help="comma-separated clients allowed to steer")
+    args = ap.parse_args(argv)
+    clients = [c for c in args.clients.split(",") if c]
+    steer = [c for c in args.steer.split(",") if c]
+    unknown = set(steer) - set(clients)
+    if unknown:
+        ap.error(f"--steer names clients not in --clients: {sorted(unknown)}")
+    d = create_keys(args.dir, clients, steer)
+    print(f"wrote CURVE keys to {d}: broker, clients {clients}, steering allowed for {steer}")
+    return 0
+
+
+def start_authenticator(ctx: zmq.Context, keys: ServerKeys):
+    """A ZAP handler on ``ctx`` admitting only CURVE clients whose public key is in ``authorized/``."""
+    from zmq.auth.thread import ThreadAuthenticator
+
+    auth = ThreadAuthenticator(ctx)
+    auth.start()
+    auth.configure_curve(domain=ZAP_DOMAIN, location=str(keys.authorized_dir))
+    return auth
+
+
+# ---------------------------------------------------------------------------------------------- sockets
+
+def configure(sock: zmq.Socket, *, sndhwm: int = 1000, rcvhwm: int = 1000, max_message_bytes: int | None = None,
+              heartbeat_ms: int = 1000, router_mandatory: bool = False, immediate: bool = False) -> None:
+    """Options every bus socket gets: no linger, bounded HWMs, ZMTP heartbeats, quick reconnects."""
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.SNDHWM, sndhwm)
+    sock.setsockopt(zmq.RCVHWM, rcvhwm)
+    sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
+    sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
+    if heartbeat_ms:
+        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
+        sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * heartbeat_ms)
+    if max_message_bytes:
+        sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
+    if router_mandatory:
+        sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    if immediate:
+        sock.setsockopt(zmq.IMMEDIATE, 1)
+
+
+def require_curve_for_tcp(endpoint: str, has_keys: bool, side: str) -> None:
+    if endpoint.startswith("tcp://") and not has_keys:
+        raise TransportError(
+            f"refusing to {side} {endpoint} without CURVE keys: tcp endpoints must be encrypted and "
+            f"authenticated (create keys with `mia-stream keys DIR`, pass them or set {ENV_KEYS})")
+
+
+def bind(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None) -> None:
+    """Bind as a CURVE server when ``keys`` are given; tcp without keys is refused; ipc files get 0600."""
+    require_curve_for_tcp(endpoint, keys is not None, "bind")
+    if keys is not None:
+        sock.curve_server = True
+        sock.curve_publickey = keys.public
+        sock.curve_secretkey = keys.secret
+        sock.zap_domain = ZAP_DOMAIN.encode()
+    path = ipc_path(endpoint)
+    if path is not None:
+        ensure_run_dir(path.parent)
+        if path.exists() or path.is_symlink():
+            path.unlink()  # a stale socket of a dead broker (a live one would still hold the file)
+    try:
+        sock.bind(endpoint)
+    except zmq.ZMQError as e:
+        raise TransportError(f"cannot bind {endpoint}: {e}") from None
+    if path is not None:
+        os.chmod(path, 0o600)
+
+
+def connect(sock: zmq.Socket, endpoint: str, keys: ClientKeys | None) -> None:
+    """Connect as a CURVE client when ``keys`` are given; tcp without keys is refused."""
+    require_curve_for_tcp(endpoint, keys is not None, "connect to")
+    if keys is not None:
+        sock.curve_serverkey = keys.server_public
+        sock.curve_publickey = keys.public
+        sock.curve_secretkey = keys.secret
+    try:
+        sock.connect(endpoint)
+    except zmq.ZMQError as e:
+        raise TransportError(f"cannot connect to {endpoint}: {e}") from None
+
+
+def frames_nbytes(frames: list) -> int:
+    """Total bytes of a multipart message (bytes, zmq.Frame or any buffer)."""
+    total = 0
+    for f in frames:
+        total += len(f) if isinstance(f, (bytes, zmq.Frame)) else memoryview(f).nbytes
+    return total

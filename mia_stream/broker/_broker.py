@@ -1,0 +1,821 @@
+"""The broker: routes producers' streams to the consumers subscribed to them (protocol: docs/bus.md).
+
+One thread, one ``zmq.Poller`` over three sockets. Messages are forwarded zero-copy (the received
+``zmq.Frame`` objects are re-sent to every subscriber); only the header frame is decoded
+(``decode_header``). Every loss is counted and named to the consumer that suffered it as a ``GapNotice``.
+"""
+
+from __future__ import annotations
+
+import collections
+import fnmatch
+import heapq
+import json
+import logging
+import os
+import random
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import msgpack
+import zmq
+
+from mia_stream import _transport
+from mia_stream._transport import BrokerEndpoints, ServerKeys
+from mia_stream.errors import OversizedMessageError, SchemaVersionError, WireError
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, SteeringAck,
+                                SteeringCommand, StreamEnd, Subscribe, Unsubscribe, decode, encode)
+from mia_stream.schemas._codec import decode_header
+from mia_stream.schemas._messages import Credit
+
+log = logging.getLogger("mia_stream.broker")
+
+DEFAULT_CONSUMER_QUEUE_BYTES = 256 << 20  # per consumer, beyond what its credit window has in flight
+DEFAULT_LATE_JOIN_BYTES = 64 << 20  # per stream
+DEFAULT_LATE_JOIN_TOTAL_BYTES = 1 << 30  # all streams together
+DEFAULT_LATE_JOIN_LINGER_S = 10.0  # how long an ended stream stays joinable from its start
+DEFAULT_PRODUCER_TIMEOUT_S = 5.0  # no message from a producer for this long: its open streams end
+DEFAULT_CONSUMER_TIMEOUT_S = 60.0  # no message from a consumer for this long: it is forgotten
+DEFAULT_STEER_TIMEOUT_S = 30.0
+_STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
+_ERRORS_PER_PEER_PER_S = 20  # error replies are rate-limited so garbage cannot amplify
+_RECV_BATCH = 256
+_CLOSED_MEMORY = 100_000
+
+
+@dataclass
+class BrokerConfig:
+    """Tunables of a broker; every bound is in bytes or seconds."""
+
+    endpoints: BrokerEndpoints
+    keys: ServerKeys | None = None
+    consumer_queue_bytes: int = DEFAULT_CONSUMER_QUEUE_BYTES
+    late_join_bytes: int = DEFAULT_LATE_JOIN_BYTES
+    late_join_total_bytes: int = DEFAULT_LATE_JOIN_TOTAL_BYTES
+    late_join_linger_s: float = DEFAULT_LATE_JOIN_LINGER_S
+    producer_timeout_s: float = DEFAULT_PRODUCER_TIMEOUT_S
+    consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S
+    steer_timeout_s: float = DEFAULT_STEER_TIMEOUT_S
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    heartbeat_s: float = _transport.HEARTBEAT_S
+    steering: bool = True
+
+    @property
+    def token_reserve_bytes(self) -> int:
+        return max(1 << 20, self.consumer_queue_bytes // 8)
+
+
+class _Entry:
+    """One stream message as received: its frames are shared by the late-join buffer and every queue."""
+
+    __slots__ = ("kind", "order", "seq", "frames", "nbytes")
+
+    def __init__(self, kind: str, order: int, seq: int, frames: list, nbytes: int):
+        self.kind, self.order, self.seq, self.frames, self.nbytes = kind, order, seq, frames, nbytes
+
+    def __lt__(self, other: "_Entry") -> bool:
+        return self.order < other.order
+
+
+class _Stream:
+    __slots__ = ("key", "request_id", "producer", "start", "ended", "end_time", "next_seq", "data", "ctl",
+                 "buffered", "evicted", "subscribers", "messages", "bytes", "created")
+
+    def __init__(self, key: tuple, producer: bytes):
+        self.key, self.request_id, self.producer = key, key[0], producer
+        self.start: _Entry | None = None
+        self.ended = False
+        self.end_time = 0.0
+        self.next_seq = 0
+        self.data: collections.deque[_Entry] = collections.deque()  # tensor frames (evicted first)
+        self.ctl: collections.deque[_Entry] = collections.deque()  # tokens, gaps, end
+        self.buffered = 0
+        self.evicted: list[list[int]] = []
+        self.subscribers: set[bytes] = set()
+        self.messages = self.bytes = 0
+        self.created = time.monotonic()
+
+
+class _Consumer:
+    __slots__ = ("identity", "name", "patterns", "match_cache", "queue", "queue_bytes", "window", "in_flight",
+                 "drops", "delivered", "delivered_bytes", "dropped", "gaps_sent", "last_seen", "blocked",
+                 "errors_this_s")
+
+    def __init__(self, identity: bytes):
+        self.identity = identity
+        self.name = identity.decode("utf-8", "replace")
+        self.patterns: list[str] = []
+        self.match_cache: dict[str, bool] = {}
+        self.queue: collections.deque[tuple[list, int]] = collections.deque()
+        self.queue_bytes = 0
+        self.window = 0
+        self.in_flight = 0
+        self.drops: dict[tuple, list[list[int]]] = {}  # stream key -> seq ranges dropped, not yet notified
+        self.delivered = self.delivered_bytes = self.dropped = self.gaps_sent = 0
+        self.last_seen = time.monotonic()
+        self.blocked = False
+        self.errors_this_s = 0
+
+    def matches(self, request_id: str) -> bool:
+        hit = self.match_cache.get(request_id)
+        if hit is None:
+            hit = any(fnmatch.fnmatchcase(request_id, p) for p in self.patterns)
+            if len(self.match_cache) > 100_000:
+                self.match_cache.clear()
+            self.match_cache[request_id] = hit
+        return hit
+
+
+class _Producer:
+    __slots__ = ("identity", "name", "last_seen", "streams", "messages", "bytes", "reported", "gaps_reported",
+                 "rate", "_snap", "errors_this_s")
+
+    def __init__(self, identity: bytes):
+        self.identity = identity
+        self.name = identity.decode("utf-8", "replace")
+        self.last_seen = time.monotonic()
+        self.streams: set[tuple] = set()
+        self.messages = self.bytes = self.gaps_reported = 0
+        self.reported: dict = {}
+        self.rate = (0.0, 0.0)
+        self._snap = (time.monotonic(), 0, 0)
+        self.errors_this_s = 0
+
+
+class _PendingCommand:
+    __slots__ = ("consumer", "request_id", "expected", "acks", "deadline")
+
+    def __init__(self, consumer: bytes, request_id: str, expected: set, deadline: float):
+        self.consumer, self.request_id, self.expected, self.deadline = consumer, request_id, expected, deadline
+        self.acks: list[tuple[list, SteeringAck]] = []
+
+
+def _add_seq(ranges: list[list[int]], seq: int) -> None:
+    if ranges and ranges[-1][1] == seq - 1:
+        ranges[-1][1] = seq
+    else:
+        ranges.append([seq, seq])
+
+
+class Broker:
+    """Routes stream messages from producers to subscribed consumers; see docs/bus.md.
+
+    Lifecycle: ``Broker(config)`` binds the sockets; ``run()`` serves until ``stop()`` (thread-safe);
+    ``close()`` releases the sockets. ``run_broker_in_thread`` wraps all three for tests.
+    """
+
+    def __init__(self, config: BrokerConfig, *, context: zmq.Context | None = None):
+        self.config = config
+        self.instance = random.getrandbits(63)
+        self._ctx = context or zmq.Context()
+        self._own_ctx = context is None
+        self._auth = None
+        self._stop = threading.Event()
+        self._started = time.monotonic()
+        self._order = 0
+        eps, keys = config.endpoints, config.keys
+        if keys is not None:
+            self._auth = _transport.start_authenticator(self._ctx, keys)
+        self._steer_ids = {k.decode("ascii") for k in keys.steer_public_keys} if keys else set()
+        big = config.max_message_bytes
+        try:
+            self._prod = self._ctx.socket(zmq.ROUTER)
+            _transport.configure(self._prod, sndhwm=1000, rcvhwm=1000, max_message_bytes=big,
+                                 router_mandatory=True)
+            self._cons = self._ctx.socket(zmq.ROUTER)
+            _transport.configure(self._cons, sndhwm=1000, rcvhwm=1000, max_message_bytes=16 << 20,
+                                 router_mandatory=True)
+            self._stats_sock = self._ctx.socket(zmq.REP)
+            _transport.configure(self._stats_sock, max_message_bytes=1 << 16, heartbeat_ms=0)
+            _transport.bind(self._prod, eps.producers, keys)
+            _transport.bind(self._cons, eps.consumers, keys)
+            _transport.bind(self._stats_sock, eps.stats, keys)
+        except Exception:
+            self._close_sockets()
+            raise
+        self._poller = zmq.Poller()
+        for s in (self._prod, self._cons, self._stats_sock):
+            self._poller.register(s, zmq.POLLIN)
+        self._streams: dict[tuple, _Stream] = {}
+        self._closed: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._consumers: dict[bytes, _Consumer] = {}
+        self._producers: dict[bytes, _Producer] = {}
+        self._pending: dict[str, _PendingCommand] = {}
+        self._ready: set[bytes] = set()  # consumers with queued messages
+        self._buffered_total = 0
+        self.counters: collections.Counter[str] = collections.Counter()
+        self._last_heartbeat = 0.0
+        self._last_housekeeping = 0.0
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        """Serve until ``stop()``; never raises on peer input (bad input is counted and reported)."""
+        poll = self._poller.poll
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if now - self._last_housekeeping >= 0.05:
+                self._housekeeping(now)
+            timeout = 1 if any(self._consumers[c].blocked for c in self._ready if c in self._consumers) else 50
+            try:
+                events = dict(poll(timeout))
+            except zmq.ZMQError as e:
+                if e.errno == zmq.ETERM:
+                    return
+                raise
+            if self._prod in events:
+                self._drain(self._prod, self._on_producer_message)
+            if self._cons in events:
+                self._drain(self._cons, self._on_consumer_message)
+            if self._stats_sock in events:
+                self._on_stats_request()
+            if self._ready:
+                self._flush_all()
+
+    def close(self) -> None:
+        self._close_sockets()
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
+        if self._own_ctx:
+            self._ctx.term()
+
+    def _close_sockets(self) -> None:
+        for name in ("_prod", "_cons", "_stats_sock"):
+            sock = getattr(self, name, None)
+            if sock is not None:
+                sock.close(0)
+
+    # ------------------------------------------------------------------------------------------ receive
+
+    def _drain(self, sock: zmq.Socket, handler) -> None:
+        for _ in range(_RECV_BATCH):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                handler(frames)
+            except Exception:  # last line of defence: bad input must never stop the broker
+                self.counters["internal_errors"] += 1
+                log.exception("broker: error while handling a message (counted as internal_errors)")
+
+    def _on_producer_message(self, frames: list) -> None:
+        identity = frames[0].bytes
+        body = frames[1:]
+        nbytes = _transport.frames_nbytes(body)
+        p = self._producers.get(identity)
+        if p is None:
+            p = self._producers[identity] = _Producer(identity)
+            self._heartbeat_to(self._prod, identity, known=True)  # lets a restarted peer re-announce now
+        p.last_seen = time.monotonic()
+        p.messages += 1
+        p.bytes += nbytes
+        self.counters["messages_in"] += 1
+        self.counters["bytes_in"] += nbytes
+        header = self._header_or_report(body, p, self._prod, identity, "producer")
+        if header is None:
+            return
+        kind = header["kind"]
+        if kind in _STREAM_KINDS:
+            self._on_stream_message(p, header, body, nbytes)
+        elif kind == "gap":
+            self._on_producer_gap(p, header, body, nbytes)
+        elif kind == "heartbeat":
+            stats = header.get("stats")
+            if isinstance(stats, dict):
+                p.reported = stats
+            self._heartbeat_to(self._prod, identity, known=True)
+        elif kind == "steer_ack":
+            self._on_steering_ack(p, body)
+        else:
+            self.counters["unexpected_kind"] += 1
+            self._error_to_producer(p, "unexpected_kind", f"producers may not send {kind!r} messages")
+
+    def _header_or_report(self, body: list, peer, sock, identity: bytes, role: str) -> dict | None:
+        try:
+            return decode_header(body, max_message_bytes=self.config.max_message_bytes)
+        except WireError as e:
+            code = ("oversized" if isinstance(e, OversizedMessageError)
+                    else "schema_version" if isinstance(e, SchemaVersionError) else "malformed")
+            text = str(e)
+        self.counters[code] += 1
+        self.counters[f"{code}_from_{role}s"] += 1
+        self._error_to(peer, sock, identity, code, text)
+        return None
+
+    def _error_to(self, peer, sock, identity: bytes, code: str, message: str, request_id=None) -> None:
+        if isinstance(peer, _Consumer):
+            if peer.errors_this_s < _ERRORS_PER_PEER_PER_S:
+                peer.errors_this_s += 1
+                self._enqueue_control(peer, encode(ErrorNotice(code, message, request_id, time.time_ns())))
+            return
+        if peer is not None and peer.errors_this_s >= _ERRORS_PER_PEER_PER_S:
+            return
+        if peer is not None:
+            peer.errors_this_s += 1
+        self._send_direct(sock, identity, encode(ErrorNotice(code, message, request_id, time.time_ns())))
+
+    def _error_to_producer(self, p: _Producer, code: str, message: str) -> None:
+        self._error_to(p, self._prod, p.identity, code, message)
+
+    def _send_direct(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
+        try:
+            sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+            return True
+        except zmq.ZMQError:
+            return False
+
+    def _heartbeat_to(self, sock: zmq.Socket, identity: bytes, known: bool) -> None:
+        hb = Heartbeat("broker", "broker", self.instance, time.time_ns(), {"known": known})
+        self._send_direct(sock, identity, encode(hb))
+
+    # ------------------------------------------------------------------------------------------ streams
+
+    def _on_stream_message(self, p: _Producer, h: dict, body: list, nbytes: int) -> None:
+        kind = h["kind"]
+        key = (h["request_id"], h["producer_id"], h["epoch"])
+        seq = h.get("seq", 0)
+        s = self._streams.get(key)
+        if s is None:
+            if key in self._closed:
+                self.counters["after_end"] += 1
+                return
+            s = self._streams[key] = _Stream(key, p.identity)
+            p.streams.add(key)
+        elif s.ended:
+            self.counters["after_end"] += 1
+            return
+        s.messages += 1
+        s.bytes += nbytes
+        self._order += 1
+        entry = _Entry(kind, seq * 2, seq, body, nbytes)
+        if kind == "start":
+            if s.start is not None:
+                self.counters["duplicate_starts"] += 1  # a re-announce to a broker that already knew it
+                return
+            s.start = entry
+            s.next_seq = max(s.next_seq, 1)
+            s.subscribers = {c.identity for c in self._consumers.values() if c.matches(s.request_id)}
+            for ident in list(s.subscribers):
+                c = self._consumers.get(ident)
+                if c is not None:
+                    self._replay(c, s)  # the start plus anything held before it came
+            return
+        s.next_seq = max(s.next_seq, seq + 1)
+        self._buffer(s, entry)
+        if s.start is None:
+            return  # held until the (re-announced) start arrives; see _replay
+        self._fanout(s, entry)
+        if kind == "end":
+            self._end_stream(s)
+
+    def _end_stream(self, s: _Stream) -> None:
+        s.ended = True
+        s.end_time = time.monotonic()
+        p = self._producers.get(s.producer)
+        if p is not None:
+            p.streams.discard(s.key)
+
+    def _on_producer_gap(self, p: _Producer, h: dict, body: list, nbytes: int) -> None:
+        key = (h["request_id"], h["producer_id"], h["epoch"])
+        missing = h.get("missing")
+        if isinstance(missing, list):
+            p.gaps_reported += sum(r[1] - r[0] + 1 for r in missing
+                                   if isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r))
+        s = self._streams.get(key)
+        if s is None or s.ended:
+            self.counters["gap_for_unknown_stream"] += 1
+            return
+        entry = _Entry("gap", s.next_seq * 2 - 1, -1, body, nbytes)
+        self._buffer(s, entry)
+        if s.start is not None:
+            self._fanout(s, entry)
+
+    def _buffer(self, s: _Stream, entry: _Entry) -> None:
+        (s.data if entry.kind == "tensors" else s.ctl).append(entry)
+        s.buffered += entry.nbytes
+        self._buffered_total += entry.nbytes
+        while s.buffered > self.config.late_join_bytes and self._evict_one(s):
+            pass
+        if self._buffered_total > self.config.late_join_total_bytes:
+            for other in list(self._streams.values()):
+                while self._buffered_total > self.config.late_join_total_bytes and self._evict_one(other):
+                    pass
+                if self._buffered_total <= self.config.late_join_total_bytes:
+                    break
+
+    def _evict_one(self, s: _Stream) -> bool:
+        """Evict the oldest tensor frame (then the oldest token frame); starts and ends always stay."""
+        if s.data:
+            e = s.data.popleft()
+        else:
+            i = next((i for i, e in enumerate(s.ctl) if e.kind == "tokens"), None)
+            if i is None:
+                return False
+            e = s.ctl[i]
+            del s.ctl[i]
+        s.buffered -= e.nbytes
+        self._buffered_total -= e.nbytes
+        self.counters["evicted"] += 1
+        ranges = s.evicted
+        if ranges and ranges[-1][1] == e.seq - 1:
+            ranges[-1][1] = e.seq
+        else:
+            ranges.append([e.seq, e.seq])
+            if len(ranges) > 1 and ranges[-2][0] > e.seq:  # tokens evicted after later tensors: re-sort
+                ranges.sort()
+                merged: list[list[int]] = []
+                for a, b in ranges:
+                    if merged and a <= merged[-1][1] + 1:
+                        merged[-1][1] = max(merged[-1][1], b)
+                    else:
+                        merged.append([a, b])
+                s.evicted = merged
+        return True
+
+    def _replay(self, c: _Consumer, s: _Stream) -> None:
+        """Give ``c`` the stream from its start: start, what was evicted (as a gap), then the buffer."""
+        self._deliver(c, s, s.start)
+        if s.evicted:
+            self._enqueue_gap(c, s, [list(r) for r in s.evicted], "evicted_from_late_join_buffer")
+        for entry in heapq.merge(s.data, s.ctl):
+            self._deliver(c, s, entry)
+
+    # ------------------------------------------------------------------------------------------ delivery
+
+    def _fanout(self, s: _Stream, entry: _Entry) -> None:
+        for ident in list(s.subscribers):
+            c = self._consumers.get(ident)
+            if c is not None:
+                self._deliver(c, s, entry)
+
+    def _deliver(self, c: _Consumer, s: _Stream, entry: _Entry) -> None:
+        kind, n = entry.kind, entry.nbytes
+        if c.queue_bytes and kind in ("tensors", "tokens"):
+            limit = self.config.consumer_queue_bytes
+            if kind == "tokens":
+                limit += self.config.token_reserve_bytes
+            if c.queue_bytes + n > limit:
+                if not self._flush_one(c):
+                    return  # it is gone
+            if c.queue_bytes and c.queue_bytes + n > limit:
+                _add_seq(c.drops.setdefault(s.key, []), entry.seq)
+                c.dropped += 1
+                self.counters["dropped_for_consumers"] += 1
+                return
+        pending = c.drops.pop(s.key, None)
+        if pending:
+            self._enqueue_gap(c, s, pending, "consumer_queue_full")
+        c.queue.append((entry.frames, n))
+        c.queue_bytes += n
+        self._ready.add(c.identity)
+
+    def _enqueue_gap(self, c: _Consumer, s: _Stream, missing: list, reason: str) -> None:
+        rid, pid, epoch = s.key
+        frames = encode(GapNotice(rid, pid, epoch, missing, reason, "broker", time.time_ns()))
+        c.gaps_sent += sum(b - a + 1 for a, b in missing)
+        self._enqueue_control(c, frames)
+
+    def _enqueue_control(self, c: _Consumer, frames: list) -> None:
+        n = _transport.frames_nbytes(frames)
+        c.queue.append((frames, n))
+        c.queue_bytes += n
+        self._ready.add(c.identity)
+
+    def _flush_all(self) -> None:
+        for ident in list(self._ready):
+            c = self._consumers.get(ident)
+            if c is None:
+                self._ready.discard(ident)
+            else:
+                self._flush_one(c)
+
+    def _flush_one(self, c: _Consumer) -> bool:
+        """Hand ``c``'s queue to zmq while its credit and zmq allow; False if ``c`` turned out to be gone."""
+        sock, ident, q = self._cons, c.identity, c.queue
+        c.blocked = False
+        while q:
+            if c.window and c.in_flight >= c.window:
+                break
+            frames, n = q[0]
+            try:
+                sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                c.blocked = True
+                break
+            except zmq.ZMQError as e:
+                if e.errno == zmq.EHOSTUNREACH:
+                    self._forget_consumer(c, "consumers_lost")
+                    return False
+                raise
+            q.popleft()
+            c.queue_bytes -= n
+            c.in_flight += n
+            c.delivered += 1
+            c.delivered_bytes += n
+        if not q:
+            self._ready.discard(ident)
+        return True
+
+    def _forget_consumer(self, c: _Consumer, counter: str) -> None:
+        self.counters[counter] += 1
+        self.counters["discarded_for_gone_consumers"] += len(c.queue)
+        self._consumers.pop(c.identity, None)
+        self._ready.discard(c.identity)
+        for s in self._streams.values():
+            s.subscribers.discard(c.identity)
+        c.queue.clear()
+
+    # ------------------------------------------------------------------------------------------ consumers
+
+    def _on_consumer_message(self, frames: list) -> None:
+        identity = frames[0].bytes
+        body = frames[1:]
+        c = self._consumers.get(identity)
+        if c is not None:
+            c.last_seen = time.monotonic()
+        header = self._header_or_report(body, c, self._cons, identity, "consumer")
+        if header is None:
+            return
+        kind = header["kind"]
+        if kind == "heartbeat":
+            self._heartbeat_to(self._cons, identity, known=c is not None)
+            return
+        if kind == "credit":
+            if c is not None:
+                msg = self._decode_small(body, c, identity)
+                if isinstance(msg, Credit):
+                    c.in_flight = max(0, c.in_flight - msg.nbytes)
+                    if c.queue:
+                        self._ready.add(identity)
+            return
+        msg = self._decode_small(body, c, identity)
+        if msg is None:
+            return
+        if isinstance(msg, Subscribe):
+            self._on_subscribe(identity, c, msg)
+        elif isinstance(msg, Unsubscribe):
+            if c is not None:
+                self._on_unsubscribe(c, msg)
+        elif isinstance(msg, SteeringCommand):
+            if c is None:
+                c = self._consumers[identity] = _Consumer(identity)
+            self._on_steering_command(c, msg, body)
+        else:
+            self.counters["unexpected_kind"] += 1
+            self._error_to(c, self._cons, identity, "unexpected_kind", f"consumers may not send {kind!r} messages")
+
+    def _decode_small(self, body: list, c, identity: bytes):
+        try:
+            return decode(body, max_message_bytes=16 << 20)
+        except WireError as e:
+            self.counters["malformed"] += 1
+            self.counters["malformed_from_consumers"] += 1
+            self._error_to(c, self._cons, identity, "malformed", str(e))
+            return None
+
+    def _on_subscribe(self, identity: bytes, c: _Consumer | None, msg: Subscribe) -> None:
+        patterns = msg.patterns
+        if not all(isinstance(p, str) for p in patterns) or not isinstance(msg.window_bytes, int):
+            self.counters["malformed"] += 1
+            self._error_to(c, self._cons, identity, "malformed", "subscribe patterns must be strings")
+            return
+        if c is None:
+            c = self._consumers[identity] = _Consumer(identity)
+        if msg.consumer_id:
+            c.name = msg.consumer_id
+        c.window = max(0, msg.window_bytes)
+        c.patterns = sorted(set(c.patterns) | set(patterns))
+        c.match_cache.clear()
+        for s in list(self._streams.values()):
+            if s.start is None or identity in s.subscribers or not c.matches(s.request_id):
+                continue
+            if msg.from_start:
+                s.subscribers.add(identity)
+                self._replay(c, s)
+            elif not s.ended:
+                s.subscribers.add(identity)
+                self._deliver(c, s, s.start)
+                if s.next_seq > 1:
+                    self._enqueue_gap(c, s, [[1, s.next_seq - 1]], "joined_late")
+
+    def _on_unsubscribe(self, c: _Consumer, msg: Unsubscribe) -> None:
+        drop = {p for p in msg.patterns if isinstance(p, str)}
+        c.patterns = [p for p in c.patterns if p not in drop]
+        c.match_cache.clear()
+        for s in self._streams.values():
+            if c.identity in s.subscribers and not c.matches(s.request_id):
+                s.subscribers.discard(c.identity)
+
+    # ------------------------------------------------------------------------------------------ steering
+
+    def _refuse(self, c: _Consumer, cmd: SteeringCommand, error: str) -> None:
+        self.counters["steering_refused"] += 1
+        ack = SteeringAck(cmd.command_id, cmd.request_id, False, error=error, time_ns=time.time_ns())
+        self._enqueue_control(c, encode(ack))
+
+    def _on_steering_command(self, c: _Consumer, cmd: SteeringCommand, body: list) -> None:
+        self.counters["steering_commands"] += 1
+        user = _user_id(body[1])
+        if not self.config.steering:
+            return self._refuse(c, cmd, "steering_disabled: this broker was started with steering off")
+        if self.config.keys is not None and user not in self._steer_ids:
+            return self._refuse(c, cmd, f"not_authorised: key {user!r} is not in the broker's steer/ key dir")
+        if cmd.command_id in self._pending:
+            return self._refuse(c, cmd, f"duplicate_command: command id {cmd.command_id!r} is still pending")
+        targets = {s.producer for s in self._streams.values()
+                   if s.request_id == cmd.request_id and s.start is not None and not s.ended}
+        if not targets:
+            return self._refuse(c, cmd, f"unknown_request: no live stream of request {cmd.request_id!r}")
+        cmd.sender = user or c.name
+        frames = encode(cmd)
+        reached = set()
+        for ident in targets:
+            if self._send_direct(self._prod, ident, frames):
+                reached.add(ident)
+        if not reached:
+            return self._refuse(c, cmd, "producer_unreachable: the producer of this request is not connected")
+        self._pending[cmd.command_id] = _PendingCommand(c.identity, cmd.request_id, reached,
+                                                        time.monotonic() + self.config.steer_timeout_s)
+
+    def _on_steering_ack(self, p: _Producer, body: list) -> None:
+        try:
+            ack = decode(body, max_message_bytes=16 << 20)
+        except WireError as e:
+            self.counters["malformed"] += 1
+            return self._error_to_producer(p, "malformed", str(e))
+        pending = self._pending.get(ack.command_id)
+        if pending is None or p.identity not in pending.expected:
+            self.counters["unmatched_acks"] += 1
+            return
+        pending.expected.discard(p.identity)
+        pending.acks.append((body, ack))
+        if not pending.expected:
+            self._finish_command(ack.command_id, pending)
+
+    def _finish_command(self, command_id: str, pending: _PendingCommand, timed_out: bool = False) -> None:
+        self._pending.pop(command_id, None)
+        c = self._consumers.get(pending.consumer)
+        if c is None:
+            return
+        if len(pending.acks) == 1 and not timed_out:
+            self._enqueue_control(c, pending.acks[0][0])
+            return
+        acks = [a for _, a in pending.acks]  # one per TP rank: ok only if every rank applied it
+        errors = [f"rank {a.tp_rank}: {a.error}" for a in acks if not a.ok]
+        if timed_out:
+            errors.append(f"timeout: {len(pending.expected)} producer(s) did not acknowledge in time")
+        steps = [a.applied_step for a in acks if a.applied_step is not None]
+        merged = SteeringAck(command_id, pending.request_id, not errors,
+                             applied_step=max(steps) if steps else None,
+                             steering_version=max((a.steering_version for a in acks), default=0),
+                             error="; ".join(errors) or None,
+                             producer_id=",".join(sorted({a.producer_id for a in acks})), time_ns=time.time_ns())
+        self._enqueue_control(c, encode(merged))
+
+    # ------------------------------------------------------------------------------------------ upkeep
+
+    def _housekeeping(self, now: float) -> None:
+        self._last_housekeeping = now
+        cfg = self.config
+        if now - self._last_heartbeat >= cfg.heartbeat_s:
+            self._last_heartbeat = now
+            for ident in self._producers:
+                self._heartbeat_to(self._prod, ident, known=True)
+            hb = encode(Heartbeat("broker", "broker", self.instance, time.time_ns(), {"known": True}))
+            for c in list(self._consumers.values()):
+                try:
+                    self._cons.send_multipart([c.identity, *hb], zmq.NOBLOCK)
+                except zmq.Again:
+                    pass
+                except zmq.ZMQError as e:
+                    if e.errno == zmq.EHOSTUNREACH:  # its socket is gone: a dead or closed consumer
+                        self._forget_consumer(c, "consumers_lost")
+            for peer in (*self._producers.values(), *self._consumers.values()):
+                peer.errors_this_s = 0
+            for p in self._producers.values():
+                t0, m0, b0 = p._snap
+                dt = max(now - t0, 1e-9)
+                p.rate = ((p.messages - m0) / dt, (p.bytes - b0) / dt)
+                p._snap = (now, p.messages, p.bytes)
+        for p in [p for p in self._producers.values() if now - p.last_seen > cfg.producer_timeout_s]:
+            self._producer_lost(p, now)
+        for c in [c for c in self._consumers.values() if now - c.last_seen > cfg.consumer_timeout_s]:
+            self._forget_consumer(c, "consumers_timed_out")
+        for key in [k for k, s in self._streams.items() if s.ended and now - s.end_time > cfg.late_join_linger_s]:
+            self._drop_stream(key)
+        for cid in [k for k, pc in self._pending.items() if now > pc.deadline]:
+            self._finish_command(cid, self._pending[cid], timed_out=True)
+
+    def _producer_lost(self, p: _Producer, now: float) -> None:
+        self.counters["producers_lost"] += 1
+        log.warning("producer %s lost: nothing heard for %.1f s; ending its %d open stream(s)", p.name,
+                    now - p.last_seen, len(p.streams))
+        self._producers.pop(p.identity, None)
+        for key in list(p.streams):
+            s = self._streams.get(key)
+            if s is None or s.ended:
+                continue
+            if s.start is None:  # frames whose start never came: nobody could interpret them
+                self.counters["orphan_messages"] += len(s.data) + len(s.ctl)
+                self._drop_stream(key)
+                continue
+            rid, pid, epoch = key
+            end = StreamEnd(rid, pid, epoch, s.next_seq, finish_reason="producer_lost",
+                            error=f"the broker heard nothing from producer {p.name!r} for "
+                                  f"{self.config.producer_timeout_s:g} s", time_ns=time.time_ns())
+            frames = encode(end)
+            entry = _Entry("end", s.next_seq * 2, s.next_seq, frames, _transport.frames_nbytes(frames))
+            s.next_seq += 1
+            self._buffer(s, entry)
+            self._fanout(s, entry)
+            self._end_stream(s)
+        p.streams.clear()
+
+    def _drop_stream(self, key: tuple) -> None:
+        s = self._streams.pop(key)
+        freed = sum(e.nbytes for e in s.data) + sum(e.nbytes for e in s.ctl)
+        self._buffered_total -= freed
+        self._closed[key] = None
+        if len(self._closed) > _CLOSED_MEMORY:
+            self._closed.popitem(last=False)
+        for c in self._consumers.values():
+            c.drops.pop(key, None)
+
+    # ------------------------------------------------------------------------------------------ stats
+
+    def stats(self) -> dict:
+        """A snapshot of every counter (the stats endpoint's reply)."""
+        now = time.monotonic()
+        eps = self.config.endpoints
+        return {
+            "broker": {"instance": self.instance, "pid": os.getpid(), "uptime_s": now - self._started,
+                       "endpoints": {"producers": eps.producers, "consumers": eps.consumers, "stats": eps.stats},
+                       "curve": self.config.keys is not None, "steering": self.config.steering,
+                       "late_join_buffer_bytes": self._buffered_total, "time_ns": time.time_ns()},
+            "totals": dict(self.counters),
+            "producers": {p.name: {"frames_per_s": p.rate[0], "bytes_per_s": p.rate[1], "messages": p.messages,
+                                   "bytes": p.bytes, "open_streams": len(p.streams),
+                                   "gaps_reported": p.gaps_reported, "reported": p.reported,
+                                   "last_seen_s": now - p.last_seen}
+                          for p in self._producers.values()},
+            "consumers": {c.name: {"patterns": c.patterns, "queue_messages": len(c.queue),
+                                   "queue_bytes": c.queue_bytes, "in_flight_bytes": c.in_flight,
+                                   "window_bytes": c.window, "delivered": c.delivered,
+                                   "delivered_bytes": c.delivered_bytes, "dropped": c.dropped,
+                                   "gaps_notified": c.gaps_sent, "pending_gaps": sum(
+                                       b - a + 1 for rs in c.drops.values() for a, b in rs),
+                                   "last_seen_s": now - c.last_seen}
+                          for c in self._consumers.values()},
+            "streams": {f"{s.key[0]}|{s.key[1]}|{s.key[2]}": {
+                "request_id": s.key[0], "producer_id": s.key[1], "epoch": s.key[2], "messages": s.messages,
+                "bytes": s.bytes, "next_seq": s.next_seq, "started": s.start is not None, "ended": s.ended,
+                "buffered_bytes": s.buffered, "evicted": [list(r) for r in s.evicted],
+                "subscribers": len(s.subscribers)} for s in self._streams.values()},
+        }
+
+    def _on_stats_request(self) -> None:
+        try:
+            request = self._stats_sock.recv(zmq.NOBLOCK)
+        except zmq.Again:
+            return
+        stats = self.stats()
+        reply = json.dumps(stats).encode() if request.strip() == b"json" else msgpack.packb(stats)
+        try:
+            self._stats_sock.send(reply, zmq.NOBLOCK)
+        except zmq.ZMQError:
+            self.counters["stats_reply_failed"] += 1
+
+
+def _user_id(frame: Any) -> str:
+    """The ZAP User-Id of a CURVE peer (its z85 public key); "" on ipc without CURVE."""
+    try:
+        return frame.get("User-Id") or ""
+    except (zmq.ZMQError, AttributeError, TypeError):
+        return ""
+
+
+class run_broker_in_thread:
+    """Run a ``Broker`` in a daemon thread: ``with run_broker_in_thread(config) as broker: ...``."""
+
+    def __init__(self, config: BrokerConfig | None = None, **options: Any):
+        if config is None:
+            address = options.pop("address", None)
+            config = BrokerConfig(_transport.endpoints_for(address), **options)
+        self.broker = Broker(config)
+        self._thread = threading.Thread(target=self.broker.run, name="mia-stream-broker", daemon=True)
+
+    def __enter__(self) -> Broker:
+        self._thread.start()
+        return self.broker
+
+    def __exit__(self, *exc: Iterable) -> None:
+        self.broker.stop()
+        self._thread.join(5)
+        self.broker.close()

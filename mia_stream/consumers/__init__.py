@@ -1,0 +1,233 @@
+"""The consumer SDK: one API for live streams (from a broker) and recordings (replay).
+
+    for event in open_stream(source, patterns=("*",)):
+        if event.kind == "frame":
+            hs = event.frame.tensors["hs"]          # [layers, tokens, hidden], float32 for bf16
+
+or subclass ``Consumer`` and hand it to ``run_consumer``. ``source`` is a broker address (a run dir with
+the broker's sockets, ``ipc://...``, ``tcp://...``; None = ``$MIA_STREAM_BROKER`` or the default run dir) or
+the path of a recording (a file, or a directory without broker sockets). Events: "start", "frame",
+"tokens", "gap", "end" (see ``_assemble`` for ordering, gap and TP-merge rules).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+from mia_stream.consumers._assemble import (EVENT_KINDS, Event, RequestStream, StepFrame, StreamAssembler,
+                                            merge_shards)
+from mia_stream.consumers._live import DEFAULT_WINDOW_BYTES, BrokerClient
+from mia_stream.errors import MiaStreamError, SteeringCommandError
+from mia_stream.schemas import SteeringAck, SteeringCommand
+
+__all__ = ["BrokerClient", "Consumer", "Event", "EventStream", "EVENT_KINDS", "RequestStream", "StepFrame", "StreamAssembler",
+           "consume_main", "merge_shards", "open_stream", "run_consumer"]
+
+_IDLE_TICK_S = 0.05
+
+
+def _is_recording(source: Any) -> bool:
+    if source is None:
+        return False
+    s = str(source)
+    if "://" in s:
+        return False
+    p = Path(s)
+    if p.is_file():
+        return True
+    if p.is_dir():
+        return not any((p / f"{r}.sock").exists() for r in ("consumers", "producers"))
+    return False
+
+
+class _Source:
+    """Events from a live broker or a recording; ``client`` is the BrokerClient when live."""
+
+    def __init__(self, source: Any, patterns=("*",), from_start: bool = False, *, consumer_id: str | None = None,
+                 keys: Any = None, window_bytes: int = DEFAULT_WINDOW_BYTES):
+        self.source, self.patterns, self.from_start = source, tuple(patterns), from_start
+        self.assembler = StreamAssembler()
+        self.client: BrokerClient | None = None
+        if not _is_recording(source):
+            self.client = BrokerClient(source, consumer_id=consumer_id, keys=keys, window_bytes=window_bytes)
+            self.client.subscribe(self.patterns, from_start)
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Yield events; live: stop after ``timeout`` s without any (None = never); replay: at its end."""
+        if self.client is None:
+            from mia_stream.consumers.recording import iter_recording
+
+            for _frames, msg in iter_recording(self.source, patterns=self.patterns):
+                yield from self.assembler.feed(msg)
+            yield from self.assembler.finish()
+            return
+        asm, client = self.assembler, self.client
+        last = time.monotonic()
+        while True:
+            tick = _IDLE_TICK_S if asm.holding else 0.5
+            if timeout is not None:
+                tick = min(tick, max(0.0, last + timeout - time.monotonic()))
+            got = client.recv(tick)
+            now = time.monotonic()
+            events = asm.feed(got[1], now) if got is not None else []
+            if asm.holding:
+                events += asm.flush(now)
+            if events:
+                last = now
+                yield from events
+            elif timeout is not None and now - last >= timeout:
+                return
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+class EventStream:
+    """What ``open_stream`` returns: an iterator of events, already connected and subscribed."""
+
+    def __init__(self, source: _Source, timeout: float | None):
+        self._source = source
+        self._events = source.events(timeout)
+
+    @property
+    def client(self) -> BrokerClient | None:
+        """The live BrokerClient (None for a recording), e.g. for ``client.send_steering``."""
+        return self._source.client
+
+    def __iter__(self) -> "EventStream":
+        return self
+
+    def __next__(self) -> Event:
+        try:
+            return next(self._events)
+        except StopIteration:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        self._events.close()
+        self._source.close()
+
+    def __enter__(self) -> "EventStream":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_stream(source: Any = None, patterns=("*",), from_start: bool = False,
+                timeout: float | None = None, **options: Any) -> EventStream:
+    """Iterate the events of every stream matching ``patterns`` from ``source`` (live or a recording).
+
+    Live sources are subscribed when this returns (not at the first ``next``). ``from_start``: live
+    only, replay each matching live request from its start (what the broker still buffers; evicted frames
+    arrive as a gap). ``timeout``: live only, stop after that long without events (None = never).
+    ``options``: ``consumer_id``, ``keys`` (CURVE), ``window_bytes``. Close it (or use ``with``) when done.
+    """
+    return EventStream(_Source(source, patterns, from_start, **options), timeout)
+
+
+class Consumer:
+    """Subclass and override the callbacks you need; run it with ``run_consumer`` or ``mia-stream consume``."""
+
+    patterns: tuple = ("*",)
+    from_start: bool = False
+    _client: BrokerClient | None = None
+
+    def on_start(self, stream: RequestStream) -> None: ...
+
+    def on_frame(self, stream: RequestStream, frame: StepFrame) -> None: ...
+
+    def on_tokens(self, stream: RequestStream, tokens) -> None: ...
+
+    def on_gap(self, stream: RequestStream, gap) -> None: ...
+
+    def on_end(self, stream: RequestStream, end) -> None: ...
+
+    def steer(self, request_id: str, action: str, ops=(), layers=(), timeout: float = 10.0) -> SteeringAck:
+        """Change a live request's steering; the ack once the producer applied it. Raises
+        SteeringCommandError when refused (unknown request, not authorised, ...), BrokerTimeoutError."""
+        if self._client is None:
+            raise SteeringCommandError("steer() needs a live source (a broker), not a recording")
+        cmd = SteeringCommand(uuid.uuid4().hex, request_id, action, list(ops), list(layers))
+        ack = self._client.send_steering(cmd, timeout)
+        if not ack.ok:
+            raise SteeringCommandError(f"steering command for {request_id!r} refused: {ack.error}")
+        return ack
+
+
+def run_consumer(consumer: Consumer, source: Any = None, max_streams: int | None = None,
+                 idle_timeout: float | None = None, **options: Any) -> int:
+    """Drive ``consumer``'s callbacks; return the number of streams ended when the source ends (replay),
+    after ``max_streams`` streams ended, or after ``idle_timeout`` s without events."""
+    src = _Source(source, consumer.patterns, consumer.from_start, **options)
+    consumer._client = src.client
+    ended = 0
+    try:
+        for ev in src.events(idle_timeout):
+            kind = ev.kind
+            if kind == "frame":
+                consumer.on_frame(ev.stream, ev.frame)
+            elif kind == "tokens":
+                consumer.on_tokens(ev.stream, ev.tokens)
+            elif kind == "gap":
+                consumer.on_gap(ev.stream, ev.gap)
+            elif kind == "start":
+                consumer.on_start(ev.stream)
+            elif kind == "end":
+                consumer.on_end(ev.stream, ev.end)
+                ended += 1
+                if max_streams is not None and ended >= max_streams:
+                    break
+    finally:
+        consumer._client = None
+        src.close()
+    return ended
+
+
+def _load_class(spec: str) -> type:
+    module, _, name = spec.partition(":")
+    if not module or not name:
+        raise MiaStreamError(f"expected MODULE:Class, got {spec!r}")
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    obj = importlib.import_module(module)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def consume_main(argv: list[str]) -> int:
+    """``mia-stream consume MODULE:Class``: run a Consumer subclass against a broker or a recording."""
+    ap = argparse.ArgumentParser(prog="mia-stream consume", description=consume_main.__doc__)
+    ap.add_argument("consumer", help="MODULE:Class of a mia_stream.consumers.Consumer subclass")
+    ap.add_argument("--source", help="broker address or recording path (default $MIA_STREAM_BROKER)")
+    ap.add_argument("--patterns", nargs="+", help="request-id globs (default: the class's patterns)")
+    ap.add_argument("--from-start", action="store_true", help="replay live requests from their start")
+    ap.add_argument("--max-streams", type=int, help="return after this many streams ended")
+    ap.add_argument("--idle-timeout", type=float, help="return after this many seconds without events")
+    ap.add_argument("--keys", help="CURVE key dir (tcp)")
+    args = ap.parse_args(argv)
+    try:
+        cls = _load_class(args.consumer)
+        consumer = cls()
+        if args.patterns:
+            consumer.patterns = tuple(args.patterns)
+        if args.from_start:
+            consumer.from_start = True
+        n = run_consumer(consumer, args.source, args.max_streams, args.idle_timeout, keys=args.keys)
+    except (MiaStreamError, ImportError, AttributeError) as e:
+        print(f"mia-stream consume: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    print(f"mia-stream consume: {n} stream(s) ended", file=sys.stderr)
+    return 0

@@ -1,0 +1,490 @@
+"""From decoded messages to consumer events: per-stream ordering and gaps, TP shard merge.
+
+Ordering. Each stream (request_id, producer_id, epoch) is delivered in seq order. A message ahead of the
+next expected seq waits in a bounded reorder window (``reorder_window`` messages, ``reorder_timeout_s``)
+unless GapNotices already explain the hole; when the window overflows or times out, the unexplained seqs
+become a ``GapNotice(origin="consumer", reason="seq_jump")`` event. GapNotices from the producer or the broker
+are delivered once, trimmed to the seqs not yet delivered or reported, so no seq is ever counted twice.
+
+TP merge. A request served with ``tp_size > 1`` has one stream per rank. For each engine ``step`` the
+assembler waits for every rank's TensorFrame, checks each sharded tensor's ``[start, stop)`` tile the
+``total`` exactly in rank order, concatenates along ``shard.dim`` and delivers one StepFrame. Unsharded
+tensors (hidden states: replicated, published by rank 0 only) are taken as they are. A step some rank will
+never deliver (that rank went past the step, ended, or more than ``merge_window`` steps are waiting) is never
+merged partially: it becomes a "gap" event whose ``gap.reason`` is ``"incomplete_shards"`` and whose
+``error`` is an ``IncompleteShardError`` naming the step and the missing ranks.
+
+Producer contract this relies on: every rank publishes one TensorFrame per captured step (an empty
+``tensors`` list if it has nothing for that step); TokenFrames and the request's StreamEnd that counts come
+from rank 0 (other ranks' TokenFrames are ignored; the "end" event waits for every known rank's StreamEnd).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mia_stream.errors import IncompleteShardError
+from mia_stream.schemas import GapNotice, Message, StreamEnd, StreamStart, Tensor, TensorFrame, TokenFrame
+
+EVENT_KINDS = ("start", "frame", "tokens", "gap", "end")
+
+
+@dataclass
+class StepFrame:
+    """One engine step of one request, TP shards merged. ``tensors`` are numpy (bf16 widened to float32);
+    ``raw_tensors`` are the ``schemas.Tensor`` objects (exact wire dtype, zero-copy where unmerged)."""
+
+    request_id: str
+    step: int
+    positions: list
+    token_ids: list
+    steering_version: int
+    raw_tensors: dict[str, Tensor]
+    layers: dict[str, tuple]
+    time_ns: int = 0
+    rank_frames: list = field(default_factory=list, repr=False)  # the TensorFrames merged, by rank
+
+    @functools.cached_property
+    def tensors(self) -> dict[str, np.ndarray]:
+        """name -> array: hs ``[L,T,H]``, q ``[L,T,heads,D]``, k ``[L,T,kv_heads,D]`` (computed on first use)."""
+        return {name: t.numpy() for name, t in self.raw_tensors.items()}
+
+
+@dataclass
+class RequestStream:
+    """Everything known about one request's stream(s); the same object in every event of the request."""
+
+    request_id: str
+    start: StreamStart | None = None  # TP rank 0's StreamStart
+    starts: dict[int, StreamStart] = field(default_factory=dict)
+    tp_size: int = 1
+    generated_token_ids: list = field(default_factory=list)
+    gaps: list = field(default_factory=list)
+    ended: bool = False
+    end: StreamEnd | None = None
+    ends: dict[int, StreamEnd] = field(default_factory=dict)
+    frames: int = 0
+
+    @property
+    def prompt_token_ids(self) -> list:
+        return list(self.start.prompt_token_ids) if self.start is not None else []
+
+
+@dataclass
+class Event:
+    kind: str  # one of EVENT_KINDS
+    stream: RequestStream
+    frame: StepFrame | None = None
+    tokens: TokenFrame | None = None
+    gap: GapNotice | None = None
+    end: StreamEnd | None = None
+    error: Exception | None = None  # IncompleteShardError for reason "incomplete_shards"
+
+    @property
+    def start(self) -> StreamStart | None:
+        return self.stream.start
+
+
+# ---------------------------------------------------------------------------------------------- ranges
+
+def _subtract(ranges: list[list[int]], lo: int, hi: int) -> list[list[int]]:
+    """Parts of [lo, hi] not covered by ``ranges`` (sorted, disjoint)."""
+    out, cur = [], lo
+    for a, b in ranges:
+        if b < cur:
+            continue
+        if a > hi:
+            break
+        if a > cur:
+            out.append([cur, a - 1])
+        cur = max(cur, b + 1)
+        if cur > hi:
+            break
+    if cur <= hi:
+        out.append([cur, hi])
+    return out
+
+
+def _union(ranges: list[list[int]], add: list[list[int]]) -> list[list[int]]:
+    merged: list[list[int]] = []
+    for a, b in sorted([list(r) for r in ranges] + [list(r) for r in add]):
+        if merged and a <= merged[-1][1] + 1:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
+def _valid_ranges(missing: Any) -> list[list[int]]:
+    out = []
+    if isinstance(missing, list):
+        for r in missing:
+            if (isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(x, int) for x in r)
+                    and 0 <= r[0] <= r[1]):
+                out.append([r[0], r[1]])
+    return _union([], out)
+
+
+class _Sequencer:
+    """Seq order and gap accounting of one stream."""
+
+    __slots__ = ("key", "expected", "known", "held", "held_since", "window", "duplicates")
+
+    def __init__(self, key: tuple, window: int):
+        self.key = key
+        self.expected = 0
+        self.known: list[list[int]] = []  # announced missing seqs >= expected
+        self.held: dict[int, Message] = {}
+        self.held_since = 0.0
+        self.window = window
+        self.duplicates = 0
+
+    def gap(self, notice: GapNotice) -> GapNotice | None:
+        """Record an announced gap; the part that is news (not delivered, not already announced), or None."""
+        new: list[list[int]] = []
+        for a, b in _valid_ranges(notice.missing):
+            a = max(a, self.expected)
+            if a <= b:
+                new.extend(_subtract(self.known, a, b))
+        for s in self.held:  # a seq that did arrive is not missing, whatever the notice says
+            new = [part for a, b in new for part in ([[a, b]] if not a <= s <= b else
+                                                       [x for x in ([a, s - 1], [s + 1, b]) if x[0] <= x[1]])]
+        if not new:
+            return None
+        self.known = _union(self.known, new)
+        if new != notice.missing:
+            notice = GapNotice(notice.request_id, notice.producer_id, notice.epoch, new, notice.reason,
+                               notice.origin, notice.time_ns)
+        return notice
+
+    def push(self, msg: Message, now: float) -> list:
+        """Messages (and synthesized GapNotices) ready in order after ``msg`` arrived."""
+        seq = msg.seq
+        if seq < self.expected or seq in self.held:
+            self.duplicates += 1
+            return []
+        self.held[seq] = msg
+        if len(self.held) == 1:
+            self.held_since = now
+        return self._release(force=len(self.held) > self.window)
+
+    def flush(self, now: float, timeout: float) -> list:
+        if self.held and now - self.held_since >= timeout:
+            return self._release(force=True)
+        return []
+
+    def _release(self, force: bool) -> list:
+        out: list = []
+        while self.held:
+            self._skip_known()
+            msg = self.held.pop(self.expected, None)
+            if msg is not None:
+                out.append(msg)
+                self.expected += 1
+                continue
+            first = min(self.held)
+            if not force and _subtract(self.known, self.expected, first - 1):
+                break
+            unexplained = _subtract(self.known, self.expected, first - 1)
+            if unexplained:
+                rid, pid, epoch = self.key
+                out.append(GapNotice(rid, pid, epoch, unexplained, "seq_jump", "consumer", time.time_ns()))
+            self.known = [r for r in self.known if r[0] >= first]
+            self.expected = first
+        self._skip_known()
+        self.held_since = time.monotonic() if self.held else 0.0
+        return out
+
+    def _skip_known(self) -> None:
+        while self.known and self.known[0][0] <= self.expected:
+            self.expected = max(self.expected, self.known[0][1] + 1)
+            self.known.pop(0)
+
+
+# ---------------------------------------------------------------------------------------------- TP merge
+
+def merge_shards(frames_by_rank: dict[int, TensorFrame], tp_size: int) -> StepFrame:
+    """One StepFrame from every rank's TensorFrame of a step; raises IncompleteShardError, never merges partly."""
+    f0 = frames_by_rank.get(0)
+    missing = [r for r in range(tp_size) if r not in frames_by_rank]
+    if missing or f0 is None:
+        step = next(iter(frames_by_rank.values())).step if frames_by_rank else -1
+        raise IncompleteShardError(f"step {step}: no frame from rank(s) {missing}")
+    names: list[str] = []
+    for r in range(tp_size):
+        for t in frames_by_rank[r].tensors:
+            if t.name not in names:
+                names.append(t.name)
+    raw: dict[str, Tensor] = {}
+    for name in names:
+        parts = [(r, t) for r in range(tp_size) for t in frames_by_rank[r].tensors if t.name == name]
+        sharded = [p for p in parts if p[1].shard is not None]
+        if not sharded:
+            raw[name] = parts[0][1]  # replicated (hidden states come from rank 0 only)
+            continue
+        raw[name] = _concat(name, f0.step, [t for _, t in sharded], tp_size)
+    return StepFrame(f0.request_id, f0.step, list(f0.positions), list(f0.token_ids), f0.steering_version, raw,
+                     {n: tuple(t.layers) for n, t in raw.items()}, f0.time_ns,
+                     [frames_by_rank[r] for r in range(tp_size)])
+
+
+def _concat(name: str, step: int, shards: list[Tensor], tp_size: int) -> Tensor:
+    shards = sorted(shards, key=lambda t: t.shard.tp_rank)
+    ranks = [t.shard.tp_rank for t in shards]
+    if ranks != list(range(tp_size)):
+        raise IncompleteShardError(f"step {step}: tensor {name!r} has shards from ranks {ranks}, "
+                                   f"needs {list(range(tp_size))}")
+    first = shards[0]
+    dim, total = first.shard.dim, first.shard.total
+    pos = 0
+    for t in shards:
+        sh = t.shard
+        if (sh.dim != dim or sh.total != total or sh.tp_size != tp_size or sh.start != pos
+                or t.dtype != first.dtype or len(t.shape) != len(first.shape) or not 0 <= dim < len(t.shape)
+                or t.shape[dim] != sh.stop - sh.start
+                or any(a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != dim)):
+            raise IncompleteShardError(f"step {step}: tensor {name!r} shards do not tile [0, {total}) along "
+                                       f"dim {dim} (rank {sh.tp_rank}: [{sh.start}, {sh.stop}), shape {t.shape})")
+        pos = sh.stop
+    if pos != total:
+        raise IncompleteShardError(f"step {step}: tensor {name!r} shards cover [0, {pos}) of {total}")
+    data = np.concatenate([t.raw() for t in shards], axis=dim)
+    scale = None
+    if first.scale is not None:
+        try:
+            scale = np.concatenate([t.scale for t in shards], axis=dim)
+        except (TypeError, ValueError):
+            scale = first.scale  # per-tensor scales: identical on every rank
+    return Tensor(name, first.dtype, tuple(data.shape), memoryview(np.ascontiguousarray(data)).cast("B"),
+                  first.layers, None, scale, dict(first.meta))
+
+
+class _Merger:
+    __slots__ = ("tp_size", "window", "pending", "last_step", "ended", "done_up_to", "late")
+
+    def __init__(self, tp_size: int, window: int):
+        self.tp_size, self.window = tp_size, window
+        self.pending: dict[int, dict[int, TensorFrame]] = {}
+        self.last_step: dict[int, int] = {}
+        self.ended: set[int] = set()
+        self.done_up_to = -1
+        self.late = 0
+
+    def add(self, rank: int, frame: TensorFrame) -> list:
+        if frame.step <= self.done_up_to:
+            self.late += 1  # its step was already delivered or declared incomplete
+            return []
+        self.pending.setdefault(frame.step, {})[rank] = frame
+        self.last_step[rank] = max(self.last_step.get(rank, -1), frame.step)
+        return self.resolve()
+
+    def rank_ended(self, rank: int) -> list:
+        self.ended.add(rank)
+        return self.resolve()
+
+    def resolve(self, everything: bool = False) -> list:
+        """(step, StepFrame | IncompleteShardError) in step order, for every step that can be decided."""
+        out = []
+        for step in sorted(self.pending):
+            have = self.pending[step]
+            missing = [r for r in range(self.tp_size) if r not in have]
+            if missing and not everything and len(self.pending) <= self.window and not all(
+                    r in self.ended or self.last_step.get(r, -1) > step for r in missing):
+                break
+            del self.pending[step]
+            self.done_up_to = max(self.done_up_to, step)
+            if missing:
+                out.append((step, IncompleteShardError(f"step {step}: no frame from rank(s) {missing}"), missing))
+                continue
+            try:
+                out.append((step, merge_shards(have, self.tp_size), []))
+            except IncompleteShardError as e:
+                out.append((step, e, []))
+        return out
+
+
+# ---------------------------------------------------------------------------------------------- assembler
+
+class _Rank:
+    __slots__ = ("stream", "rank")
+
+    def __init__(self, stream: RequestStream, rank: int):
+        self.stream, self.rank = stream, rank
+
+
+class StreamAssembler:
+    """Feed decoded messages (live or replayed) in arrival order; get consumer events back."""
+
+    def __init__(self, *, reorder_window: int = 16, reorder_timeout_s: float = 0.2, merge_window: int = 64):
+        self.reorder_window = reorder_window
+        self.reorder_timeout_s = reorder_timeout_s
+        self.merge_window = merge_window
+        self._seq: dict[tuple, _Sequencer] = {}
+        self._ranks: dict[tuple, _Rank] = {}
+        self._requests: dict[str, RequestStream] = {}
+        self._mergers: dict[str, _Merger] = {}
+        self._early: dict[str, list] = {}  # events of a request whose rank-0 start has not come yet
+        self._done: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    @property
+    def holding(self) -> bool:
+        return any(s.held for s in self._seq.values())
+
+    def feed(self, msg: Message, now: float | None = None) -> list[Event]:
+        now = time.monotonic() if now is None else now
+        if not isinstance(msg, (StreamStart, TensorFrame, TokenFrame, StreamEnd, GapNotice)):
+            return []
+        key = (msg.request_id, msg.producer_id, msg.epoch)
+        if key in self._done:
+            self.counters["after_end"] += 1
+            return []
+        sq = self._seq.get(key)
+        if sq is None:
+            sq = self._seq[key] = _Sequencer(key, self.reorder_window)
+        if isinstance(msg, GapNotice):
+            news = sq.gap(msg)
+            ready = sq._release(force=False) if sq.held else []
+            return (self._on_gap(key, news) if news else []) + self._handle(key, ready)
+        return self._handle(key, sq.push(msg, now))
+
+    def flush(self, now: float | None = None) -> list[Event]:
+        """Release messages held too long behind an unexplained seq hole (call when idle)."""
+        now = time.monotonic() if now is None else now
+        out = []
+        for key, sq in list(self._seq.items()):
+            out += self._handle(key, sq.flush(now, self.reorder_timeout_s))
+        return out
+
+    def finish(self) -> list[Event]:
+        """The source ended: release everything held; undecidable TP steps become incomplete."""
+        out = []
+        for key, sq in list(self._seq.items()):
+            if sq.held:
+                out += self._handle(key, sq._release(force=True))
+        for rid, merger in list(self._mergers.items()):
+            rs = self._requests.get(rid)
+            if rs is not None:
+                out += self._merge_events(rs, merger.resolve(everything=True))
+        return out
+
+    # ---------------------------------------------------------------------------------------- internals
+
+    def _handle(self, key: tuple, msgs: list) -> list[Event]:
+        out: list[Event] = []
+        for m in msgs:
+            if isinstance(m, GapNotice):
+                out += self._on_gap(key, m)
+            elif isinstance(m, StreamStart):
+                out += self._on_start(key, m)
+            elif isinstance(m, TensorFrame):
+                out += self._on_frame(key, m)
+            elif isinstance(m, TokenFrame):
+                out += self._on_tokens(key, m)
+            elif isinstance(m, StreamEnd):
+                out += self._on_end(key, m)
+        return out
+
+    def _rank_of(self, key: tuple) -> _Rank:
+        r = self._ranks.get(key)
+        if r is None:  # no StreamStart seen (joined without it): treat as a TP-1 stream of its own
+            self.counters["messages_without_start"] += 1
+            rs = self._requests.get(key[0]) or RequestStream(key[0])
+            self._requests.setdefault(key[0], rs)
+            r = self._ranks[key] = _Rank(rs, 0)
+        return r
+
+    def _emit(self, rs: RequestStream, events: list[Event]) -> list[Event]:
+        if rs.start is None and rs.starts:  # a rank > 0 spoke first: hold until rank 0's start
+            self._early.setdefault(rs.request_id, []).extend(events)
+            return []
+        return events
+
+    def _on_start(self, key: tuple, m: StreamStart) -> list[Event]:
+        rid = m.request_id
+        rs = self._requests.get(rid)
+        if rs is None or (rs.ended and m.tp_rank == 0):
+            rs = self._requests[rid] = RequestStream(rid, tp_size=max(1, m.tp_size))
+        rank = m.tp_rank if 0 <= m.tp_rank < max(1, m.tp_size) else 0
+        self._ranks[key] = _Rank(rs, rank)
+        rs.starts[rank] = m
+        rs.tp_size = max(rs.tp_size, m.tp_size, 1)
+        if rs.tp_size > 1 and rid not in self._mergers:
+            self._mergers[rid] = _Merger(rs.tp_size, self.merge_window)
+        if rank != 0:
+            return []
+        rs.start = m
+        return [Event("start", rs)] + self._early.pop(rid, [])
+
+    def _on_gap(self, key: tuple, gap: GapNotice) -> list[Event]:
+        rs = self._rank_of(key).stream
+        rs.gaps.append(gap)
+        self.counters["gap_seqs"] += gap.count
+        return self._emit(rs, [Event("gap", rs, gap=gap)])
+
+    def _on_frame(self, key: tuple, m: TensorFrame) -> list[Event]:
+        r = self._rank_of(key)
+        rs = r.stream
+        merger = self._mergers.get(rs.request_id)
+        if merger is None:
+            rs.frames += 1
+            sf = StepFrame(m.request_id, m.step, list(m.positions), list(m.token_ids), m.steering_version,
+                           {t.name: t for t in m.tensors}, {t.name: tuple(t.layers) for t in m.tensors}, m.time_ns,
+                           [m])
+            return self._emit(rs, [Event("frame", rs, frame=sf)])
+        return self._merge_events(rs, merger.add(r.rank, m))
+
+    def _merge_events(self, rs: RequestStream, results: list) -> list[Event]:
+        out = []
+        for step, res, missing in results:
+            if isinstance(res, StepFrame):
+                rs.frames += 1
+                out.append(Event("frame", rs, frame=res))
+            else:
+                s0 = rs.start
+                gap = GapNotice(rs.request_id, s0.producer_id if s0 else "", s0.epoch if s0 else 0, [],
+                                "incomplete_shards", "consumer", time.time_ns())
+                res.step, res.missing_ranks = step, missing
+                rs.gaps.append(gap)
+                self.counters["incomplete_steps"] += 1
+                out.append(Event("gap", rs, gap=gap, error=res))
+        return self._emit(rs, out)
+
+    def _on_tokens(self, key: tuple, m: TokenFrame) -> list[Event]:
+        r = self._rank_of(key)
+        if r.rank != 0:
+            self.counters["tokens_from_other_ranks"] += 1
+            return []
+        r.stream.generated_token_ids.extend(m.token_ids)
+        return self._emit(r.stream, [Event("tokens", r.stream, tokens=m)])
+
+    def _on_end(self, key: tuple, m: StreamEnd) -> list[Event]:
+        r = self._rank_of(key)
+        rs = r.stream
+        rs.ends[r.rank] = m
+        self._forget(key)
+        out: list[Event] = []
+        merger = self._mergers.get(rs.request_id)
+        if merger is not None:
+            out += self._merge_events(rs, merger.rank_ended(r.rank))
+        if 0 not in rs.ends or any(rank not in rs.ends for rank in rs.starts):
+            return out
+        if merger is not None:
+            out += self._merge_events(rs, merger.resolve(everything=True))
+            self._mergers.pop(rs.request_id, None)
+        rs.ended, rs.end = True, rs.ends[0]
+        if self._requests.get(rs.request_id) is rs:
+            del self._requests[rs.request_id]
+        return out + self._emit(rs, [Event("end", rs, end=rs.end)])
+
+    def _forget(self, key: tuple) -> None:
+        self._seq.pop(key, None)
+        self._done[key] = None
+        if len(self._done) > 100_000:
+            self._done.popitem(last=False)

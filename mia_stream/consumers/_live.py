@@ -1,0 +1,196 @@
+"""``BrokerClient``: the consumer's live transport (a DEALER to the broker's consumers endpoint).
+
+It subscribes, receives decoded messages with a timeout, grants the broker credit (flow control: at most
+``window_bytes`` in flight), heartbeats, re-subscribes by itself when the broker restarts (a new broker
+instance, or a heartbeat saying it does not know us) and sends steering commands, waiting for their ack.
+Not thread-safe: use one client per thread.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import random
+import time
+import uuid
+from typing import Any
+
+import zmq
+
+from mia_stream import _transport
+from mia_stream.errors import BrokerTimeoutError, WireError
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, Heartbeat, Message, SteeringAck,
+                                SteeringCommand, Subscribe, Unsubscribe, decode, encode)
+from mia_stream.schemas._messages import Credit
+
+log = logging.getLogger("mia_stream.consumers")
+
+DEFAULT_WINDOW_BYTES = 64 << 20
+
+
+class BrokerClient:
+    """A live connection to a broker's consumers endpoint. ``address``: see ``_transport.endpoints_for``."""
+
+    def __init__(self, address: str | None = None, *, consumer_id: str | None = None, keys: Any = None,
+                 window_bytes: int = DEFAULT_WINDOW_BYTES, heartbeat_s: float = _transport.HEARTBEAT_S,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None):
+        self.endpoint = _transport.endpoints_for(address).consumers
+        self.consumer_id = consumer_id or f"consumer-{os.getpid()}"
+        self.window_bytes = max(0, int(window_bytes))
+        self.heartbeat_s = heartbeat_s
+        self.max_message_bytes = max_message_bytes
+        self.instance = random.getrandbits(63)
+        self.broker_instance: int | None = None
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.errors: collections.deque[ErrorNotice] = collections.deque(maxlen=100)
+        self._patterns: list[str] = []
+        self._subscribed = False
+        self._unacked = 0
+        self._stash: collections.deque[tuple[list, Message]] = collections.deque()
+        self._next_heartbeat = 0.0
+        self._ctx = context or zmq.Context.instance()
+        keys = _transport.resolve_client_keys(keys, "consumer")
+        self._sock = self._ctx.socket(zmq.DEALER)
+        self._sock.setsockopt(zmq.IDENTITY, f"{self.consumer_id}/{self.instance:x}".encode())
+        _transport.configure(self._sock, sndhwm=10_000, rcvhwm=100_000, max_message_bytes=max_message_bytes)
+        try:
+            _transport.connect(self._sock, self.endpoint, keys)
+        except Exception:
+            self._sock.close(0)
+            raise
+
+    # ------------------------------------------------------------------------------------------ API
+
+    def subscribe(self, patterns=("*",), from_start: bool = False) -> None:
+        """Receive the streams whose request id matches any glob (fnmatch; ``*`` = all)."""
+        patterns = [str(p) for p in patterns]
+        self._patterns = sorted(set(self._patterns) | set(patterns))
+        self._subscribed = True
+        self._send(Subscribe(patterns, from_start, self.consumer_id, self.window_bytes))
+
+    def unsubscribe(self, patterns) -> None:
+        patterns = [str(p) for p in patterns]
+        self._patterns = [p for p in self._patterns if p not in patterns]
+        self._send(Unsubscribe(patterns))
+
+    def recv(self, timeout: float | None = None) -> tuple[list, Message] | None:
+        """The next message (raw frames, decoded) or None after ``timeout`` seconds (None = wait forever).
+
+        Broker heartbeats are handled here and not returned; undecodable messages are counted and skipped.
+        """
+        if self._stash:
+            return self._stash.popleft()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        sock = self._sock
+        while True:
+            now = time.monotonic()
+            if now >= self._next_heartbeat:
+                self._heartbeat(now)
+            wait = self._next_heartbeat - now
+            if deadline is not None:
+                wait = min(wait, deadline - now)
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                if wait <= 0 and deadline is not None and now >= deadline:
+                    return None
+                if not sock.poll(max(0, int(wait * 1000) + 1)):
+                    if deadline is not None and time.monotonic() >= deadline:
+                        return None
+                continue
+            got = self._accept(frames)
+            if got is not None:
+                return got
+
+    def send_steering(self, cmd: SteeringCommand, timeout: float = 10.0) -> SteeringAck:
+        """Send ``cmd`` through the broker to the request's producer; return its ack (ok or not)."""
+        if not cmd.command_id:
+            cmd.command_id = uuid.uuid4().hex
+        cmd.time_ns = cmd.time_ns or time.time_ns()
+        self._send(cmd)
+        deadline = time.monotonic() + timeout
+        held: list = []
+        try:
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise BrokerTimeoutError(f"no ack for steering command {cmd.command_id} within {timeout:g} s")
+                got = self._recv_raw(left)
+                if got is None:
+                    continue
+                if isinstance(got[1], SteeringAck) and got[1].command_id == cmd.command_id:
+                    return got[1]
+                held.append(got)
+        finally:
+            self._stash.extend(held)
+
+    def close(self) -> None:
+        self._sock.close(0)
+
+    def __enter__(self) -> "BrokerClient":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------ internals
+
+    def _recv_raw(self, timeout: float):
+        """Like recv but bypassing the stash (used while waiting for an ack)."""
+        stash, self._stash = self._stash, collections.deque()
+        try:
+            return self.recv(timeout)
+        finally:
+            stash.extend(self._stash)
+            self._stash = stash
+
+    def _accept(self, frames: list):
+        try:
+            msg = decode(frames, max_message_bytes=self.max_message_bytes)
+        except WireError as e:
+            self.counters["malformed"] += 1
+            self._credit(_transport.frames_nbytes(frames))
+            log.warning("mia_stream consumer: skipped an undecodable message: %s", e)
+            return None
+        if isinstance(msg, Heartbeat):
+            self._on_heartbeat(msg)
+            return None
+        self._credit(_transport.frames_nbytes(frames))
+        self.counters["messages"] += 1
+        if isinstance(msg, ErrorNotice):
+            self.errors.append(msg)
+            self.counters[f"error_{msg.code}"] += 1
+            log.warning("mia_stream consumer: broker says %s: %s", msg.code, msg.message)
+        return frames, msg
+
+    def _credit(self, n: int) -> None:
+        if not self.window_bytes:
+            return
+        self._unacked += n
+        if self._unacked * 2 >= self.window_bytes:
+            self._send(Credit(self._unacked))
+            self._unacked = 0
+
+    def _heartbeat(self, now: float) -> None:
+        self._next_heartbeat = now + self.heartbeat_s
+        self._send(Heartbeat(self.consumer_id, "consumer", self.instance, time.time_ns()))
+
+    def _on_heartbeat(self, hb: Heartbeat) -> None:
+        previous, self.broker_instance = self.broker_instance, hb.instance
+        known = hb.stats.get("known", True) if isinstance(hb.stats, dict) else True
+        restarted = previous is not None and previous != hb.instance
+        if restarted:
+            self.counters["broker_restarts_seen"] += 1
+        if restarted or not known:
+            # A broker that does not know us: subscribe again, from the start of what it holds, so frames
+            # that reached it before we did are not lost (duplicates are dropped by seq).
+            self._unacked = 0
+            self.counters["resubscribed"] += 1
+            self._send(Subscribe(list(self._patterns), True, self.consumer_id, self.window_bytes))
+
+    def _send(self, msg: Message) -> None:
+        try:
+            self._sock.send_multipart(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:
+            self.counters["send_dropped"] += 1

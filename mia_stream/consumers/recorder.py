@@ -1,0 +1,397 @@
+"""Record bus messages into MCAP files, byte for byte as received (format: docs/wire-format.md §7).
+
+    with Recorder("runs/rec1") as rec:
+        rec.write(frames)            # the raw multipart message, e.g. from recv_multipart(copy=False)
+
+One MCAP channel per request id (topic = request id), messages without a request id on ``_bus``. Chunks
+are written to the OS as soon as they are complete and at least every ``flush_interval_s``, so a killed
+recorder loses at most the chunk being filled. Parts rotate by size and before MCAP's u16 channel-id limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import os
+import re
+import signal
+import socket
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Sequence
+
+import msgpack
+
+from mia_stream.consumers.recording import (BUS_TOPIC, MESSAGE_ENCODING, METADATA_NAME, PART_GLOB, SCHEMA_ENCODING,
+                                            SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
+from mia_stream.schemas import MESSAGE_TYPES, SCHEMA_VERSION
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+DEFAULT_ROTATE_BYTES = 1 << 30
+DEFAULT_MAX_CHANNELS = 65_000  # MCAP channel ids are u16 (max 65,535); keep a margin
+DEFAULT_FLUSH_INTERVAL_S = 1.0
+_MESSAGE_RECORD_OVERHEAD = 31  # opcode, length, channel id, sequence, log and publish time
+_UNBOUNDED = 1 << 62
+
+
+@dataclass
+class RecorderStats:
+    messages: int = 0
+    bytes: int = 0  # recorded message bytes (frames + framing)
+    parts: int = 0
+    channels: int = 0
+    rejected: int = 0  # messages whose header is not a mia_stream header: counted and logged, not recorded
+
+
+def _mia_stream_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("mia_stream")
+    except Exception:
+        return "unknown"
+
+
+class Recorder:
+    """Writes raw bus messages into an append-only, chunked, indexed MCAP recording directory."""
+
+    def __init__(self, out_dir: str | os.PathLike, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 rotate_bytes: int = DEFAULT_ROTATE_BYTES, max_channels: int = DEFAULT_MAX_CHANNELS,
+                 flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S, patterns: Sequence[str] = ("*",),
+                 source: str = ""):
+        if not 1 <= max_channels <= 65_535:
+            raise ValueError(f"max_channels must be in [1, 65535], got {max_channels}")
+        self.out_dir = Path(out_dir)
+        if self.out_dir.suffix == ".mcap":
+            raise ValueError(f"{self.out_dir} looks like a file: a recording is a directory of part-NNNNN.mcap files")
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.chunk_bytes, self.rotate_bytes, self.max_channels = chunk_bytes, rotate_bytes, max_channels
+        self.flush_interval_s = flush_interval_s
+        self._patterns, self._source = list(patterns), source
+        self._start_ns = time.time_ns()
+        self.stats = RecorderStats()
+        self._writer: Any = None
+        self._file: Any = None
+        self._channels: dict[str, int] = {}  # topic -> channel id, in the current part
+        self._sequences: dict[int, int] = {}
+        self._part_index = self._next_part_index()
+        self._chunk_fill = 0
+        self._part_bytes = 0
+        self._last_flush = time.monotonic()
+        self._last_log_time = 0
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish the current part (summary, index, footer). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._finish_part()
+
+    @property
+    def current_part(self) -> Path | None:
+        return Path(self._file.name) if self._file is not None else None
+
+    # ------------------------------------------------------------------------------------------ writing
+
+    def write(self, frames: Sequence[Any], *, recv_time_ns: int | None = None) -> bool:
+        """Record one raw multipart message. Returns False (and counts it) if it is not a mia_stream message."""
+        if self._closed:
+            raise RuntimeError("recorder is closed")
+        header = self._header_of(frames)
+        if header is None:
+            self.stats.rejected += 1
+            return False
+        topic = self._topic_of(frames, header)
+        now = time.time_ns() if recv_time_ns is None else recv_time_ns
+        log_time = max(now, self._last_log_time)  # non-decreasing: log-time order == recorded order
+        self._last_log_time = log_time
+        publish_time = header.get("time_ns") if isinstance(header.get("time_ns"), int) else 0
+        data = pack_frames(frames)
+        if self._writer is None:
+            self._open_part()
+        elif (self._part_bytes + self._chunk_fill + len(data) > self.rotate_bytes and self._part_bytes + self._chunk_fill > 0):
+            self._rotate()
+        channel = self._channels.get(topic)
+        if channel is None:
+            if len(self._channels) >= self.max_channels:
+                self._rotate()
+            channel = self._register_channel(topic)
+        seq = self._sequences[channel]
+        self._sequences[channel] = seq + 1
+        self._writer.add_message(channel_id=channel, log_time=log_time, data=data,
+                                 publish_time=publish_time if publish_time > 0 else log_time, sequence=seq & 0xFFFFFFFF)
+        self._chunk_fill += len(data) + _MESSAGE_RECORD_OVERHEAD
+        self.stats.messages += 1
+        self.stats.bytes += len(data)
+        if self._chunk_fill >= self.chunk_bytes:
+            self.flush()
+        else:
+            self.tick()
+        return True
+
+    def tick(self) -> None:
+        """Flush a partly filled chunk once it is ``flush_interval_s`` old (call this when idle too)."""
+        if self._chunk_fill and time.monotonic() - self._last_flush >= self.flush_interval_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Close the chunk in progress and hand it (with its message index) to the OS."""
+        if self._writer is not None and self._chunk_fill:
+            self._writer.flush()
+            self._part_bytes = self._file.tell()
+            self._chunk_fill = 0
+        self._last_flush = time.monotonic()
+
+    # ------------------------------------------------------------------------------------------ internals
+
+    @staticmethod
+    def _header_of(frames: Sequence[Any]) -> dict | None:
+        if len(frames) < 2:
+            return None
+        try:
+            header = msgpack.unpackb(getattr(frames[1], "buffer", frames[1]), raw=False)
+        except Exception:
+            log.warning("recorder: a message whose header is not msgpack was not recorded")
+            return None
+        if (not isinstance(header, dict) or not isinstance(header.get("v"), list) or not header["v"]
+                or header["v"][0] != SCHEMA_VERSION[0] or header.get("kind") not in MESSAGE_TYPES):
+            log.warning("recorder: a message with header v=%r kind=%r was not recorded",
+                        header.get("v") if isinstance(header, dict) else None,
+                        header.get("kind") if isinstance(header, dict) else None)
+            return None
+        return header
+
+    @staticmethod
+    def _topic_of(frames: Sequence[Any], header: dict) -> str:
+        rid = header.get("request_id")
+        if isinstance(rid, str):
+            return rid
+        return "\0" + BUS_TOPIC  # key of the bus channel; a request id never starts with NUL on the wire
+
+    def _next_part_index(self) -> int:
+        indices = [int(m.group(1)) for p in self.out_dir.glob(PART_GLOB)
+                   if (m := re.fullmatch(r"part-(\d+)\.mcap", p.name))]
+        return max(indices) + 1 if indices else 0
+
+    def _open_part(self) -> None:
+        from mcap.writer import CompressionType, Writer
+
+        path = self.out_dir / f"part-{self._part_index:05d}.mcap"
+        self._file = open(path, "xb")  # never overwrite a part
+        # Chunks are closed by this class (size and age), so the Writer's own threshold is disabled.
+        self._writer = Writer(self._file, chunk_size=_UNBOUNDED, compression=CompressionType.NONE)
+        self._writer.start(profile="", library=f"mia_stream {_mia_stream_version()}")
+        self._schema_id = self._writer.register_schema(SCHEMA_NAME, SCHEMA_ENCODING, SCHEMA_TEXT)
+        self._writer.add_metadata(METADATA_NAME, {
+            "mia_stream_version": _mia_stream_version(),
+            "schema_version": f"{SCHEMA_VERSION[0]}.{SCHEMA_VERSION[1]}",
+            "recorder_start_ns": str(self._start_ns),
+            "recorder_start_utc": datetime.datetime.fromtimestamp(
+                self._start_ns / 1e9, datetime.timezone.utc).isoformat(),
+            "part_index": str(self._part_index),
+            "patterns": json.dumps(self._patterns),
+            "source": self._source,
+            "hostname": socket.gethostname(),
+        })
+        self._file.flush()  # header + metadata on disk: even an empty killed part opens
+        self._part_bytes = self._file.tell()
+        self._channels, self._sequences = {}, {}
+        self._chunk_fill = 0
+        self.stats.parts += 1
+        log.info("recorder: writing %s", path)
+
+    def _register_channel(self, topic: str) -> int:
+        if topic == "\0" + BUS_TOPIC:
+            cid = self._writer.register_channel(BUS_TOPIC, MESSAGE_ENCODING, self._schema_id, {"kind": "bus"})
+        else:
+            cid = self._writer.register_channel(topic, MESSAGE_ENCODING, self._schema_id,
+                                                {"kind": "request", "request_id": topic})
+        self._channels[topic] = cid
+        self._sequences[cid] = 0
+        self._chunk_fill += 64 + 2 * len(topic)
+        self.stats.channels += 1
+        return cid
+
+    def _finish_part(self) -> None:
+        if self._writer is None:
+            return
+        self._writer.finish()
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        self._writer = self._file = None
+        self._part_index += 1
+
+    def _rotate(self) -> None:
+        self._finish_part()
+        self._open_part()
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+
+def _parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+)\s*([kmgt]i?b?)?\s*", text, re.I)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 1048576, 64MiB, 1GiB)")
+    unit = (m.group(2) or "").lower()[:1]
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30, "t": 40}[unit]
+
+
+def _record_pull(rec: Recorder, endpoint: str, stop: list[bool]) -> None:
+    """Receive raw messages on a bound PULL socket (a direct pipeline, without a broker)."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.PULL)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVHWM, 0)
+    sock.bind(endpoint)
+    try:
+        while not stop[0]:
+            if sock.poll(100):
+                while True:
+                    try:
+                        frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    rec.write(frames)
+            rec.tick()
+    finally:
+        sock.close(0)
+
+
+class _BrokerSource:
+    """A raw subscription to the broker: a DEALER on its consumers endpoint, subscribed ``from_start``.
+
+    It keeps the raw frames (the recorder must not re-encode), heartbeats the broker and re-subscribes when
+    the broker restarts (a new ``instance`` or ``known: false`` in its heartbeat). Losses are the broker's to
+    report: its GapNotices arrive here like any message and are recorded on their request's channel.
+    """
+
+    def __init__(self, broker: str | None, patterns: Sequence[str], keys: Any = None,
+                 consumer_id: str = "recorder"):
+        import zmq
+
+        from mia_stream import _transport
+        from mia_stream.schemas import Subscribe, encode
+
+        self._zmq, self._transport, self._consumer_id = zmq, _transport, consumer_id
+        self._subscribe = encode(Subscribe(list(patterns), from_start=True, consumer_id=consumer_id))
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.DEALER)
+        # Unbounded receive queue: the broker, not ZeroMQ, decides what is dropped (and says so).
+        _transport.configure(self._sock, sndhwm=1000, rcvhwm=0)
+        _transport.connect(self._sock, _transport.endpoints_for(broker).consumers,
+                           _transport.resolve_client_keys(keys, "consumer"))
+        self._broker_instance: int | None = None
+        self._last_heartbeat = 0.0
+        self._send(self._subscribe)
+
+    def _send(self, frames: list) -> None:
+        try:
+            self._sock.send_multipart(frames, self._zmq.NOBLOCK, copy=False)
+        except self._zmq.Again:
+            log.warning("recorder: broker connection is not ready; will retry with the next heartbeat")
+
+    def _heartbeat(self) -> None:
+        from mia_stream.schemas import Heartbeat, encode
+
+        now = time.monotonic()
+        if now - self._last_heartbeat >= self._transport.HEARTBEAT_S:
+            self._last_heartbeat = now
+            self._send(encode(Heartbeat(self._consumer_id, "consumer", os.getpid(), time.time_ns())))
+
+    def _on_broker_heartbeat(self, header: dict) -> None:
+        instance = header.get("instance")
+        stats = header.get("stats") if isinstance(header.get("stats"), dict) else {}
+        if instance != self._broker_instance or stats.get("known") is False:
+            if self._broker_instance is not None:
+                log.warning("recorder: broker restarted (instance %r); subscribing again", instance)
+            self._broker_instance = instance
+            self._send(self._subscribe)
+
+    def recv_frames(self, timeout_s: float) -> list[list[Any]]:
+        self._heartbeat()
+        out = []
+        if self._sock.poll(int(timeout_s * 1000)):
+            for _ in range(1024):
+                try:
+                    frames = self._sock.recv_multipart(self._zmq.NOBLOCK, copy=False)
+                except self._zmq.Again:
+                    break
+                if len(frames) >= 2 and len(frames[0]) == 0 and len(frames[1]) < 4096:  # maybe a heartbeat
+                    header = Recorder._header_of(frames)
+                    if header is not None and header.get("kind") == "heartbeat" and header.get("role") == "broker":
+                        self._on_broker_heartbeat(header)
+                out.append(frames)
+        return out
+
+    def close(self) -> None:
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def _record_broker(rec: Recorder, broker: str | None, patterns: Sequence[str], stop: list[bool]) -> None:
+    source = _BrokerSource(broker, patterns)
+    try:
+        while not stop[0]:
+            for frames in source.recv_frames(timeout_s=0.1):
+                rec.write(frames)
+            rec.tick()
+    finally:
+        source.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="mia-stream record", description=(
+        "Record mia_stream bus messages into an MCAP recording directory (part-NNNNN.mcap files)."))
+    p.add_argument("out", help="recording directory (created; new parts are appended after existing ones)")
+    p.add_argument("--broker", help="broker address (run dir, ipc:// or tcp://); default $MIA_STREAM_BROKER")
+    p.add_argument("--patterns", nargs="+", default=["*"], metavar="GLOB", help="request-id globs (default: *)")
+    p.add_argument("--rotate-bytes", type=_parse_size, default=DEFAULT_ROTATE_BYTES,
+                   help="start a new part at this size (default 1GiB)")
+    p.add_argument("--chunk-bytes", type=_parse_size, default=DEFAULT_CHUNK_BYTES,
+                   help="MCAP chunk size; a crash loses at most one chunk (default 4MiB)")
+    p.add_argument("--max-channels", type=int, default=DEFAULT_MAX_CHANNELS,
+                   help="start a new part before this many request channels (default 65000; MCAP ids are u16)")
+    p.add_argument("--flush-interval", type=float, default=DEFAULT_FLUSH_INTERVAL_S,
+                   help="seconds after which a partly filled chunk is written anyway (default 1)")
+    p.add_argument("--bind-pull", metavar="ENDPOINT",
+                   help="record from a PULL socket bound here instead of a broker (direct pipelines, tests)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    stop = [False]
+
+    def _stop(signum: int, _frame: Any) -> None:
+        stop[0] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    source = args.bind_pull or args.broker or os.environ.get("MIA_STREAM_BROKER", "")
+    with Recorder(args.out, chunk_bytes=args.chunk_bytes, rotate_bytes=args.rotate_bytes,
+                  max_channels=args.max_channels, flush_interval_s=args.flush_interval,
+                  patterns=args.patterns, source=source) as rec:
+        print(f"mia-stream record: recording into {rec.out_dir} (patterns {args.patterns})", file=sys.stderr, flush=True)
+        if args.bind_pull:
+            _record_pull(rec, args.bind_pull, stop)
+        else:
+            _record_broker(rec, args.broker, args.patterns, stop)
+    s = rec.stats
+    print(f"mia-stream record: {s.messages} messages, {s.bytes} bytes, {s.parts} part(s), "
+          f"{s.channels} channel(s), {s.rejected} rejected", file=sys.stderr)
+    return 0

@@ -1,0 +1,85 @@
+"""The error hierarchy of mia_stream: catch ``MiaStreamError`` for everything, or a branch of it.
+
+    MiaStreamError
+    ├── WireError                  a message that cannot be decoded
+    │   ├── MalformedFrameError    wrong framing, missing or mistyped header fields, bad buffers
+    │   ├── SchemaVersionError     a header whose major schema version this decoder does not know
+    │   ├── OversizedMessageError  a message larger than the configured limit
+    │   └── ChecksumError          a tensor whose bytes do not match the checksum sent with it
+    ├── SpecError (ValueError)     an invalid capture or steering spec
+    │   ├── CaptureSpecError
+    │   └── SteeringSpecError
+    ├── StreamError                a stream that cannot be assembled
+    │   └── IncompleteShardError   a TP step missing some ranks' shards
+    ├── TransportError             sockets, endpoints, keys
+    │   └── BrokerTimeoutError     no answer from the broker in time
+    ├── SteeringCommandError       a steering command the producer refused (unknown request, not authorised…)
+    ├── ModelError                 a model dir that is missing or corrupt
+    └── UnsupportedVLLMError       a vLLM version or runner the producer adapter does not support
+"""
+
+from __future__ import annotations
+
+
+class MiaStreamError(Exception):
+    """Base of every error mia_stream raises on purpose."""
+
+
+class WireError(MiaStreamError):
+    """A message on the bus (or in a recording) could not be decoded."""
+
+
+class MalformedFrameError(WireError):
+    pass
+
+
+class SchemaVersionError(WireError):
+    pass
+
+
+class OversizedMessageError(WireError):
+    pass
+
+
+class ChecksumError(WireError):
+    pass
+
+
+class SpecError(MiaStreamError, ValueError):
+    """An invalid ``extra_args["mia_stream"]`` spec; the message says which field and why."""
+
+
+class CaptureSpecError(SpecError):
+    pass
+
+
+class SteeringSpecError(SpecError):
+    pass
+
+
+class StreamError(MiaStreamError):
+    pass
+
+
+class IncompleteShardError(StreamError):
+    pass
+
+
+class TransportError(MiaStreamError):
+    pass
+
+
+class BrokerTimeoutError(TransportError):
+    pass
+
+
+class SteeringCommandError(MiaStreamError):
+    pass
+
+
+class ModelError(MiaStreamError):
+    pass
+
+
+class UnsupportedVLLMError(MiaStreamError):
+    pass

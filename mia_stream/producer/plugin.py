@@ -1,0 +1,33 @@
+"""The vLLM plugin (entry point ``vllm.general_plugins: mia_stream``).
+
+Active only when ``MIA_STREAM_BROKER`` names a broker endpoint; with it unset, this function returns
+at once and vLLM runs exactly as without mia_stream.
+"""
+
+from __future__ import annotations
+
+import os
+
+BROKER_ENV = "MIA_STREAM_BROKER"
+
+
+def active() -> bool:
+    return bool(os.environ.get(BROKER_ENV))
+
+
+def register() -> None:
+    if not active():
+        return
+    # Compiled artifacts made without the capture ops must not be reused with them (and the reverse):
+    # vLLM's compile-cache key does not see the plugin.
+    os.environ.setdefault("VLLM_DISABLE_COMPILE_CACHE", "1")
+    from mia_stream.producer import _vllm_adapter
+
+    _vllm_adapter.install()
+
+
+def make_publisher(producer_id: str, on_command=None):
+    """The bus client of one producer (worker rank or engine-core control), connected to the broker."""
+    from mia_stream.producer.publisher import FramePublisher
+
+    return FramePublisher(os.environ[BROKER_ENV], producer_id=producer_id, on_steering=on_command)

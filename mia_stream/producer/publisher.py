@@ -1,0 +1,390 @@
+"""``FramePublisher``: the producer's only bus object. ``publish()`` never blocks the engine.
+
+Lifecycle: ``FramePublisher(address)`` starts a background sender thread that owns a DEALER socket
+(identity ``producer_id/epoch``) connected to the broker's producers endpoint; ``publish(msg)`` encodes the
+message in the caller's thread and appends it to a bounded in-process queue (a byte budget); the sender
+thread sends it with NOBLOCK. ``close()`` drains for a moment and stops.
+
+Sequence numbers belong to the caller: stamp each stream message with ``seq=publisher.next_seq(request_id)``
+(StreamStart first, so it gets 0) and ``producer_id``/``epoch`` with ``publisher.producer_id``/``epoch``.
+A message the queue has no room for is dropped and counted per stream and reason; before the stream's next
+message (and at the latest before its StreamEnd) the publisher sends a ``GapNotice(origin="producer")`` that
+names the dropped seqs exactly. ``drops_for(request_id)`` gives the counts by reason; a StreamEnd published
+with ``frames_dropped == 0`` and empty ``drops`` gets them filled in.
+
+Tensor frames are dropped first: they may use ``queue_bytes``; every other message (start, tokens, end,
+gap, ack) may also use a reserve of ``queue_bytes // 16`` (at least 1 MiB) on top.
+
+Steering commands from consumers arrive through the broker: pass ``on_steering=callback`` (called in the
+sender thread; keep it quick) or call ``poll_steering()``; answer each with ``ack(SteeringAck(...))``.
+After a broker restart (a new broker instance in its heartbeats) the publisher re-sends the StreamStart of
+every live stream with ``resent=True`` so the new broker knows them.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import os
+import random
+import socket
+import threading
+import time
+from typing import Any, Callable
+
+import zmq
+
+from mia_stream import _transport
+from mia_stream.errors import WireError
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
+                                SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
+
+log = logging.getLogger("mia_stream.publisher")
+
+DEFAULT_PUBLISHER_QUEUE_BYTES = 256 << 20
+_SNDHWM = 256  # messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected)
+_ENDED_MEMORY = 10_000
+_STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
+
+
+class _PubStream:
+    __slots__ = ("request_id", "next_seq", "start", "ended", "drops", "pending")
+
+    def __init__(self, request_id: str):
+        self.request_id = request_id
+        self.next_seq = 0
+        self.start: StreamStart | None = None
+        self.ended = False
+        self.drops: collections.Counter[str] = collections.Counter()
+        self.pending: dict[str, list[list[int]]] = {}  # reason -> dropped seq ranges not yet announced
+
+
+class FramePublisher:
+    """Publishes stream messages to the broker from a background thread; see the module docstring."""
+
+    def __init__(self, address: str | None = None, *, producer_id: str | None = None, keys: Any = None,
+                 queue_bytes: int = DEFAULT_PUBLISHER_QUEUE_BYTES,
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, heartbeat_s: float = _transport.HEARTBEAT_S,
+                 on_steering: Callable[[SteeringCommand], None] | None = None, compression: str = "none",
+                 checksum: bool = False):
+        self.endpoint = _transport.endpoints_for(address).producers
+        self._keys = _transport.resolve_client_keys(keys, "producer")
+        _transport.require_curve_for_tcp(self.endpoint, self._keys is not None, "connect to")
+        self.producer_id = producer_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.epoch = random.getrandbits(63)
+        self.queue_bytes = int(queue_bytes)
+        self.control_reserve = max(1 << 20, self.queue_bytes // 16)
+        self.max_message_bytes = max_message_bytes
+        self.heartbeat_s = heartbeat_s
+        self._on_steering = on_steering
+        self._encode_opts = {"compression": compression, "checksum": checksum}
+        self._lock = threading.Lock()
+        self._queue: collections.deque[tuple[list, int]] = collections.deque()
+        self._queued = 0
+        self._sleeping = False
+        self._closed = False
+        self._streams: dict[str, _PubStream] = {}
+        self._ended: collections.OrderedDict[str, _PubStream] = collections.OrderedDict()
+        self._steering: collections.deque[SteeringCommand] = collections.deque(maxlen=10_000)
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.broker_instance: int | None = None
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._ctx = zmq.Context()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="mia-stream-publisher", daemon=True)
+        self._thread.start()
+        self._ready.wait(5)
+        if self._error is not None:
+            self.close(0)
+            raise self._error
+
+    # ------------------------------------------------------------------------------------------ caller side
+
+    def next_seq(self, request_id: str) -> int:
+        """The seq to stamp on the next message of ``request_id`` (0 for a new stream)."""
+        with self._lock:
+            st = self._streams.get(request_id)
+            if st is None:
+                st = self._streams[request_id] = _PubStream(request_id)
+            seq = st.next_seq
+            st.next_seq += 1
+            return seq
+
+    def publish(self, msg: Message) -> bool:
+        """Queue ``msg`` for the broker; never blocks. False if it was dropped (counted, and announced)."""
+        kind = msg.KIND
+        rid = getattr(msg, "request_id", None) if kind in _STREAM_KINDS else None
+        if kind == "end":
+            with self._lock:
+                st = self._streams.get(rid)
+                if st is not None and not msg.drops and not msg.frames_dropped and st.drops:
+                    msg.drops = dict(st.drops)
+                    msg.frames_dropped = sum(st.drops.values())
+        frames = encode(msg, **self._encode_opts)
+        n = _transport.frames_nbytes(frames)
+        with self._lock:
+            self.counters["published"] += 1
+            st = None
+            if rid is not None:
+                st = self._streams.get(rid)
+                if st is None:
+                    st = self._streams[rid] = _PubStream(rid)
+                    st.next_seq = msg.seq + 1
+                if kind == "start":
+                    st.start = msg
+                    st.ended = False
+            if self._closed:
+                return self._drop(st, msg, "publisher_closed")
+            if n > self.max_message_bytes:
+                return self._drop(st, msg, "oversized")
+            limit = self.queue_bytes if kind == "tensors" else self.queue_bytes + self.control_reserve
+            if self._queued and self._queued + n > limit:
+                return self._drop(st, msg, "queue_full")
+            if st is not None and st.pending:
+                self._announce_gaps(st)
+            self._append(frames, n)
+            if kind == "end" and st is not None:
+                st.ended = True
+                self._streams.pop(rid, None)
+                self._ended[rid] = st
+                if len(self._ended) > _ENDED_MEMORY:
+                    self._ended.popitem(last=False)
+            return True
+
+    def ack(self, ack: SteeringAck) -> bool:
+        """Send a steering acknowledgement back to the consumer that sent the command."""
+        if not ack.producer_id:
+            ack.producer_id = self.producer_id
+        return self.publish(ack)
+
+    def poll_steering(self) -> list[SteeringCommand]:
+        """Steering commands received since the last call (when no ``on_steering`` callback is set)."""
+        out = []
+        while self._steering:
+            out.append(self._steering.popleft())
+        return out
+
+    def drops_for(self, request_id: str) -> dict[str, int]:
+        """Messages of ``request_id`` this publisher dropped, by reason (e.g. ``{"queue_full": 3}``)."""
+        with self._lock:
+            st = self._streams.get(request_id) or self._ended.get(request_id)
+            return dict(st.drops) if st is not None else {}
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"producer_id": self.producer_id, "epoch": self.epoch, "queue_bytes": self._queued,
+                    "queue_messages": len(self._queue), "open_streams": sum(1 for s in self._streams.values()
+                                                                           if s.start is not None),
+                    **{k: v for k, v in self.counters.items()}}
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until everything queued has been handed to zmq; False on timeout."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if not self._queue and not any(s.pending for s in self._streams.values()):
+                    return True
+            self._wake()
+            time.sleep(0.002)
+        return False
+
+    def close(self, timeout: float = 1.0) -> None:
+        """Drain for up to ``timeout`` s, then stop the sender thread and close the socket."""
+        if timeout:
+            self.flush(timeout)
+        with self._lock:
+            self._closed = True
+            self._linger_ms = int(max(0.0, timeout) * 1000)  # what zmq still holds gets this long to go out
+        self._wake()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(5)
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._ctx.term()
+
+    def __enter__(self) -> "FramePublisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------------------------------ internals (lock held)
+
+    def _drop(self, st: _PubStream | None, msg: Message, reason: str) -> bool:
+        self.counters["dropped"] += 1
+        self.counters[f"dropped_{reason}"] += 1
+        if st is not None:
+            st.drops[reason] += 1
+            ranges = st.pending.setdefault(reason, [])
+            seq = msg.seq
+            if ranges and ranges[-1][1] == seq - 1:
+                ranges[-1][1] = seq
+            else:
+                ranges.append([seq, seq])
+        return False
+
+    def _announce_gaps(self, st: _PubStream) -> None:
+        start = st.start
+        pid, epoch = (start.producer_id, start.epoch) if start is not None else (self.producer_id, self.epoch)
+        for reason, missing in st.pending.items():
+            gap = GapNotice(st.request_id, pid, epoch, missing, reason, "producer", time.time_ns())
+            frames = encode(gap)
+            self._append(frames, _transport.frames_nbytes(frames))
+        st.pending = {}
+
+    def _append(self, frames: list, n: int, front: bool = False) -> None:
+        if front:
+            self._queue.appendleft((frames, n))
+        else:
+            self._queue.append((frames, n))
+        self._queued += n
+        if self._sleeping:
+            self._sleeping = False
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass
+
+    def _wake(self) -> None:
+        with self._lock:
+            self._wake_locked()
+
+    # ------------------------------------------------------------------------------------------ sender thread
+
+    def _run(self) -> None:
+        try:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.IDENTITY, f"{self.producer_id}/{self.epoch:x}".encode())
+            _transport.configure(sock, sndhwm=_SNDHWM, rcvhwm=10_000, immediate=False)
+            _transport.connect(sock, self.endpoint, self._keys)
+        except BaseException as e:  # surfaced by __init__
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        try:
+            self._loop(sock)
+        except zmq.ContextTerminated:
+            pass
+        except Exception:
+            log.exception("mia_stream publisher: sender thread failed; publish() will keep dropping")
+        finally:
+            sock.close(linger=getattr(self, "_linger_ms", 0))
+
+    def _loop(self, sock: zmq.Socket) -> None:
+        poller = zmq.Poller()
+        poller.register(self._wake_r, zmq.POLLIN)
+        poller.register(sock, zmq.POLLIN)
+        next_heartbeat = 0.0
+        blocked = False
+        while True:
+            blocked = self._send_queued(sock)
+            now = time.monotonic()
+            if now >= next_heartbeat:
+                next_heartbeat = now + self.heartbeat_s
+                self._send_heartbeat(sock)
+                self._announce_idle_gaps()
+            with self._lock:
+                if self._closed:
+                    return
+                idle = not self._queue
+                self._sleeping = idle or blocked
+            timeout_ms = max(0, int((next_heartbeat - time.monotonic()) * 1000)) if (idle or blocked) else 0
+            poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
+            events = dict(poller.poll(timeout_ms))
+            with self._lock:
+                self._sleeping = False
+            if self._wake_r in events:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except (BlockingIOError, OSError):
+                    pass
+            if events.get(sock, 0) & zmq.POLLIN:
+                self._receive(sock)
+
+    def _send_queued(self, sock: zmq.Socket) -> bool:
+        """Hand queued messages to zmq until it pushes back; True if it did (EAGAIN)."""
+        with self._lock:
+            batch, self._queue = self._queue, collections.deque()
+        sent = 0
+        blocked = False
+        while batch:
+            frames, n = batch[0]
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                blocked = True
+                break
+            batch.popleft()
+            sent += n
+            self.counters["sent"] += 1
+        with self._lock:
+            self._queued -= sent
+            if batch:
+                batch.extend(self._queue)
+                self._queue = batch
+        return blocked
+
+    def _announce_idle_gaps(self) -> None:
+        with self._lock:
+            for st in self._streams.values():
+                if st.pending and self._queued + 4096 <= self.queue_bytes + self.control_reserve:
+                    self._announce_gaps(st)
+
+    def _send_heartbeat(self, sock: zmq.Socket) -> None:
+        stats = self.stats()
+        hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(), stats)
+        try:
+            sock.send_multipart(encode(hb), zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def _receive(self, sock: zmq.Socket) -> None:
+        for _ in range(1000):
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                msg = decode(frames, max_message_bytes=16 << 20)
+            except WireError as e:
+                self.counters["malformed_from_broker"] += 1
+                log.warning("mia_stream publisher: undecodable message from the broker: %s", e)
+                continue
+            if isinstance(msg, Heartbeat):
+                self._on_broker_heartbeat(msg)
+            elif isinstance(msg, SteeringCommand):
+                self.counters["steering_commands"] += 1
+                if self._on_steering is None:
+                    self._steering.append(msg)
+                else:
+                    try:
+                        self._on_steering(msg)
+                    except Exception:
+                        log.exception("mia_stream publisher: on_steering callback failed")
+            elif isinstance(msg, ErrorNotice):
+                self.counters[f"broker_error_{msg.code}"] += 1
+                if self.counters[f"broker_error_{msg.code}"] <= 10:
+                    log.warning("mia_stream publisher: broker refused a message: %s: %s", msg.code, msg.message)
+            else:
+                self.counters["unexpected_from_broker"] += 1
+
+    def _on_broker_heartbeat(self, hb: Heartbeat) -> None:
+        previous, self.broker_instance = self.broker_instance, hb.instance
+        if previous is None or previous == hb.instance:
+            return
+        self.counters["broker_restarts_seen"] += 1
+        with self._lock:  # a new broker: tell it about every live stream, before anything else queued
+            for st in self._streams.values():
+                if st.start is not None and not st.ended:
+                    frames = encode(dataclasses.replace(st.start, resent=True), **self._encode_opts)
+                    self._append(frames, _transport.frames_nbytes(frames), front=True)

@@ -1,0 +1,245 @@
+"""The per-request spec in ``SamplingParams.extra_args["mia_stream"]``: parse, validate, normalize.
+
+Accepted as a dict, or as a JSON string (what ``vllm_xargs`` can carry over HTTP)::
+
+    {"capture": {"hidden_states": {"layers": [3, 7] | "all", "positions": "all"},
+                 "qk": {"layers": [5], "heads": [0, 1] | "all", "positions": "last_prompt"}},
+     "steer": [{"layer": 7, "op": "add", "vector": [...] | {"name": "joy"}, "scale": 4.0,
+                "positions": "generated"}],
+     "tags": {"user": "alice"},
+     "id": "my-key"}
+
+Positions: ``all`` | ``prompt`` | ``generated`` | ``last_prompt``. A captured position p is the row computed
+while token p is the input, so ``generated`` covers generated tokens 0..n-2 (the last sampled token is
+never fed back) and ``last_prompt`` is the row whose logits chose the first generated token.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+
+from mia_stream.errors import CaptureSpecError, SteeringSpecError
+
+SPEC_KEY = "mia_stream"
+POSITIONS = ("all", "prompt", "generated", "last_prompt")
+STEER_POSITIONS = ("all", "prompt", "generated")
+STEER_OPS = ("add", "cap", "ablate")
+_TOP_KEYS = {"capture", "steer", "tags", "id"}
+_CAPTURE_KEYS = {"hidden_states", "qk"}
+_HS_KEYS = {"layers", "positions"}
+_QK_KEYS = {"layers", "heads", "positions"}
+_STEER_KEYS = {"layer", "op", "vector", "scale", "threshold", "positions"}
+
+
+@dataclass(frozen=True)
+class ModelGeometry:
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class SteerOp:
+    layer: int
+    op: str
+    vector: tuple[float, ...]  # float32 values; unit-normalized for cap/ablate
+    scale: float = 1.0
+    threshold: float = 0.0
+    positions: str = "all"
+
+    def key(self) -> str:
+        """Content hash: requests with equal ops share a steering-table slot (and a cache salt)."""
+        h = hashlib.blake2b(digest_size=12)
+        h.update(f"{self.layer}|{self.op}|{self.scale!r}|{self.threshold!r}|{self.positions}".encode())
+        h.update(np.asarray(self.vector, dtype=np.float32).tobytes())
+        return h.hexdigest()
+
+    def to_wire(self) -> dict:
+        return {"layer": self.layer, "op": self.op, "vector": list(self.vector), "scale": self.scale,
+                "threshold": self.threshold, "positions": self.positions}
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A validated, normalized spec. ``hs_layers``/``qk_layers`` empty means "not captured"."""
+
+    hs_layers: tuple[int, ...] = ()
+    hs_positions: str = "all"
+    qk_layers: tuple[int, ...] = ()
+    qk_heads: tuple[int, ...] = ()
+    qk_positions: str = "all"
+    steer: tuple[SteerOp, ...] = ()
+    tags: dict = field(default_factory=dict)
+    stream_id: str | None = None
+
+    @property
+    def captures(self) -> bool:
+        return bool(self.hs_layers or self.qk_layers)
+
+    @property
+    def needs_every_prompt_token(self) -> bool:
+        """Capturing prompt positions means the prefix cache must not skip computing them."""
+        return ((bool(self.hs_layers) and self.hs_positions in ("all", "prompt"))
+                or (bool(self.qk_layers) and self.qk_positions in ("all", "prompt")))
+
+    def steering_salt(self) -> str | None:
+        """A prefix-cache salt unique to this steering config (steered KV must never be shared)."""
+        if not self.steer:
+            return None
+        return "mia-steer-" + hashlib.blake2b("".join(o.key() for o in self.steer).encode(),
+                                               digest_size=12).hexdigest()
+
+    def capture_wire(self) -> dict:
+        out: dict[str, Any] = {}
+        if self.hs_layers:
+            out["hidden_states"] = {"layers": list(self.hs_layers), "positions": self.hs_positions}
+        if self.qk_layers:
+            out["qk"] = {"layers": list(self.qk_layers), "heads": list(self.qk_heads),
+                         "positions": self.qk_positions}
+        return out
+
+    def to_wire(self) -> dict:
+        """The normalized spec as plain data (what the frontend puts back into extra_args)."""
+        return {"capture": self.capture_wire(), "steer": [o.to_wire() for o in self.steer],
+                "tags": self.tags, "id": self.stream_id, "_normalized": True}
+
+
+def _fail(cls, path: str, msg: str):
+    raise cls(f"extra_args['{SPEC_KEY}']{path}: {msg}")
+
+
+def _layers(value: Any, geo: ModelGeometry, path: str, cls=CaptureSpecError) -> tuple[int, ...]:
+    if value == "all":
+        return tuple(range(geo.num_layers))
+    if not isinstance(value, (list, tuple)) or not value:
+        _fail(cls, path, f"must be 'all' or a non-empty list of layer indices, got {value!r}")
+    out = []
+    for x in value:
+        if not isinstance(x, int) or isinstance(x, bool):
+            _fail(cls, path, f"layer indices must be integers, got {x!r}")
+        if not 0 <= x < geo.num_layers:
+            _fail(cls, path, f"layer {x} is out of range: the model has layers 0..{geo.num_layers - 1}")
+        out.append(x)
+    return tuple(sorted(set(out)))
+
+
+def _positions(value: Any, path: str, allowed=POSITIONS, cls=CaptureSpecError) -> str:
+    if value not in allowed:
+        _fail(cls, path, f"must be one of {list(allowed)}, got {value!r}")
+    return value
+
+
+def _keys(d: Any, allowed: set, path: str, cls) -> dict:
+    if not isinstance(d, dict):
+        _fail(cls, path, f"must be an object, got {type(d).__name__}")
+    unknown = set(d) - allowed
+    if unknown:
+        _fail(cls, path, f"unknown key(s) {sorted(unknown)}; allowed: {sorted(allowed)}")
+    return d
+
+
+def parse_spec(raw: Any, geo: ModelGeometry,
+               resolve_vector: Callable[[str], np.ndarray] | None = None) -> RequestSpec:
+    """Validate ``extra_args["mia_stream"]`` against the model; raise a ``SpecError`` naming the bad field."""
+    if isinstance(raw, str):
+        try:
+            raw = json.loads(raw)
+        except json.JSONDecodeError as e:
+            raise CaptureSpecError(f"extra_args['{SPEC_KEY}'] is a string but not valid JSON: {e}") from None
+    if isinstance(raw, dict) and raw.get("_normalized"):
+        raw = {k: v for k, v in raw.items() if k != "_normalized"}
+        if raw.get("id") is None:
+            raw.pop("id", None)
+    d = _keys(raw, _TOP_KEYS, "", CaptureSpecError)
+    kw: dict[str, Any] = {}
+    cap = _keys(d.get("capture", {}), _CAPTURE_KEYS, "['capture']", CaptureSpecError)
+    if "hidden_states" in cap:
+        hs = _keys(cap["hidden_states"], _HS_KEYS, "['capture']['hidden_states']", CaptureSpecError)
+        kw["hs_layers"] = _layers(hs.get("layers", "all"), geo, "['capture']['hidden_states']['layers']")
+        kw["hs_positions"] = _positions(hs.get("positions", "all"), "['capture']['hidden_states']['positions']")
+    if "qk" in cap:
+        qk = _keys(cap["qk"], _QK_KEYS, "['capture']['qk']", CaptureSpecError)
+        kw["qk_layers"] = _layers(qk.get("layers", "all"), geo, "['capture']['qk']['layers']")
+        heads = qk.get("heads", "all")
+        if heads == "all":
+            kw["qk_heads"] = tuple(range(geo.num_heads))
+        else:
+            if not isinstance(heads, (list, tuple)) or not heads:
+                _fail(CaptureSpecError, "['capture']['qk']['heads']", f"must be 'all' or a non-empty list, got {heads!r}")
+            for h in heads:
+                if not isinstance(h, int) or isinstance(h, bool) or not 0 <= h < geo.num_heads:
+                    _fail(CaptureSpecError, "['capture']['qk']['heads']",
+                          f"head {h!r} is out of range: the model has query heads 0..{geo.num_heads - 1}")
+            kw["qk_heads"] = tuple(sorted(set(heads)))
+        kw["qk_positions"] = _positions(qk.get("positions", "all"), "['capture']['qk']['positions']")
+    if "steer" in d:
+        kw["steer"] = parse_steer_ops(d["steer"], geo, resolve_vector)
+    tags = d.get("tags", {})
+    if not isinstance(tags, dict):
+        _fail(CaptureSpecError, "['tags']", f"must be an object, got {type(tags).__name__}")
+    kw["tags"] = tags
+    if "id" in d:
+        if not isinstance(d["id"], str) or not d["id"] or "\x00" in d["id"]:
+            _fail(CaptureSpecError, "['id']", f"must be a non-empty string without NUL, got {d['id']!r}")
+        kw["stream_id"] = d["id"]
+    return RequestSpec(**kw)
+
+
+def parse_steer_ops(ops: Any, geo: ModelGeometry,
+                    resolve_vector: Callable[[str], np.ndarray] | None = None) -> tuple[SteerOp, ...]:
+    if not isinstance(ops, (list, tuple)):
+        _fail(SteeringSpecError, "['steer']", f"must be a list of operations, got {type(ops).__name__}")
+    return tuple(_parse_op(op, geo, resolve_vector, f"['steer'][{i}]") for i, op in enumerate(ops))
+
+
+def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> SteerOp:
+    op = _keys(op, _STEER_KEYS, path, SteeringSpecError)
+    layer = op.get("layer")
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < geo.num_layers:
+        _fail(SteeringSpecError, path + "['layer']",
+              f"must be a layer index in 0..{geo.num_layers - 1}, got {layer!r}")
+    kind = op.get("op")
+    if kind not in STEER_OPS:
+        _fail(SteeringSpecError, path + "['op']", f"must be one of {list(STEER_OPS)}, got {kind!r}")
+    vec = op.get("vector")
+    if isinstance(vec, dict):
+        if set(vec) != {"name"} or not isinstance(vec["name"], str):
+            _fail(SteeringSpecError, path + "['vector']", "a named vector is {'name': NAME}")
+        if resolve_vector is None:
+            from mia_stream.producer.vectors import load_vector as resolve_vector
+        try:
+            arr = np.asarray(resolve_vector(vec["name"]), dtype=np.float64)
+        except KeyError:
+            _fail(SteeringSpecError, path + "['vector']",
+                  f"no registered vector named {vec['name']!r} (register it with `mia-stream vectors add`)")
+    elif isinstance(vec, (list, tuple)):
+        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vec):
+            _fail(SteeringSpecError, path + "['vector']", "must be a list of numbers")
+        arr = np.asarray(vec, dtype=np.float64)
+    else:
+        _fail(SteeringSpecError, path + "['vector']", f"must be a list of floats or {{'name': NAME}}, got {vec!r}")
+    if arr.ndim != 1 or arr.shape[0] != geo.hidden_size:
+        _fail(SteeringSpecError, path + "['vector']",
+              f"has length {arr.size}; the model's hidden size is {geo.hidden_size}")
+    if not np.all(np.isfinite(arr)):
+        _fail(SteeringSpecError, path + "['vector']", "contains NaN or inf")
+    scale, threshold = op.get("scale", 1.0), op.get("threshold", 0.0)
+    for name, value in (("scale", scale), ("threshold", threshold)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            _fail(SteeringSpecError, path + f"['{name}']", f"must be a finite number, got {value!r}")
+    if kind != "add":
+        norm = float(np.linalg.norm(arr))
+        if norm == 0.0:
+            _fail(SteeringSpecError, path + "['vector']", f"a '{kind}' direction must be non-zero")
+        arr = arr / norm
+    positions = _positions(op.get("positions", "all"), path + "['positions']", STEER_POSITIONS, SteeringSpecError)
+    return SteerOp(layer, kind, tuple(float(x) for x in arr.astype(np.float32)), float(scale),
+                   float(threshold), positions)

@@ -1,0 +1,93 @@
+"""Named steering vectors: register once (``mia-stream vectors add NAME FILE``), reference by name.
+
+Vectors live as float32 ``.npy`` files in ``$MIA_STREAM_VECTORS`` (default ``~/.cache/mia_stream/vectors``),
+shared by every engine on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+
+_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def vectors_dir() -> Path:
+    base = os.environ.get("MIA_STREAM_VECTORS")
+    if base:
+        return Path(base)
+    cache = os.environ.get("MIA_STREAM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mia_stream")
+    return Path(cache) / "vectors"
+
+
+def _path(name: str) -> Path:
+    if not _NAME.match(name):
+        raise ValueError(f"vector name {name!r} must match {_NAME.pattern}")
+    return vectors_dir() / f"{name}.npy"
+
+
+def register_vector(name: str, vector) -> Path:
+    """Store ``vector`` (1-D, finite) under ``name``; replaces an existing one atomically."""
+    arr = np.asarray(vector, dtype=np.float32)
+    if arr.ndim != 1 or arr.size == 0:
+        raise ValueError(f"a steering vector is 1-D and non-empty, got shape {arr.shape}")
+    if not np.all(np.isfinite(arr)):
+        raise ValueError("steering vector contains NaN or inf")
+    path = _path(name)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+    return path
+
+
+def load_vector(name: str) -> np.ndarray:
+    """The registered vector ``name``; ``KeyError`` if there is none."""
+    path = _path(name)
+    if not path.exists():
+        raise KeyError(name)
+    return np.load(path)
+
+
+def list_vectors() -> dict[str, int]:
+    d = vectors_dir()
+    return {p.stem: int(np.load(p, mmap_mode="r").shape[0]) for p in sorted(d.glob("*.npy"))} if d.exists() else {}
+
+
+def _read_file(path: str) -> np.ndarray:
+    if path.endswith(".npy"):
+        return np.load(path)
+    if path.endswith(".json"):
+        import json
+
+        return np.asarray(json.loads(Path(path).read_text()), dtype=np.float32)
+    return np.loadtxt(path, dtype=np.float32).reshape(-1)
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="mia-stream vectors", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add = sub.add_parser("add", help="register FILE (.npy, .json list, or whitespace-separated text) as NAME")
+    add.add_argument("name")
+    add.add_argument("file")
+    sub.add_parser("list", help="list registered vectors and their lengths")
+    rm = sub.add_parser("remove", help="unregister NAME")
+    rm.add_argument("name")
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "add":
+            print(register_vector(args.name, _read_file(args.file)))
+        elif args.cmd == "list":
+            for name, n in list_vectors().items():
+                print(f"{name}\t{n}")
+        else:
+            _path(args.name).unlink()
+    except (ValueError, OSError, KeyError) as e:
+        print(f"mia-stream vectors: {e}", file=sys.stderr)
+        return 2
+    return 0

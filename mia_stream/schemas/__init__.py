@@ -1,0 +1,18 @@
+"""The wire format of mia_stream: typed messages and their encoding (spec: docs/wire-format.md).
+
+Producers, the broker and consumers all speak through this package and nothing else.
+"""
+
+from mia_stream.schemas._codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
+from mia_stream.schemas._messages import (FINISH_REASONS, MESSAGE_TYPES, SCHEMA_VERSION, ErrorNotice,
+                                          GapNotice, Heartbeat, Message, SteeringAck, SteeringCommand,
+                                          StreamEnd, StreamStart, Subscribe, TensorFrame, TokenFrame,
+                                          Unsubscribe, request_topic, stream_key)
+from mia_stream.schemas._tensors import WIRE_DTYPES, Shard, Tensor
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "SCHEMA_VERSION", "WIRE_DTYPES",
+    "ErrorNotice", "GapNotice", "Heartbeat", "Message", "Shard", "SteeringAck", "SteeringCommand",
+    "StreamEnd", "StreamStart", "Subscribe", "Tensor", "TensorFrame", "TokenFrame", "Unsubscribe",
+    "decode", "encode", "request_topic", "stream_key",
+]

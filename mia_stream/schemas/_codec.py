@@ -1,0 +1,314 @@
+"""Encode typed messages to ZeroMQ multipart frames and back: ``[topic, msgpack header, *tensor buffers]``."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import msgpack
+
+from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError
+from mia_stream.schemas._messages import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, Message, TensorFrame
+from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, compress, crc32,
+                                        decompress, verify_crc32)
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: larger messages are refused (broker sets zmq MAXMSGSIZE too)
+_MAX_HEADER_BYTES = 16 << 20
+
+_FIELDS = {kind: {f.name: f for f in dataclasses.fields(cls)} for kind, cls in MESSAGE_TYPES.items()}
+_REQUIRED = {
+    kind: [f.name for f in fields.values()
+           if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    for kind, fields in _FIELDS.items()
+}
+
+
+def _buffer_of(frame: Any) -> Any:
+    """bytes, memoryview or zmq.Frame -> a bytes-like without copying."""
+    buf = getattr(frame, "buffer", None)
+    return buf if buf is not None else frame
+
+
+def encode(msg: Message, *, compression: str = "none", checksum: bool = False) -> list[Any]:
+    """Frames for ``socket.send_multipart(frames, copy=False)``: tensor buffers are not copied.
+
+    ``compression`` ("none" | "lz4") and ``checksum`` (crc32 of the raw bytes) apply to every tensor
+    whose ``meta`` does not override them.
+    """
+    header: dict[str, Any] = {"v": list(SCHEMA_VERSION), "kind": msg.KIND}
+    buffers: list[Any] = []
+    for name in _FIELDS[msg.KIND]:
+        value = getattr(msg, name)
+        if name == "tensors":
+            value = [_encode_tensor(t, compression, checksum, buffers) for t in value]
+        header[name] = value
+    try:
+        packed = msgpack.packb(header, use_bin_type=True)
+    except (TypeError, ValueError) as e:
+        raise MalformedFrameError(f"{msg.KIND} header is not msgpack-encodable: {e}") from None
+    return [msg.topic(), packed, *buffers]
+
+
+def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list) -> dict:
+    method = t.meta.get("compression", compression)
+    raw = t.data
+    entry: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                             "layers": list(t.layers), "raw_nbytes": t.nbytes}
+    if t.meta.get("checksum", checksum):
+        entry["crc32"] = crc32(raw)
+    payload = compress(raw, method)
+    entry["compression"] = method
+    entry["nbytes"] = len(payload)
+    if t.shard is not None:
+        entry["shard"] = t.shard.to_wire()
+    buffers.append(payload)
+    if t.scale is not None:
+        entry["scale"] = {"dtype": "float32", "shape": list(t.scale.shape)}
+        buffers.append(memoryview(t.scale).cast("B"))
+    extra = {k: v for k, v in t.meta.items() if k not in ("compression", "checksum")}
+    if extra:
+        entry["meta"] = extra
+    return entry
+
+
+def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+           verify: bool = True) -> Message:
+    """Decode ``[topic, header, *buffers]``; tensors view the received buffers without copying.
+
+    Raises a ``WireError`` subclass for anything that is not a valid message of a known major version.
+    """
+    if len(frames) < 2:
+        raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {len(frames)}")
+    bufs = [_buffer_of(f) for f in frames]
+    total = sum(len(memoryview(b)) for b in bufs)
+    if total > max_message_bytes:
+        raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
+    header_buf = bufs[1]
+    if len(memoryview(header_buf)) > _MAX_HEADER_BYTES:
+        raise OversizedMessageError(f"header of {len(memoryview(header_buf))} bytes exceeds {_MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(header_buf, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+        raise MalformedFrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise MalformedFrameError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.get("v")
+    if (not isinstance(version, (list, tuple)) or len(version) != 2
+            or not all(isinstance(x, int) for x in version)):
+        raise MalformedFrameError(f"header field 'v' must be [major, minor], got {version!r}")
+    if version[0] != SCHEMA_VERSION[0]:
+        raise SchemaVersionError(
+            f"schema major version {version[0]} is not supported by this decoder "
+            f"(it speaks {SCHEMA_VERSION[0]}.x); upgrade mia_stream on this side")
+    kind = header.get("kind")
+    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
+    if cls is None:
+        raise MalformedFrameError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
+    missing = [n for n in _REQUIRED[kind] if n not in header]
+    if missing:
+        raise MalformedFrameError(f"{kind} header lacks required field(s) {missing}")
+    fields = {n: header[n] for n in _FIELDS[kind] if n in header}
+    buffers = bufs[2:]
+    if cls is TensorFrame:
+        fields["tensors"] = _decode_tensors(header.get("tensors", []), buffers, verify, max_message_bytes)
+    elif buffers:
+        raise MalformedFrameError(f"{kind} message carries {len(buffers)} unexpected buffer frame(s)")
+    try:
+        msg = cls(**fields)
+    except TypeError as e:
+        raise MalformedFrameError(f"{kind} header: {e}") from None
+    _check_types(msg)
+    if isinstance(msg, GapNotice):
+        _check_gap_ranges(msg.missing)
+    return msg
+
+
+def _check_gap_ranges(missing: list) -> None:
+    for r in missing:
+        if (not isinstance(r, (list, tuple)) or len(r) != 2
+                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r) or r[0] > r[1]):
+            raise MalformedFrameError(f"gap.missing must hold [first_seq, last_seq] int ranges, got {r!r}")
+
+
+def _entry_field(e: dict, key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
+    """One field of a tensor entry, type-checked (a msgpack bool is not an int)."""
+    if key not in e:
+        if default is dataclasses.MISSING:
+            raise MalformedFrameError(f"tensor entry lacks required field {key!r}: {e!r}")
+        return default
+    value = e[key]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise MalformedFrameError(f"tensor entry field {key!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def _int_list(e: dict, key: str, default: Any = dataclasses.MISSING) -> tuple[int, ...]:
+    values = _entry_field(e, key, list, default)
+    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
+        raise MalformedFrameError(f"tensor entry field {key!r} must be a list of ints, got {values!r}")
+    return tuple(values)
+
+
+def _decode_tensors(entries: Any, buffers: list, verify: bool, max_message_bytes: int) -> list[Tensor]:
+    if not isinstance(entries, list):
+        raise MalformedFrameError("'tensors' must be a list")
+    out, i = [], 0
+    for e in entries:
+        if not isinstance(e, dict):
+            raise MalformedFrameError(f"bad tensor entry {e!r}: must be a map")
+        name = _entry_field(e, "name", str)
+        dtype = _entry_field(e, "dtype", str)
+        shape = _int_list(e, "shape")
+        if any(d < 0 for d in shape):
+            raise MalformedFrameError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+        layers = _int_list(e, "layers", [])
+        method = _entry_field(e, "compression", str, "none")
+        nbytes, raw_nbytes = _entry_field(e, "nbytes", int), _entry_field(e, "raw_nbytes", int)
+        meta = _entry_field(e, "meta", dict, {})
+        if dtype not in WIRE_DTYPES:
+            raise MalformedFrameError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if method not in COMPRESSIONS:
+            raise MalformedFrameError(f"tensor {name!r}: unknown compression {method!r}")
+        if raw_nbytes > max_message_bytes:  # a small lz4 payload must not inflate past the message limit
+            raise OversizedMessageError(
+                f"tensor {name!r}: {raw_nbytes} uncompressed bytes exceed the limit of {max_message_bytes}")
+        if method == "none" and raw_nbytes != nbytes:
+            raise MalformedFrameError(f"tensor {name!r}: uncompressed but raw_nbytes {raw_nbytes} != nbytes {nbytes}")
+        if i >= len(buffers):
+            raise MalformedFrameError(f"tensor {name!r}: its buffer frame is missing")
+        payload = buffers[i]
+        i += 1
+        if len(memoryview(payload)) != nbytes:
+            raise MalformedFrameError(f"tensor {name!r}: buffer has {len(memoryview(payload))} bytes, header says {nbytes}")
+        data = decompress(payload, method, raw_nbytes)
+        if verify and "crc32" in e:
+            verify_crc32(name, data, _entry_field(e, "crc32", int))
+        scale = None
+        if "scale" in e:
+            import numpy as np
+
+            scale_entry = _entry_field(e, "scale", dict)
+            sshape = _int_list(scale_entry, "shape")
+            if scale_entry.get("dtype", "float32") != "float32":
+                raise MalformedFrameError(f"tensor {name!r}: scale dtype must be float32, got {scale_entry['dtype']!r}")
+            if i >= len(buffers):
+                raise MalformedFrameError(f"tensor {name!r}: its scale buffer is missing")
+            try:
+                scale = np.frombuffer(buffers[i], dtype="<f4").reshape(sshape)
+            except ValueError as err:
+                raise MalformedFrameError(f"tensor {name!r}: bad scale buffer: {err}") from None
+            i += 1
+        t = Tensor(name, dtype, shape, data, layers,
+                   Shard.from_wire(e["shard"]) if e.get("shard") else None, scale, dict(meta))
+        t.raw()  # validates size against shape and dtype
+        out.append(t)
+    if i != len(buffers):
+        raise MalformedFrameError(f"{len(buffers) - i} buffer frame(s) not described by the header")
+    return out
+
+
+def _check_types(msg: Message) -> None:
+    for name, f in _FIELDS[msg.KIND].items():
+        value = getattr(msg, name)
+        ann = str(f.type)
+        ok = True
+        if ann == "str":
+            ok = isinstance(value, str)
+        elif ann == "int":
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif ann == "bool":
+            ok = isinstance(value, bool)
+        elif ann == "list":
+            ok = isinstance(value, list)
+        elif ann == "dict":
+            ok = isinstance(value, dict)
+        elif ann == "str | None":
+            ok = value is None or isinstance(value, str)
+        elif ann == "int | None":
+            ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
+        if not ok:
+            raise MalformedFrameError(f"{msg.KIND}.{name} must be {ann}, got {type(value).__name__}")
+
+
+_ROUTING_TYPES = (("request_id", str), ("producer_id", str), ("epoch", int), ("seq", int))
+
+
+def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict:
+    """Validate a message's framing and header without building tensors; return the header map.
+
+    For the broker's hot path: it checks what ``decode`` checks about the header and the buffer sizes
+    (version, kind, required fields, routing field types, one buffer per tensor of the declared size)
+    but never touches tensor bytes. Raises the same ``WireError`` subclasses as ``decode``.
+    """
+    n = len(frames)
+    if n < 2:
+        raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {n}")
+    sizes = [len(memoryview(_buffer_of(f))) if not isinstance(f, bytes) else len(f) for f in frames]
+    total = sum(sizes)
+    if total > max_message_bytes:
+        raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
+    if sizes[1] > _MAX_HEADER_BYTES:
+        raise OversizedMessageError(f"header of {sizes[1]} bytes exceeds {_MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(_buffer_of(frames[1]), raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types
+        raise MalformedFrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise MalformedFrameError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.get("v")
+    if (not isinstance(version, (list, tuple)) or len(version) != 2
+            or not all(isinstance(x, int) for x in version)):
+        raise MalformedFrameError(f"header field 'v' must be [major, minor], got {version!r}")
+    if version[0] != SCHEMA_VERSION[0]:
+        raise SchemaVersionError(
+            f"schema major version {version[0]} is not supported by this decoder "
+            f"(it speaks {SCHEMA_VERSION[0]}.x); upgrade mia_stream on this side")
+    kind = header.get("kind")
+    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+        raise MalformedFrameError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
+    for name in _REQUIRED[kind]:
+        if name not in header:
+            raise MalformedFrameError(f"{kind} header lacks required field {name!r}")
+    fields = _FIELDS[kind]
+    for name, typ in _ROUTING_TYPES:
+        if name in fields and name in header:
+            value = header[name]
+            if not isinstance(value, typ) or isinstance(value, bool):
+                raise MalformedFrameError(f"{kind}.{name} must be {typ.__name__}, got {type(value).__name__}")
+    if kind == "tensors":
+        _check_tensor_entries(header.get("tensors", []), sizes[2:])
+    elif n > 2:
+        raise MalformedFrameError(f"{kind} message carries {n - 2} unexpected buffer frame(s)")
+    return header
+
+
+def _check_tensor_entries(entries: Any, sizes: list[int]) -> None:
+    if not isinstance(entries, list):
+        raise MalformedFrameError("'tensors' must be a list")
+    i = 0
+    for e in entries:
+        try:
+            name, dtype, method = e["name"], e["dtype"], e.get("compression", "none")
+            nbytes, raw_nbytes = int(e["nbytes"]), int(e["raw_nbytes"])
+            count = 1
+            for s in e["shape"]:
+                if int(s) < 0:
+                    raise ValueError("negative dimension")
+                count *= int(s)
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            raise MalformedFrameError(f"bad tensor entry {e!r}: {err}") from None
+        if dtype not in WIRE_DTYPES:
+            raise MalformedFrameError(f"tensor {name!r}: unknown dtype {dtype!r}")
+        if method not in COMPRESSIONS:
+            raise MalformedFrameError(f"tensor {name!r}: unknown compression {method!r}")
+        if raw_nbytes != count * WIRE_DTYPES[dtype][1] or (method == "none" and nbytes != raw_nbytes):
+            raise MalformedFrameError(f"tensor {name!r}: sizes do not match shape and dtype")
+        if i >= len(sizes) or sizes[i] != nbytes:
+            raise MalformedFrameError(f"tensor {name!r}: buffer missing or not {nbytes} bytes")
+        i += 1
+        if "scale" in e:
+            i += 1
+            if i > len(sizes):
+                raise MalformedFrameError(f"tensor {name!r}: its scale buffer is missing")
+    if i != len(sizes):
+        raise MalformedFrameError(f"{len(sizes) - i} buffer frame(s) not described by the header")

@@ -1,0 +1,239 @@
+"""Bus benchmark: raw pyzmq PUSH/PULL over ipc vs FramePublisher -> broker -> consumer SDK, side by side.
+
+    .venv/bin/python scripts/bench_bus.py [--quick]
+
+Every leg is its own process (sender, broker, receiver). For each frame size it prints GB/s, frames/s,
+p50/p99 latency from send to the consumer callback, frames lost, and the broker/raw ratios; then a run
+paced at ~70% of the measured bus saturation rate, which must lose nothing. Latency uses CLOCK_MONOTONIC,
+which is shared by every process of the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+PY = sys.executable
+SIZES = [(1 << 10, "1 KiB", 40_000), (16 << 10, "16 KiB", 20_000), (1 << 20, "1 MiB", 1_500), (8 << 20, "8 MiB", 200)]
+
+
+# ---------------------------------------------------------------------------------------------- roles
+
+def _summary(latencies_ns: list[int], received: int, t_first: int, t_last: int, size: int, sent: int) -> dict:
+    lat = np.array(latencies_ns, dtype=np.float64) / 1e3 if latencies_ns else np.zeros(1)
+    span = max(t_last - t_first, 1) / 1e9
+    n = max(received - 1, 1)  # throughput over the intervals between the first and the last frame
+    return {"received": received, "lost": sent - received, "gbps": n * size / span / 1e9, "fps": n / span,
+            "p50_us": float(np.percentile(lat, 50)), "p99_us": float(np.percentile(lat, 99))}
+
+
+def role_raw_recv(a) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PULL)
+    s.setsockopt(zmq.RCVHWM, 1000)
+    s.bind(a.endpoint)
+    print("ready", flush=True)
+    lat, t_first, t_last, got = [], 0, 0, 0
+    while got < a.n:
+        if not s.poll(10_000):
+            break
+        parts = s.recv_multipart(copy=False)
+        now = time.monotonic_ns()
+        (t_sent,) = struct.unpack("q", parts[0].bytes)
+        lat.append(now - t_sent)
+        t_first = t_first or now
+        t_last = now
+        got += 1
+    print(json.dumps(_summary(lat, got, t_first, t_last, a.size, a.n)), flush=True)
+
+
+def role_raw_send(a) -> None:
+    import zmq
+
+    ctx = zmq.Context()
+    s = ctx.socket(zmq.PUSH)
+    s.setsockopt(zmq.SNDHWM, 1000)
+    s.connect(a.endpoint)
+    buf = np.ones(a.size, dtype=np.uint8)
+    time.sleep(0.3)
+    for _ in range(a.n):
+        s.send_multipart([struct.pack("q", time.monotonic_ns()), buf], copy=False)
+    s.close(linger=30_000)
+    ctx.term()
+
+
+def role_bus_consume(a) -> None:
+    from mia_stream.consumers import Consumer, run_consumer
+
+    class Meter(Consumer):
+        patterns = ("bench-*",)
+
+        def __init__(self):
+            self.lat, self.t_first, self.t_last, self.got, self.gaps = [], 0, 0, 0, 0
+
+        def on_frame(self, stream, frame):
+            now = time.monotonic_ns()
+            self.lat.append(now - frame.time_ns)
+            self.t_first = self.t_first or now
+            self.t_last = now
+            self.got += 1
+
+        def on_gap(self, stream, gap):
+            self.gaps += gap.count
+
+    m = Meter()
+    print("ready", flush=True)
+    run_consumer(m, a.address, max_streams=1, idle_timeout=15)
+    out = _summary(m.lat, m.got, m.t_first, m.t_last, a.size, a.n)
+    out["gaps_reported"] = m.gaps
+    print(json.dumps(out), flush=True)
+
+
+def role_bus_produce(a) -> None:
+    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.schemas import StreamEnd, StreamStart, Tensor, TensorFrame
+
+    pub = FramePublisher(a.address, producer_id="bench")
+    time.sleep(0.3)
+    rid = "bench-1"
+    tensor = Tensor.from_array("hs", np.ones((1, 1, a.size), dtype=np.uint8))
+    pub.publish(StreamStart(rid, pub.producer_id, pub.epoch, pub.next_seq(rid)))
+    high = pub.queue_bytes // 2
+    t0 = time.monotonic()
+    for step in range(a.n):
+        if a.rate:
+            delay = t0 + step / a.rate - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        else:
+            while pub._queued > high:  # saturation run: a producer that yields instead of dropping
+                time.sleep(0.0002)
+        pub.publish(TensorFrame(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), step, tensors=[tensor],
+                                time_ns=time.monotonic_ns()))
+    pub.publish(StreamEnd(rid, pub.producer_id, pub.epoch, pub.next_seq(rid)))
+    pub.close(timeout=30)
+    print(json.dumps({"dropped_by_publisher": pub.stats().get("dropped", 0)}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------- runs
+
+def _spawn(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    return subprocess.Popen([PY, __file__, *args], stdout=subprocess.PIPE, text=True, env=env)
+
+
+def _wait_ready(p: subprocess.Popen) -> None:
+    line = p.stdout.readline()
+    if "ready" not in line:
+        raise RuntimeError(f"child did not start: {line!r}")
+
+
+def _result(p: subprocess.Popen, timeout: float = 120) -> dict:
+    out, _ = p.communicate(timeout=timeout)
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def run_raw(run_dir: str, size: int, n: int) -> dict:
+    ep = f"ipc://{run_dir}/raw.sock"
+    recv = _spawn("raw-recv", "--endpoint", ep, "--n", str(n), "--size", str(size))
+    _wait_ready(recv)
+    send = _spawn("raw-send", "--endpoint", ep, "--n", str(n), "--size", str(size))
+    res = _result(recv)
+    send.wait(60)
+    return res
+
+
+def run_bus(run_dir: str, size: int, n: int, rate: float = 0.0) -> dict:
+    cons = _spawn("bus-consume", "--address", run_dir, "--n", str(n), "--size", str(size))
+    _wait_ready(cons)
+    time.sleep(0.5)  # let it subscribe
+    prod = _spawn("bus-produce", "--address", run_dir, "--n", str(n), "--size", str(size), "--rate", str(rate))
+    res = _result(cons)
+    res.update(_result(prod))
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer frames per size")
+    args = ap.parse_args(argv)
+    run_dir = tempfile.mkdtemp(prefix="mia-bench-", dir="/tmp")
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    broker = subprocess.Popen([PY, "-m", "mia_stream.broker", "--address", run_dir], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    rows = []
+    t_start = time.monotonic()
+    try:
+        if "ready" not in broker.stdout.readline():
+            raise RuntimeError("broker did not start")
+        print(f"bus benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, ipc, one frame = one "
+              f"TensorFrame with one tensor of the size shown")
+        head = (f"{'size':>7} | {'raw GB/s':>8} {'raw f/s':>9} {'raw p50':>8} {'raw p99':>8} | {'bus GB/s':>8} "
+                f"{'bus f/s':>9} {'bus p50':>8} {'bus p99':>8} {'lost':>5} | {'ratio':>5}")
+        print(head)
+        print("-" * len(head))
+        for size, label, n in SIZES:
+            n = max(50, n // 4) if args.quick else n
+            raw = run_raw(run_dir, size, n)
+            bus = run_bus(run_dir, size, n)
+            ratio = bus["gbps"] / raw["gbps"]
+            rows.append((label, size, raw, bus, ratio))
+            print(f"{label:>7} | {raw['gbps']:8.3f} {raw['fps']:9.0f} {raw['p50_us']:7.0f}u {raw['p99_us']:7.0f}u | "
+                  f"{bus['gbps']:8.3f} {bus['fps']:9.0f} {bus['p50_us']:7.0f}u {bus['p99_us']:7.0f}u "
+                  f"{bus['lost']:5d} | {ratio:5.2f}", flush=True)
+        print()
+        print("paced at ~70% of the bus saturation rate measured above (must lose nothing):")
+        for label, size, _raw, bus, _ in rows:
+            if size not in (16 << 10, 1 << 20):
+                continue
+            rate = 0.7 * bus["fps"]
+            n = int(min(rate * 2.0, 20_000))
+            paced = run_bus(run_dir, size, n, rate=rate)
+            print(f"{label:>7} at {rate:8.0f} f/s ({rate * size / 1e9:.3f} GB/s): received {paced['received']}/{n}, "
+                  f"lost {paced['lost']}, gaps reported {paced['gaps_reported']}, publisher drops "
+                  f"{paced['dropped_by_publisher']}, p50 {paced['p50_us']:.0f} us, p99 {paced['p99_us']:.0f} us",
+                  flush=True)
+        print(f"\ntotal {time.monotonic() - t_start:.0f} s")
+    finally:
+        broker.terminate()
+        broker.wait(10)
+        shutil.rmtree(run_dir, ignore_errors=True)
+    try:
+        sys.path.insert(0, str(REPO / "scripts"))
+        import bench_record  # written by the recorder helper; optional
+    except ImportError:
+        bench_record = None
+    if bench_record is not None and hasattr(bench_record, "main"):
+        print("\n--- scripts/bench_record.py ---", flush=True)
+        bench_record.main()
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] in ("raw-recv", "raw-send", "bus-consume", "bus-produce"):
+        ap = argparse.ArgumentParser()
+        ap.add_argument("role")
+        ap.add_argument("--endpoint")
+        ap.add_argument("--address")
+        ap.add_argument("--n", type=int)
+        ap.add_argument("--size", type=int)
+        ap.add_argument("--rate", type=float, default=0.0)
+        a = ap.parse_args()
+        {"raw-recv": role_raw_recv, "raw-send": role_raw_send, "bus-consume": role_bus_consume,
+         "bus-produce": role_bus_produce}[a.role](a)
+        sys.exit(0)
+    sys.exit(main())

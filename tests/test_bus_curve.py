@@ -1,0 +1,84 @@
+"""CURVE on tcp: authorised peers get the stream; peers with wrong or no keys get nothing."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import zmq
+
+from bus_helpers import events_until, processes, publish_stream, run_dir, start_broker
+from mia_stream import _transport
+from mia_stream.consumers import BrokerClient, open_stream
+from mia_stream.errors import TransportError
+from mia_stream.producer.publisher import FramePublisher
+from mia_stream.schemas import SteeringCommand, encode, Subscribe
+
+
+def _free_base_port() -> int:
+    for _ in range(50):
+        socks = []
+        try:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+            socks.append(s)
+            for i in (1, 2):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + i))
+                socks.append(t)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port triple")
+
+
+def test_tcp_requires_curve():
+    with pytest.raises(TransportError, match="CURVE"):
+        BrokerClient("tcp://127.0.0.1:5999", keys=None)
+    with pytest.raises(TransportError, match="CURVE"):
+        FramePublisher("tcp://127.0.0.1:5999", keys=None)
+
+
+def test_curve_tcp_only_authorised_peers_receive(tmp_path):
+    keys = tmp_path / "keys"
+    assert _transport.keys_main([str(keys), "--clients", "producer,consumer,watcher", "--steer", "consumer"]) == 0
+    stranger = tmp_path / "stranger"  # a valid key pair the broker never heard of
+    _transport.create_keys(stranger, clients=("consumer",), steer=())
+    address = f"tcp://127.0.0.1:{_free_base_port()}"
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(address, "--keys", str(keys)))
+        pub = FramePublisher(address, producer_id="secure", keys=_transport.load_client_keys(keys, "producer"))
+        good = open_stream(address, patterns=("*",), timeout=5, keys=_transport.load_client_keys(keys, "consumer"))
+        # wrong keys: a client pair not in authorized/, even with the right server key
+        wrong = _transport.load_client_keys(stranger, "consumer")
+        wrong = _transport.ClientKeys(wrong.public, wrong.secret, _transport.load_client_keys(keys).server_public)
+        bad = BrokerClient(address, keys=wrong)
+        bad.subscribe(["*"])
+        # no CURVE at all: a plain zmq socket on the tcp port
+        ctx = zmq.Context.instance()
+        plain = ctx.socket(zmq.DEALER)
+        plain.setsockopt(zmq.LINGER, 0)
+        plain.connect(_transport.endpoints_for(address).consumers)
+        plain.send_multipart(encode(Subscribe(["*"])))
+        try:
+            time.sleep(0.5)
+            publish_stream(pub, "secret", 5, 1024)
+            kinds = [ev.kind for ev in events_until(good, 1, 10)]
+            assert kinds[0] == "start" and kinds.count("frame") == 5 and kinds[-1] == "end"
+            assert bad.recv(timeout=1.0) is None
+            assert not plain.poll(500)
+            # the watcher key may connect but is not in steer/: its commands are refused
+            watcher = BrokerClient(address, keys=_transport.load_client_keys(keys, "watcher"))
+            ack = watcher.send_steering(SteeringCommand("w1", "secret", "clear"), timeout=5)
+            assert not ack.ok and ack.error.startswith("not_authorised")
+            watcher.close()
+        finally:
+            good.close()
+            bad.close()
+            plain.close()
+            pub.close()

@@ -1,0 +1,149 @@
+"""The producer inside a real vLLM engine (CPU, torch.compile), checked against Hugging Face transformers.
+
+Tolerance: both sides run float32 on the same weights and token ids; vLLM's CPU kernels and HF sum in a
+different order, which measured 1.5e-5 of a layer's max |value| after 30 layers (shared/notes/measured.md).
+We allow 1e-4: ten times the measured drift, still far below any real error (a wrong row, position or
+layer is off by O(1)).
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from producer_helpers import collecting, hf_trace, rel_err
+
+TOL = 1e-4
+pytestmark = pytest.mark.slow
+
+
+def _params(max_tokens=8, spec=None, **kw):
+    from vllm import SamplingParams
+
+    extra = {"mia_stream": spec} if spec is not None else None
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, extra_args=extra, **kw)
+
+
+def _chat(tokenizer, text):
+    return tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                         add_generation_prompt=True)
+
+
+def test_engine_answers_paris(engine, tokenizer):
+    out = engine.generate([_chat(tokenizer, "What is the capital of France?")], _params(16))
+    assert "Paris" in out[0].outputs[0].text
+
+
+def test_capture_equals_hf_and_leaves_output_unchanged(engine, tokenizer, hf_model, broker_address):
+    prompt = _chat(tokenizer, "What is the capital of France?")
+    spec = {"capture": {"hidden_states": {"layers": "all", "positions": "all"},
+                        "qk": {"layers": [0, 7, 29], "heads": "all", "positions": "all"}},
+            "id": "cap-hf", "tags": {"test": "hf"}}
+    with collecting(broker_address, ["cap-hf"]) as col:
+        captured = engine.generate([prompt], _params(12, spec))[0]
+        col.wait_ended(["cap-hf"])
+    plain = engine.generate([prompt], _params(12))[0]
+    assert captured.outputs[0].token_ids == plain.outputs[0].token_ids, "capture changed greedy output"
+
+    ev = col.events["cap-hf"]
+    start = ev[0].stream.start
+    assert ev[0].kind == "start" and start.tags == {"test": "hf"} and start.num_layers == 30
+    prompt_ids = list(captured.prompt_token_ids)
+    gen_ids = list(captured.outputs[0].token_ids)
+    assert start.prompt_token_ids == prompt_ids
+    assert ev[0].stream.generated_token_ids == gen_ids
+    end = [e for e in ev if e.kind == "end"][0].end
+    assert end.finish_reason == captured.outputs[0].finish_reason and end.num_generated_tokens == len(gen_ids)
+    assert end.frames_dropped == 0 and not ev[0].stream.gaps
+
+    positions, token_ids, hs = col.stacked("cap-hf", "hs")
+    full = prompt_ids + gen_ids
+    # every position whose row the engine computed: the whole prompt and all generated tokens but the last
+    assert positions == list(range(len(full) - 1))
+    assert token_ids == full[:-1]
+    ref_hs, ref_q, ref_k, _ = hf_trace(hf_model, full[:-1])
+    assert hs.shape == ref_hs.shape == (30, len(full) - 1, 576)
+    assert rel_err(hs, ref_hs).max() < TOL
+    _, _, q = col.stacked("cap-hf", "q")
+    _, _, k = col.stacked("cap-hf", "k")
+    assert q.shape == (3, len(full) - 1, 9, 64) and k.shape == (3, len(full) - 1, 3, 64)
+    for j, layer in enumerate([0, 7, 29]):
+        assert rel_err(q[j][None], ref_q[layer][None]).max() < TOL
+        assert rel_err(k[j][None], ref_k[layer][None]).max() < TOL
+
+
+def test_mixed_batch_each_stream_gets_exactly_its_rows(engine, tokenizer, hf_model, broker_address):
+    """Several prompts at once, two longer than the step budget (chunked prefill), different specs."""
+    long_a = _chat(tokenizer, "Summarise: " + " ".join(f"item {i} is blue." for i in range(70)))
+    long_b = _chat(tokenizer, "List: " + " ".join(f"{i} apples" for i in range(90)))
+    short = _chat(tokenizer, "Say hi.")
+    specs = {
+        "mix-a": {"capture": {"hidden_states": {"layers": [1, 2], "positions": "prompt"}}, "id": "mix-a"},
+        "mix-b": {"capture": {"hidden_states": {"layers": [29], "positions": "generated"},
+                              "qk": {"layers": [3], "heads": [1, 4], "positions": "last_prompt"}}, "id": "mix-b"},
+        "mix-c": {"capture": {"hidden_states": {"layers": "all", "positions": "last_prompt"}}, "id": "mix-c"},
+    }
+    prompts = [long_a, long_b, short, short]
+    params = [_params(6, specs["mix-a"]), _params(6, specs["mix-b"]), _params(6, specs["mix-c"]), _params(6)]
+    with collecting(broker_address, ["mix-*"]) as col:
+        outs = engine.generate(prompts, params)
+        col.wait_ended(list(specs))
+    assert len(outs[0].prompt_token_ids) > 256 and len(outs[1].prompt_token_ids) > 256  # chunked prefill
+    assert set(col.events) == set(specs), "a request that did not ask was streamed"
+    for rid, out in zip(specs, outs):
+        full = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        plen = len(out.prompt_token_ids)
+        ref_hs, ref_q, _, _ = hf_trace(hf_model, full[:-1])
+        positions, token_ids, hs = col.stacked(rid, "hs")
+        layers = [f for f in col.frames(rid) if "hs" in f.raw_tensors][0].layers["hs"]
+        expect = {"mix-a": list(range(plen)), "mix-b": list(range(plen, len(full) - 1)),
+                  "mix-c": [plen - 1]}[rid]
+        assert positions == expect, rid
+        assert token_ids == [full[p] for p in expect]
+        assert rel_err(hs, ref_hs[list(layers)][:, expect]).max() < TOL, rid
+    q_frames = [f for f in col.frames("mix-b") if "q" in f.raw_tensors]
+    assert len(q_frames) == 1 and q_frames[0].positions == [len(outs[1].prompt_token_ids) - 1]
+    q = q_frames[0].tensors["q"]
+    assert q.shape == (1, 1, 2, 64) and q_frames[0].raw_tensors["q"].meta["heads"] == [1, 4]
+    p = len(outs[1].prompt_token_ids) - 1
+    _, ref_q, _, _ = hf_trace(hf_model, list(outs[1].prompt_token_ids))
+    assert rel_err(q[0], ref_q[3][p:p + 1, [1, 4]]).max() < TOL
+
+
+def test_json_string_spec_as_sent_by_vllm_xargs(engine, broker_address):
+    spec = json.dumps({"capture": {"hidden_states": {"layers": [5], "positions": "last_prompt"}}, "id": "json-1"})
+    with collecting(broker_address, ["json-1"]) as col:
+        engine.generate(["The capital of France is"], _params(3, spec))
+        col.wait_ended(["json-1"])
+    frames = col.frames("json-1")
+    assert len(frames) == 1 and frames[0].layers["hs"] == (5,)
+
+
+@pytest.mark.parametrize("spec, words", [
+    ({"capture": {"hidden_states": {"layers": [99]}}}, "layer 99 is out of range"),
+    ({"capture": {"hiden_states": {}}}, "unknown key"),
+    ({"capture": {"qk": {"layers": [0], "heads": [9]}}}, "head 9 is out of range"),
+    ({"capture": {"hidden_states": {"positions": "middle"}}}, "must be one of"),
+    ({"steer": [{"layer": 3, "op": "add", "vector": [1.0, 2.0]}]}, "hidden size is 576"),
+    ({"steer": [{"layer": 3, "op": "add", "vector": {"name": "no-such-vector"}}]}, "no registered vector"),
+])
+def test_invalid_spec_is_rejected_and_engine_keeps_serving(engine, spec, words):
+    with pytest.raises(ValueError, match=words):
+        engine.generate(["Hello"], _params(2, spec))
+    out = engine.generate(["The capital of France is"], _params(4))
+    assert out[0].outputs[0].text.strip()
+
+
+def test_prefix_cache_never_hides_captured_prompt_rows(engine, broker_address):
+    prompt = "Repeat after me: " + "the quick brown fox jumps over the lazy dog. " * 12
+    engine.generate([prompt], _params(2))  # fills the prefix cache with this prompt's blocks
+    spec = {"capture": {"hidden_states": {"layers": [0], "positions": "prompt"}}, "id": "pc-1"}
+    with collecting(broker_address, ["pc-1"]) as col:
+        out = engine.generate([prompt], _params(2, spec))[0]
+        col.wait_ended(["pc-1"])
+    positions, _, _ = col.stacked("pc-1", "hs")
+    assert positions == list(range(len(out.prompt_token_ids)))
+    end = col.kinds("pc-1", "end")[0].end
+    assert end.uncaptured_positions == []
