@@ -219,11 +219,16 @@ def main(argv: list[str] | None = None) -> int:
         bench_record = None
     if bench_record is not None and hasattr(bench_record, "main"):
         print("\n--- scripts/bench_record.py ---", flush=True)
+        sys.argv = [str(REPO / "scripts" / "bench_record.py")]  # its own defaults, not our flags
         bench_record.main()
     return 0
 
 
 if __name__ == "__main__":
+    import faulthandler
+    import signal
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1 PID` dumps a stuck child's stacks
     if len(sys.argv) > 1 and sys.argv[1] in ("raw-recv", "raw-send", "bus-consume", "bus-produce"):
         ap = argparse.ArgumentParser()
         ap.add_argument("role")

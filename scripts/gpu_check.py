@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
+WORK = ["/tmp/gpu-check-work"]
 sys.path.insert(0, str(REPO))
 
 # ---------------------------------------------------------------------------------------------- bus process
@@ -204,7 +205,12 @@ def _prompts(rng, n, lo, hi, vocab=40000):
 
 
 def _gen(llm, prompts, params):
+    from vllm import SamplingParams
+
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    # The worker learns of finished requests only at the next scheduled step (finished_req_ids ride on the
+    # next SchedulerOutput), so the last streams' StreamEnd waits for one more step: run a 1-token request.
+    llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
@@ -330,7 +336,7 @@ def engine_correctness(args) -> dict:
     res["mixed_bad"] = bad[:20]
     res["mixed_bad_count"] = len(bad)
     res["worker"] = llm.collective_rpc(_worker_probe)[0]
-    np.savez_compressed(Path(args.out) / f"{args.engine}.npz", **save)
+    np.savez_compressed(Path(args.work) / f"{args.engine}.npz", **save)
     bus.close()
     return res
 
@@ -375,20 +381,20 @@ def engine_bench(args) -> dict:
     }
     if args.only:
         configs = {k: v for k, v in configs.items() if k in args.only.split(",") or k in ("plain", "idle")}
-    repeats = 2 if not plugin_on else 1
-    for name, spec in configs.items():
-        for rep in range(repeats):
+    rounds = args.rounds * (2 if not plugin_on else 1)  # round-robin over the configs spreads clock drift
+    for rnd in range(rounds):
+        for name, spec in configs.items():
             if spec == "distinct":
                 ps = []
                 for i in range(args.n):
                     vi = rng.standard_normal(H).astype(np.float32)
                     ps.append(SamplingParams(**base, extra_args={"mia_stream": {
                         "steer": [{"layer": L // 2, "op": "add", "vector": (vi / np.linalg.norm(vi)).tolist(),
-                                   "scale": 0.5}], "id": f"{name}{i}"}}))
+                                   "scale": 0.5}], "id": f"{name}{rnd}_{i}"}}))
             elif spec is None:
                 ps = SamplingParams(**base)
             else:
-                ps = [SamplingParams(**base, extra_args={"mia_stream": dict(spec, id=f"{name}{i}")})
+                ps = [SamplingParams(**base, extra_args={"mia_stream": dict(spec, id=f"{name}{rnd}_{i}")})
                       for i in range(args.n)]
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -397,7 +403,7 @@ def engine_bench(args) -> dict:
             gen = sum(len(t) for t in toks)
             row = {"gen_tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1)}
             if bus is not None:
-                got = bus.collect(0 if spec is None else args.n, timeout=60)
+                got = bus.collect(0 if spec is None else args.n, timeout=15)
                 lat = np.asarray(got["latency_ms"]) if got["latency_ms"] else None
                 drops = sum((s["end"] or {}).get("frames_dropped", 0) for s in got["streams"].values())
                 gaps = sum(s["gaps"] for s in got["streams"].values())
@@ -410,7 +416,7 @@ def engine_bench(args) -> dict:
                             "broker_drops": {k: v for k, v in (got["broker"] or {}).items()
                                              if "drop" in str(k)} if isinstance(got["broker"], dict) else None})
             res["runs"].setdefault(name, []).append(row)
-            print(f"[bench] {name} {row}", flush=True)
+            print(f"[bench] round {rnd} {name} {row}", flush=True)
     # pinned D2H bandwidth on this host (the ceiling for drained bytes/s)
     src = torch.empty(64 << 20, dtype=torch.uint8, device="cuda")
     dst = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True)
@@ -436,7 +442,7 @@ def engine_hf_reference(args) -> dict:
     m = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).cuda().eval()
     out = {}
     for tag in ("small_graphs", "small_eager"):
-        f = Path(args.out) / f"{tag}.npz"
+        f = Path(args.work) / f"{tag}.npz"
         if not f.exists():
             continue
         d = np.load(f)
@@ -468,15 +474,15 @@ def _run_engine(mode: str, args, timeout: int) -> dict:
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", PYTHONPATH=f"{os.environ.get('PYTHONPATH', '')}:{REPO}")
     env.pop("MIA_STREAM_BROKER", None)
     cmd = [sys.executable, __file__, "--engine", mode, "--models", args.models, "--out", args.out,
-           "--tp", str(args.tp), "--n", str(args.n), "--tokens", str(args.tokens),
-           "--prompt-len", str(args.prompt_len), "--batched", str(args.batched)] + (["--only", args.only] if args.only else [])
+           "--tp", str(args.tp), "--work", args.work, "--n", str(args.n), "--tokens", str(args.tokens),
+           "--prompt-len", str(args.prompt_len), "--batched", str(args.batched), "--rounds", str(args.rounds)] + (["--only", args.only] if args.only else [])
     t0 = time.time()
     with open(log, "w") as fh:
         try:
             rc = subprocess.run(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
-    res_file = out / f"{mode}.json"
+    res_file = Path(args.work) / f"{mode}.json"
     res = json.loads(res_file.read_text()) if res_file.exists() else {}
     res["rc"], res["wall_s"] = rc, round(time.time() - t0, 1)
     print(f"== {mode}: rc={rc} in {res['wall_s']} s", flush=True)
@@ -493,7 +499,7 @@ def _rel(a, b):
 
 def compare_correctness(out: Path, results: dict) -> dict:
     rows = {}
-    g, e = out / "small_graphs.npz", out / "small_eager.npz"
+    g, e = Path(WORK[0]) / "small_graphs.npz", Path(WORK[0]) / "small_eager.npz"
     if not (g.exists() and e.exists()):
         return {"error": "missing npz"}
     g, e = np.load(g), np.load(e)
@@ -520,16 +526,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="/tmp/models")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/gpu-check"))
+    ap.add_argument("--work", default="/tmp/gpu-check-work", help="per-engine JSON and captured arrays")
     ap.add_argument("--phases", default="correctness,bench")
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--n", type=int, default=256)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--batched", type=int, default=8192)
+    ap.add_argument("--rounds", type=int, default=2, help="bench: passes over the configs (plain: twice that)")
     ap.add_argument("--only", default="", help="bench: comma-separated configs to run")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    WORK[0] = args.work
     if args.engine:
         fn = {"small_graphs": engine_correctness, "small_eager": engine_correctness, "bench_plain": engine_bench,
               "bench_plugin": engine_bench, "hf_ref": engine_hf_reference}[args.engine]
@@ -538,19 +548,19 @@ def main() -> int:
         except Exception:
             traceback.print_exc()
             res = {"error": traceback.format_exc()[-2000:]}
-        (Path(args.out) / f"{args.engine}.json").write_text(json.dumps(_jsonable(res), indent=1))
+        (Path(args.work) / f"{args.engine}.json").write_text(json.dumps(_jsonable(res), indent=1))
         sys.stdout.flush()
         os._exit(0 if "error" not in res else 1)  # skip vLLM's slow atexit teardown
     phases = args.phases.split(",")
     results: dict = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "tp": args.tp}
     if "correctness" in phases:
         for mode in ("small_graphs", "small_eager"):
-            results[mode] = _run_engine(mode, args, 240)
+            results[mode] = _run_engine(mode, args, 150)
         results["hf_ref"] = _run_engine("hf_ref", args, 120)
         results["compare"] = compare_correctness(Path(args.out), results)
     if "bench" in phases:
-        results["bench_plain"] = _run_engine("bench_plain", args, 200)
-        results["bench_plugin"] = _run_engine("bench_plugin", args, 330)
+        results["bench_plain"] = _run_engine("bench_plain", args, 150)
+        results["bench_plugin"] = _run_engine("bench_plugin", args, 220)
     (Path(args.out) / "results.json").write_text(json.dumps(_jsonable(results), indent=1))
     print_table(results)
     return 0 if check_ok(results) else 1
@@ -586,12 +596,12 @@ def print_table(results: dict) -> None:
     if "bench_plain" in results:
         print("\n==== overhead, 8B shape dummy weights ====")
         plain = [r["tok_s"] for r in results["bench_plain"].get("runs", {}).get("plain", [])]
-        base = max(plain) if plain else None
+        base = float(np.median(plain)) if plain else None
         bw = results["bench_plugin"].get("pinned_d2h_GBps")
         print(f"plain vLLM tok/s: {plain}  pinned D2H {bw} GB/s")
         print(f"{'config':22} {'tok/s':>9} {'ratio':>6} {'GB/s':>6} {'frames':>7} {'dropped':>7} {'p50ms':>7} {'p99ms':>7}")
         for name, runs in results["bench_plugin"].get("runs", {}).items():
-            r = runs[-1]
+            r = dict(runs[-1], tok_s=float(np.median([x["tok_s"] for x in runs])))
             ratio = r["tok_s"] / base if base else float("nan")
             print(f"{name:22} {r['tok_s']:9.0f} {ratio:6.3f} {r.get('bytes_per_s', 0) / 1e9:6.2f} "
                   f"{r.get('frames', 0):7d} {r.get('frames_dropped', 0) + r.get('gaps', 0):7d} "

@@ -153,7 +153,11 @@ def test_publisher_never_blocks_without_broker_and_counts_drops_exactly(broker_d
     assert n_dropped > 8000  # a 1 MiB budget holds fewer than 1000 of them
     assert drops == {"queue_full": n_dropped}
     assert end.frames_dropped == n_dropped and end.drops == {"queue_full": n_dropped}
-    assert pub.stats()["dropped"] == n_dropped
+    st = pub.stats()
+    assert st["dropped_queue_full"] == n_dropped
+    # close(timeout=0) with no broker: what was still queued is dropped too, and counted as such
+    assert st["dropped"] == n_dropped + st["dropped_publisher_closed"]
+    assert st["dropped_publisher_closed"] == len(accepted) - n_dropped + 1  # + the StreamEnd
     del arr
 
 

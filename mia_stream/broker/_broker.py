@@ -81,10 +81,11 @@ class _Entry:
 
 class _Stream:
     __slots__ = ("key", "request_id", "producer", "start", "ended", "end_time", "next_seq", "data", "ctl",
-                 "buffered", "evicted", "subscribers", "messages", "bytes", "created")
+                 "buffered", "evicted", "subscribers", "messages", "bytes", "created", "control_id")
 
     def __init__(self, key: tuple, producer: bytes):
         self.key, self.request_id, self.producer = key, key[0], producer
+        self.control_id = ""  # StreamStart.control_id: the producer that takes this request's steering
         self.start: _Entry | None = None
         self.ended = False
         self.end_time = 0.0
@@ -182,10 +183,10 @@ class Broker:
         big = config.max_message_bytes
         try:
             self._prod = self._ctx.socket(zmq.ROUTER)
-            _transport.configure(self._prod, sndhwm=1000, rcvhwm=1000, max_message_bytes=big,
+            _transport.configure(self._prod, sndhwm=1000, rcvhwm=4096, max_message_bytes=big,
                                  router_mandatory=True)
             self._cons = self._ctx.socket(zmq.ROUTER)
-            _transport.configure(self._cons, sndhwm=1000, rcvhwm=1000, max_message_bytes=16 << 20,
+            _transport.configure(self._cons, sndhwm=4096, rcvhwm=1000, max_message_bytes=16 << 20,
                                  router_mandatory=True)
             self._stats_sock = self._ctx.socket(zmq.REP)
             _transport.configure(self._stats_sock, max_message_bytes=1 << 16, heartbeat_ms=0)
@@ -360,6 +361,7 @@ class Broker:
                 self.counters["duplicate_starts"] += 1  # a re-announce to a broker that already knew it
                 return
             s.start = entry
+            s.control_id = h.get("control_id") or ""
             s.next_seq = max(s.next_seq, 1)
             s.subscribers = {c.identity for c in self._consumers.values() if c.matches(s.request_id)}
             for ident in list(s.subscribers):
@@ -629,8 +631,14 @@ class Broker:
             return self._refuse(c, cmd, f"not_authorised: key {user!r} is not in the broker's steer/ key dir")
         if cmd.command_id in self._pending:
             return self._refuse(c, cmd, f"duplicate_command: command id {cmd.command_id!r} is still pending")
-        targets = {s.producer for s in self._streams.values()
-                   if s.request_id == cmd.request_id and s.start is not None and not s.ended}
+        live = [s for s in self._streams.values()
+                if s.request_id == cmd.request_id and s.start is not None and not s.ended]
+        targets = {s.producer for s in live if not s.control_id}
+        controls = {s.control_id for s in live if s.control_id}
+        # A stream may name another producer (its engine's control peer) as the one that applies steering.
+        targets |= {ident for ident, prod in self._producers.items() if prod.name.split("/")[0] in controls}
+        if controls and not targets:
+            return self._refuse(c, cmd, "producer_unreachable: the engine that owns this request is not connected")
         if not targets:
             return self._refuse(c, cmd, f"unknown_request: no live stream of request {cmd.request_id!r}")
         cmd.sender = user or c.name
@@ -715,8 +723,9 @@ class Broker:
 
     def _producer_lost(self, p: _Producer, now: float) -> None:
         self.counters["producers_lost"] += 1
-        log.warning("producer %s lost: nothing heard for %.1f s; ending its %d open stream(s)", p.name,
-                    now - p.last_seen, len(p.streams))
+        (log.warning if p.streams else log.debug)(
+            "producer %s lost: nothing heard for %.1f s; ending its %d open stream(s)", p.name,
+            now - p.last_seen, len(p.streams))
         self._producers.pop(p.identity, None)
         for key in list(p.streams):
             s = self._streams.get(key)

@@ -308,7 +308,7 @@ def _tp_info() -> tuple[int, int]:
 
 def _engine_control_id(vcfg) -> str:
     """The engine core's control identity: this process (in-process executor) or the parent (mp workers)."""
-    multiproc = vcfg.parallel_config.world_size > 1 and vcfg.parallel_config.distributed_executor_backend == "mp"
+    multiproc = vcfg.parallel_config.distributed_executor_backend == "mp"
     return f"{socket.gethostname()}:{os.getppid() if multiproc else os.getpid()}:engine"
 
 

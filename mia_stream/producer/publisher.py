@@ -43,7 +43,7 @@ from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotic
 log = logging.getLogger("mia_stream.publisher")
 
 DEFAULT_PUBLISHER_QUEUE_BYTES = 256 << 20
-_SNDHWM = 256  # messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected)
+_SNDHWM = 1024  # messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected)
 _ENDED_MEMORY = 10_000
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 
@@ -184,7 +184,7 @@ class FramePublisher:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._queue and not any(s.pending for s in self._streams.values()):
+                if not self._queued and not any(s.pending for s in self._streams.values()):
                     return True
             self._wake()
             time.sleep(0.002)
@@ -263,7 +263,7 @@ class FramePublisher:
         try:
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.IDENTITY, f"{self.producer_id}/{self.epoch:x}".encode())
-            _transport.configure(sock, sndhwm=_SNDHWM, rcvhwm=10_000, immediate=False)
+            _transport.configure(sock, sndhwm=_SNDHWM, rcvhwm=10_000, immediate=True)
             _transport.connect(sock, self.endpoint, self._keys)
         except BaseException as e:  # surfaced by __init__
             self._error = e
@@ -294,6 +294,11 @@ class FramePublisher:
                 self._announce_idle_gaps()
             with self._lock:
                 if self._closed:
+                    if self._queue:  # close() gave up waiting: what is left is dropped, and counted
+                        self.counters["dropped"] += len(self._queue)
+                        self.counters["dropped_publisher_closed"] += len(self._queue)
+                        self._queue.clear()
+                        self._queued = 0
                     return
                 idle = not self._queue
                 self._sleeping = idle or blocked

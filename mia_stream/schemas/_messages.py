@@ -61,7 +61,6 @@ class StreamStart(Message):
     time_ns: int = 0
     resent: bool = False  # re-announced after a broker restart; earlier frames may be missing
     control_id: str = ""  # (1.1) producer id of the peer that takes this request's steering ("" = this one)
-    control_id: str = ""  # the producer that accepts steering commands for this request ("" = producer_id)
 
 
 @dataclass

@@ -1,0 +1,157 @@
+"""Per-request steering in a real vLLM engine, checked against HF transformers with the same formula in a hook.
+
+The steered residual is read back through capture (which reads after that layer's steering), and the
+logits through vLLM's sampled-token logprobs. Tolerances as in test_producer (float32, 1e-4 relative).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+
+import numpy as np
+import pytest
+import torch
+
+from producer_helpers import collecting, hf_trace, rel_err
+
+TOL = 1e-4
+LAYER = 10
+pytestmark = pytest.mark.slow
+
+
+def _params(max_tokens, spec=None, **kw):
+    from vllm import SamplingParams
+
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, logprobs=0,
+                          extra_args={"mia_stream": spec} if spec is not None else None, **kw)
+
+
+def _direction(seed=0, hidden=576):
+    v = np.random.default_rng(seed).standard_normal(hidden).astype(np.float32)
+    return v / np.linalg.norm(v)
+
+
+def _formula(op, v, scale=1.0, threshold=0.0):
+    """The documented steering formulas, written independently of the kernels (torch, float32)."""
+    vt = torch.tensor(v)
+
+    def apply(x):
+        if op == "add":
+            return x + scale * vt
+        proj = x @ vt
+        if op == "cap":
+            return x - torch.clamp(proj - threshold, min=0.0)[..., None] * vt
+        return x - proj[..., None] * vt
+
+    return apply
+
+
+def _hook_for(layer, fn, from_position=0):
+    def hook(i, h):
+        if i != layer:
+            return h
+        h = h.clone()
+        h[:, from_position:] = fn(h[:, from_position:])
+        return h
+    return hook
+
+
+def _hf_logprobs(logits, token_ids, start):
+    lp = torch.log_softmax(torch.tensor(logits), dim=-1).numpy()
+    return np.array([lp[p - 1, token_ids[p]] for p in range(start, len(token_ids))])
+
+
+@pytest.mark.parametrize("op, scale, threshold", [("add", 6.0, 0.0), ("cap", 1.0, 0.5), ("ablate", 1.0, 0.0)])
+def test_steering_equals_hf_hook(engine, hf_model, broker_address, op, scale, threshold):
+    v = _direction(1)
+    rid = f"steer-{op}"
+    spec = {"steer": [{"layer": LAYER, "op": op, "vector": v.tolist(), "scale": scale, "threshold": threshold}],
+            "capture": {"hidden_states": {"layers": [LAYER, LAYER + 1, 29], "positions": "all"}}, "id": rid}
+    prompt = "The weather today in the mountains is"
+    with collecting(broker_address, [rid]) as col:
+        out = engine.generate([prompt], _params(10, spec))[0]
+        col.wait_ended([rid])
+    full = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref_hs, _, _, ref_logits = hf_trace(hf_model, full[:-1], steer_hook=_hook_for(LAYER, _formula(op, v, scale, threshold)))
+    positions, _, hs = col.stacked(rid, "hs")
+    assert positions == list(range(len(full) - 1))
+    assert rel_err(hs, ref_hs[[LAYER, LAYER + 1, 29]]).max() < TOL
+    if op == "ablate":  # the steered residual has no component along v at the steered layer
+        assert np.abs(hs[0] @ v).max() < 1e-3 * np.abs(hs[0]).max()
+    if op == "cap":
+        assert (hs[0] @ v).max() <= threshold + 1e-3
+    got = np.array([list(lp.values())[0].logprob for lp in out.outputs[0].logprobs])
+    want = _hf_logprobs(ref_logits, full[:-1] + [full[-1]], len(out.prompt_token_ids))
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    start = col.events[rid][0].stream.start
+    assert start.capture_after_steering and start.steering[0]["op"] == op
+    assert {f.steering_version for f in col.frames(rid)} == {1}
+
+
+def test_unsteered_requests_in_a_steered_batch_are_bit_identical(engine, broker_address):
+    prompts = ["Once upon a time", "The best way to cook rice is", "In 1969, astronauts"]
+    watch = {"capture": {"hidden_states": {"layers": [LAYER, 29], "positions": "all"}}}
+    alone = {}
+    with collecting(broker_address, ["bit-*"]) as col:
+        engine.generate(prompts, [_params(8, dict(watch, id=f"bit-alone-{i}")) for i in range(3)])
+        col.wait_ended([f"bit-alone-{i}" for i in range(3)])
+        steered = {"steer": [{"layer": LAYER, "op": "add", "vector": (_direction(2) * 8).tolist()}],
+                   "id": "bit-steered"}
+        engine.generate(prompts + ["Once upon a time"],
+                        [_params(8, dict(watch, id=f"bit-mixed-{i}")) for i in range(3)] + [_params(8, steered)])
+        col.wait_ended([f"bit-mixed-{i}" for i in range(3)] + ["bit-steered"])
+    for i in range(3):
+        _, _, a = col.stacked(f"bit-alone-{i}", "hs")
+        _, _, b = col.stacked(f"bit-mixed-{i}", "hs")
+        assert a.shape == b.shape and np.array_equal(a, b), f"request {i} changed by another's steering"
+
+
+def test_live_steering_command_applies_from_the_acked_step(engine, hf_model, broker_address):
+    from mia_stream.consumers import open_stream
+    from mia_stream.schemas import SteeringCommand
+
+    rid = f"live-{uuid.uuid4().hex[:6]}"
+    v = _direction(3)
+    spec = {"capture": {"hidden_states": {"layers": [LAYER, 29], "positions": "all"}}, "id": rid}
+    result = {}
+    with open_stream(broker_address, patterns=[rid]) as stream:
+        t = threading.Thread(target=lambda: result.setdefault(
+            "out", engine.generate(["Once upon a time, a dragon"], _params(40, spec, ignore_eos=True))[0]))
+        t.start()
+        frames, ack = [], None
+        for ev in stream:
+            if ev.kind == "frame":
+                frames.append(ev.frame)
+                if len(frames) == 4 and ack is None:
+                    cmd = SteeringCommand(uuid.uuid4().hex, rid, "add",
+                                          [{"layer": LAYER, "op": "add", "vector": (v * 10).tolist()}])
+                    ack = stream.client.send_steering(cmd, 30.0)
+            if ev.kind == "end":
+                break
+        t.join(60)
+    assert ack is not None and ack.ok, ack
+    k = ack.applied_step
+    assert k is not None and k > frames[3].step
+    before = [f for f in frames if f.step < k]
+    after = [f for f in frames if f.step >= k]
+    assert before and after
+    assert {f.steering_version for f in before} == {0} and {f.steering_version for f in after} == {1}
+    out = result["out"]
+    full = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    first_steered = after[0].positions[0]
+    ref_hs, _, _, _ = hf_trace(hf_model, full[:-1], steer_hook=_hook_for(LAYER, _formula("add", v, 10.0), first_steered))
+    hs = np.concatenate([f.tensors["hs"] for f in frames], axis=1)
+    positions = [p for f in frames for p in f.positions]
+    assert positions == list(range(len(full) - 1))
+    assert rel_err(hs, ref_hs[[LAYER, 29]]).max() < TOL
+
+
+def test_steering_command_for_unknown_request_gets_an_error(broker_address):
+    from mia_stream.consumers import open_stream
+    from mia_stream.schemas import SteeringCommand
+
+    with open_stream(broker_address, patterns=["nobody"]) as stream:
+        ack = stream.client.send_steering(SteeringCommand(uuid.uuid4().hex, "no-such-request", "clear"), 10.0)
+    assert not ack.ok and "unknown" in ack.error
