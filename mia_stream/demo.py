@@ -48,6 +48,7 @@ class DemoConfig:
     dtype: str | None = None  # None: float32 on the CPU, the model's own dtype on a GPU
     seed: int = 0
     verbose: bool = False
+    streaming: bool = True  # broker + live consumer + recorder processes, capture on, then replay
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Answer:
 class DemoResult:
     engine_start_s: float = 0.0
     answers: list[Answer] = field(default_factory=list)
+    replay_identical: bool | None = None  # None when streaming is off
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -81,29 +83,49 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mia-stream demo: {exc}", file=sys.stderr)
         return 2
     config = DemoConfig(model=model, max_model_len=args.max_model_len, max_tokens=args.max_tokens,
-                        enforce_eager=args.enforce_eager, dtype=args.dtype, verbose=args.verbose)
-    run_demo(config)
-    return 0
+                        enforce_eager=args.enforce_eager, dtype=args.dtype, verbose=args.verbose,
+                        streaming=args.streaming)
+    result = run_demo(config)
+    return 0 if result.replay_identical in (None, True) else 1
 
 
 def run_demo(config: DemoConfig) -> DemoResult:
     """Run every phase of the demo in order; each phase is one small function."""
+    import tempfile
+    from pathlib import Path
+
+    from mia_stream import _demo_pipeline as pipeline
+
     result = DemoResult()
     with contextlib.ExitStack() as stack:
         _prepare_environment(config)
-        # Later phase: start the broker here (a real process) and register its teardown on `stack`.
-        # Later phase: start a live consumer process and the recorder here, subscribed before the engine runs.
+        streaming = None
+        if config.streaming:
+            run_dir = Path(tempfile.mkdtemp(prefix="mia-demo-", dir="/tmp"))  # short: unix socket paths
+            streaming = pipeline.StreamingProcesses(run_dir, run_dir / "recording", run_dir / "live.txt")
+            stack.callback(streaming.kill)
+            streaming.start(num_streams=len(config.prompts))
+            os.environ["MIA_STREAM_BROKER"] = str(run_dir)
+            print(f"streaming: broker, live consumer and recorder running under {run_dir}", flush=True)
         engine = _EngineHandle(*start_engine(config))
         stack.callback(engine.release)
         result.engine_start_s = engine.start_s
         print(f"engine: {config.model} ready in {result.engine_start_s:.1f} s (dtype={_engine_dtype(config)}, "
               f"enforce_eager={config.enforce_eager}, max_model_len={config.max_model_len})", flush=True)
-        # Later phase: attach the capture spec (extra_args["mia_stream"]) to the sampling params here.
-        for prompt in config.prompts:
-            answer = answer_prompt(engine.llm, prompt, config)
+        for i, prompt in enumerate(config.prompts):
+            spec = dict(pipeline.DEMO_SPEC, id=f"demo-{i}") if streaming is not None else None
+            answer = answer_prompt(engine.llm, prompt, config, spec)
             result.answers.append(answer)
             print_answer(answer)
-        # Later phase: collect the live consumer's view, stop the recorder, then replay the recording.
+        if streaming is not None:
+            streaming.finish()
+            replay_out = streaming.run_dir / "replay.txt"
+            print(f"\nreplaying {streaming.recording} through the same consumer:", flush=True)
+            pipeline.replay_through_consumer(streaming.recording, replay_out)
+            live, replayed = streaming.live_out.read_text(), replay_out.read_text()
+            result.replay_identical = bool(live) and live == replayed
+            print(f"replay identical to live: {'yes' if result.replay_identical else 'NO'} "
+                  f"({len(live.splitlines())} lines)", flush=True)
     print_summary(result)
     return result
 
@@ -135,11 +157,12 @@ def _engine_dtype(config: DemoConfig) -> str:
     return "auto" if torch.cuda.is_available() else "float32"
 
 
-def answer_prompt(llm: Any, prompt: str, config: DemoConfig) -> Answer:
-    """Greedy chat answer to one user prompt."""
+def answer_prompt(llm: Any, prompt: str, config: DemoConfig, spec: dict | None = None) -> Answer:
+    """Greedy chat answer to one user prompt; ``spec`` asks mia_stream to capture it."""
     import vllm  # noqa: PLC0415
 
-    params = vllm.SamplingParams(temperature=0.0, max_tokens=config.max_tokens)
+    params = vllm.SamplingParams(temperature=0.0, max_tokens=config.max_tokens,
+                                 extra_args={"mia_stream": spec} if spec else None)
     started = time.monotonic()
     (output,) = llm.chat([{"role": "user", "content": prompt}], params, use_tqdm=False)
     seconds = time.monotonic() - started
@@ -187,6 +210,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--dtype", default=None, choices=("auto", "bfloat16", "float16", "float32"),
                         help="model dtype in vLLM (default: float32 on the CPU, the model's own on a GPU)")
     parser.add_argument("--verbose", action="store_true", help="show vLLM's INFO logs")
+    parser.add_argument("--no-streaming", dest="streaming", action="store_false",
+                        help="plain vLLM only: no broker, capture, consumer, recorder or replay")
     return parser
 
 

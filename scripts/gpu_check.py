@@ -486,6 +486,10 @@ def _run_engine(mode: str, args, timeout: int) -> dict:
     res = json.loads(res_file.read_text()) if res_file.exists() else {}
     res["rc"], res["wall_s"] = rc, round(time.time() - t0, 1)
     print(f"== {mode}: rc={rc} in {res['wall_s']} s", flush=True)
+    partial = out / "results.json"
+    prev = json.loads(partial.read_text()) if partial.exists() else {}
+    prev[mode] = res
+    partial.write_text(json.dumps(_jsonable(prev), indent=1))  # survives a kill of the whole check
     if rc != 0:
         print("\n".join(log.read_text().splitlines()[-25:]), flush=True)
     return res
@@ -563,6 +567,7 @@ def main() -> int:
         results["bench_plugin"] = _run_engine("bench_plugin", args, 220)
     (Path(args.out) / "results.json").write_text(json.dumps(_jsonable(results), indent=1))
     print_table(results)
+    print(json.dumps({k: v for k, v in results.get("compare", {}).items()}), flush=True)
     return 0 if check_ok(results) else 1
 
 

@@ -157,7 +157,7 @@ def test_publisher_never_blocks_without_broker_and_counts_drops_exactly(broker_d
     assert st["dropped_queue_full"] == n_dropped
     # close(timeout=0) with no broker: what was still queued is dropped too, and counted as such
     assert st["dropped"] == n_dropped + st["dropped_publisher_closed"]
-    assert st["dropped_publisher_closed"] == len(accepted) - n_dropped + 1  # + the StreamEnd
+    assert st["dropped_publisher_closed"] == len(accepted) - n_dropped + 2  # + the GapNotice and StreamEnd
     del arr
 
 

@@ -385,9 +385,12 @@ class FramePublisher:
 
     def _on_broker_heartbeat(self, hb: Heartbeat) -> None:
         previous, self.broker_instance = self.broker_instance, hb.instance
-        if previous is None or previous == hb.instance:
+        if previous == hb.instance:
             return
-        self.counters["broker_restarts_seen"] += 1
+        # A broker we have not announced our streams to (a restart, or the first heartbeat of one that
+        # may not have seen the original starts): re-announce; a broker that knew them ignores the copy.
+        if previous is not None:
+            self.counters["broker_restarts_seen"] += 1
         with self._lock:  # a new broker: tell it about every live stream, before anything else queued
             for st in self._streams.values():
                 if st.start is not None and not st.ended:
