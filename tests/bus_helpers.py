@@ -222,6 +222,7 @@ def _consume(args) -> int:
             yield ev
 
     rec = account(events_until(slow(stream), args.ends, args.timeout))
+    rec["_client"] = dict(stream.client.counters) if stream.client is not None else {}
     stream.close()
     Path(args.out).write_text(json.dumps(rec))
     return 0

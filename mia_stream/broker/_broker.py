@@ -368,11 +368,15 @@ class Broker:
                 c = self._consumers.get(ident)
                 if c is not None:
                     self._replay(c, s)  # the start plus anything held before it came
+            if any(e.kind == "end" for e in s.ctl):
+                self._end_stream(s)
             return
         s.next_seq = max(s.next_seq, seq + 1)
         self._buffer(s, entry)
-        if s.start is None:
-            return  # held until the (re-announced) start arrives; see _replay
+        if s.start is None:  # held until the (re-announced) start arrives; see _replay
+            if s.messages == 1:  # ask the producer to re-announce its streams
+                self._heartbeat_to(self._prod, p.identity, known=False)
+            return
         self._fanout(s, entry)
         if kind == "end":
             self._end_stream(s)
@@ -717,6 +721,10 @@ class Broker:
         for c in [c for c in self._consumers.values() if now - c.last_seen > cfg.consumer_timeout_s]:
             self._forget_consumer(c, "consumers_timed_out")
         for key in [k for k, s in self._streams.items() if s.ended and now - s.end_time > cfg.late_join_linger_s]:
+            self._drop_stream(key)
+        for key in [k for k, s in self._streams.items() if s.start is None and now - s.created > cfg.producer_timeout_s]:
+            s = self._streams[key]  # frames whose start never came (not even re-announced): uninterpretable
+            self.counters["orphan_messages"] += len(s.data) + len(s.ctl)
             self._drop_stream(key)
         for cid in [k for k, pc in self._pending.items() if now > pc.deadline]:
             self._finish_command(cid, self._pending[cid], timed_out=True)

@@ -45,17 +45,21 @@ log = logging.getLogger("mia_stream.publisher")
 DEFAULT_PUBLISHER_QUEUE_BYTES = 256 << 20
 _SNDHWM = 1024  # messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected)
 _ENDED_MEMORY = 10_000
+_REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 
 
 class _PubStream:
-    __slots__ = ("request_id", "next_seq", "start", "ended", "drops", "pending")
+    __slots__ = ("request_id", "next_seq", "start", "ended", "end_sent", "end", "ended_at", "drops", "pending")
 
     def __init__(self, request_id: str):
         self.request_id = request_id
         self.next_seq = 0
         self.start: StreamStart | None = None
         self.ended = False
+        self.end_sent = False  # its StreamEnd was handed to zmq
+        self.end: StreamEnd | None = None
+        self.ended_at = 0.0
         self.drops: collections.Counter[str] = collections.Counter()
         self.pending: dict[str, list[list[int]]] = {}  # reason -> dropped seq ranges not yet announced
 
@@ -80,7 +84,7 @@ class FramePublisher:
         self._on_steering = on_steering
         self._encode_opts = {"compression": compression, "checksum": checksum}
         self._lock = threading.Lock()
-        self._queue: collections.deque[tuple[list, int]] = collections.deque()
+        self._queue: collections.deque[tuple[list, int, Any]] = collections.deque()  # (frames, nbytes, end-of)
         self._queued = 0
         self._sleeping = False
         self._closed = False
@@ -144,9 +148,9 @@ class FramePublisher:
                 return self._drop(st, msg, "queue_full")
             if st is not None and st.pending:
                 self._announce_gaps(st)
-            self._append(frames, n)
+            self._append(frames, n, end_of=st if kind == "end" else None)
             if kind == "end" and st is not None:
-                st.ended = True
+                st.ended, st.end, st.ended_at = True, msg, time.monotonic()
                 self._streams.pop(rid, None)
                 self._ended[rid] = st
                 if len(self._ended) > _ENDED_MEMORY:
@@ -237,11 +241,11 @@ class FramePublisher:
             self._append(frames, _transport.frames_nbytes(frames))
         st.pending = {}
 
-    def _append(self, frames: list, n: int, front: bool = False) -> None:
+    def _append(self, frames: list, n: int, front: bool = False, end_of: _PubStream | None = None) -> None:
         if front:
-            self._queue.appendleft((frames, n))
+            self._queue.appendleft((frames, n, end_of))
         else:
-            self._queue.append((frames, n))
+            self._queue.append((frames, n, end_of))
         self._queued += n
         if self._sleeping:
             self._sleeping = False
@@ -323,12 +327,14 @@ class FramePublisher:
         sent = 0
         blocked = False
         while batch:
-            frames, n = batch[0]
+            frames, n, end_of = batch[0]
             try:
                 sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 blocked = True
                 break
+            if end_of is not None:
+                end_of.end_sent = True
             batch.popleft()
             sent += n
             self.counters["sent"] += 1
@@ -385,14 +391,24 @@ class FramePublisher:
 
     def _on_broker_heartbeat(self, hb: Heartbeat) -> None:
         previous, self.broker_instance = self.broker_instance, hb.instance
-        if previous == hb.instance:
+        known = hb.stats.get("known", True) if isinstance(hb.stats, dict) else True
+        if previous == hb.instance and known:
             return
-        # A broker we have not announced our streams to (a restart, or the first heartbeat of one that
-        # may not have seen the original starts): re-announce; a broker that knew them ignores the copy.
-        if previous is not None:
+        # A broker that may not know our streams (a restart; the first heartbeat of a broker that may have
+        # missed the original starts; or one that got frames of a stream it has no start for): re-announce.
+        # A broker that knew them ignores the copies (counted as duplicate_starts / after_end).
+        if previous is not None and previous != hb.instance:
             self.counters["broker_restarts_seen"] += 1
-        with self._lock:  # a new broker: tell it about every live stream, before anything else queued
+        self.counters["reannounced"] += 1
+        now = time.monotonic()
+        with self._lock:
+            out: list[Message] = []
             for st in self._streams.values():
-                if st.start is not None and not st.ended:
-                    frames = encode(dataclasses.replace(st.start, resent=True), **self._encode_opts)
-                    self._append(frames, _transport.frames_nbytes(frames), front=True)
+                if st.start is not None:
+                    out.append(dataclasses.replace(st.start, resent=True))
+            for st in self._ended.values():  # recently ended: the new broker may hold its frames unstarted
+                if st.start is not None and st.end is not None and now - st.ended_at < _REANNOUNCE_ENDED_S:
+                    out += [dataclasses.replace(st.start, resent=True), st.end]
+            for msg in reversed(out):
+                frames = encode(msg, **self._encode_opts)
+                self._append(frames, _transport.frames_nbytes(frames), front=True)
