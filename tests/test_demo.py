@@ -38,6 +38,6 @@ def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
     assert "summary: engine start" in out
     # the live consumer process printed every generated token with its hidden-state norm ...
     live = [line for line in out.splitlines() if line.startswith("[live] demo-")]
-    assert sum("|h29|=" in line for line in live) >= 3 and sum(": end:" in line for line in live) == 3
+    assert sum("|h29|=" in line for line in live) >= 3 and sum("| end:" in line for line in live) == 3
     # ... and the replayed recording gave exactly the same lines
     assert "replay identical to live: yes" in out
