@@ -85,6 +85,7 @@ class _Request:
     steer_version: int = 0
     pending_steer: tuple | None = None  # (ops, version) taking effect at the next step
     slots_by_layer: dict = field(default_factory=dict)  # layer -> [(slot, positions-mode)]
+    steer_rows: tuple | None = None  # cached (layers, op index, slots, applies-in-prompt, applies-generated)
     generated: int = 0
     frames_dropped: int = 0
     drops: dict = field(default_factory=dict)
@@ -144,6 +145,17 @@ class _HostRing:
     def free(self, t: torch.Tensor) -> None:
         with self._lock:
             self._used -= t.numel() * t.element_size()
+
+
+def _hits(mode: str, position: int, prompt_len: int) -> bool:
+    """Whether a capture positions-mode selects ``position`` (the scalar form of ``ProducerRuntime._select``)."""
+    if mode == "all":
+        return True
+    if mode == "prompt":
+        return position < prompt_len
+    if mode == "generated":
+        return position >= prompt_len
+    return position == prompt_len - 1  # last_prompt
 
 
 class _PinnedStaging:
@@ -278,7 +290,7 @@ class ProducerRuntime:
 
     def _set_steering(self, req: _Request, ops: tuple, version: int) -> None:
         self._release_steering(req)
-        req.steer_ops, req.steer_version, req.slots_by_layer = tuple(ops), version, {}
+        req.steer_ops, req.steer_version, req.slots_by_layer, req.steer_rows = tuple(ops), version, {}, None
         for op in ops:
             slot = self.steering.acquire(op)
             if slot is None:  # table full: the op is dropped for this request and reported at the end
@@ -292,7 +304,7 @@ class ProducerRuntime:
         for entries in req.slots_by_layer.values():
             for slot, op in entries:
                 self.steering.release(op, slot)
-        req.slots_by_layer = {}
+        req.slots_by_layer, req.steer_rows = {}, None
 
     # ---------------------------------------------------------------- per step (engine thread)
     @property
@@ -312,6 +324,9 @@ class ProducerRuntime:
         hs_next_row = qk_next_row = 0
         host_hs = host_qk = host_steer = None
         n = batch.num_tokens
+        fast_hs: dict = {}
+        fast_qk: dict = {}
+        fast_steer: list = []
         for i, eid in enumerate(batch.req_ids):
             req = self.requests.get(eid)
             if req is None:
@@ -324,6 +339,40 @@ class ProducerRuntime:
             if b <= a:
                 continue
             first = int(batch.num_computed[i])
+            if b - a == 1 and req.first_computed is not None:
+                # One token (decode): scalar tests, rows gathered and written in one numpy call per layer set
+                # below; the general path costs ~25 us of numpy per request, which at 256 decodes per step is
+                # as long as the step itself.
+                spec, plen = req.spec, req.prompt_len
+                if spec.hs_layers and first >= req.hs_next and _hits(spec.hs_positions, first, plen):
+                    if hs_next_row + 1 > self.cfg.aperture_rows:
+                        self._drop_now(req, batch.step, "aperture_full")
+                    else:
+                        fast_hs.setdefault(spec.hs_layers, ([], []))
+                        fast_hs[spec.hs_layers][0].append(a)
+                        fast_hs[spec.hs_layers][1].append(hs_next_row)
+                        hs_segments.append(_Segment(eid, hs_next_row, np.array([first]),
+                                                    *self._tokens(batch, np.array([a]))))
+                        hs_next_row += 1
+                        req.hs_next = first + 1
+                if (spec.qk_layers and self.cfg.capture_qk and first >= req.qk_next
+                        and _hits(spec.qk_positions, first, plen)):
+                    if qk_next_row + 1 > self.cfg.aperture_rows:
+                        self._drop_now(req, batch.step, "aperture_full")
+                    else:
+                        fast_qk.setdefault(spec.qk_layers, ([], []))
+                        fast_qk[spec.qk_layers][0].append(a)
+                        fast_qk[spec.qk_layers][1].append(qk_next_row)
+                        qk_segments.append(_Segment(eid, qk_next_row, np.array([first]),
+                                                    *self._tokens(batch, np.array([a]))))
+                        qk_next_row += 1
+                        req.qk_next = first + 1
+                if req.slots_by_layer:
+                    layers, ms, slots, in_prompt, in_gen = self._steer_rows(req)
+                    keep = in_prompt if first < plen else in_gen
+                    if keep.any():
+                        fast_steer.append((layers[keep], np.full(int(keep.sum()), a), ms[keep], slots[keep]))
+                continue
             positions = np.arange(first, first + (b - a))
             if req.first_computed is None:
                 req.first_computed = first
@@ -364,6 +413,22 @@ class ProducerRuntime:
                     for m, (slot, op) in enumerate(entries[: self.cfg.max_ops_per_layer]):
                         sel = self._select(positions, op.positions, req.prompt_len, 0)
                         host_steer[layer, a + sel, m] = slot
+        if fast_hs:
+            if host_hs is None:
+                host_hs = np.full((self.geo.num_layers, max(n, self._dirty_rows)), st.sentinel, np.int32)
+            for layers, (token_rows, rows) in fast_hs.items():
+                host_hs[np.asarray(layers)[:, None], np.asarray(token_rows)[None, :]] = np.asarray(rows)[None, :]
+        if fast_qk:
+            if host_qk is None:
+                host_qk = np.full((self.geo.num_layers, max(n, self._dirty_rows_qk)), st.sentinel, np.int32)
+            for layers, (token_rows, rows) in fast_qk.items():
+                host_qk[np.asarray(layers)[:, None], np.asarray(token_rows)[None, :]] = np.asarray(rows)[None, :]
+        if fast_steer:
+            if host_steer is None:
+                host_steer = np.full((self.geo.num_layers, max(n, self._dirty_steer_rows),
+                                      self.cfg.max_ops_per_layer), -1, np.int32)
+            layers, token_rows, ms, slots = (np.concatenate(x) for x in zip(*fast_steer))
+            host_steer[layers, token_rows, ms] = slots
         self._write_route(st.hs_route, host_hs, "_dirty_rows", n)
         if self.cfg.capture_qk:
             self._write_route(st.qk_route, host_qk, "_dirty_rows_qk", n)
@@ -371,6 +436,21 @@ class ProducerRuntime:
             self._write_route(st.steer_slots, host_steer, "_dirty_steer_rows", n)
         self._step_segments = (batch.step, hs_segments, hs_next_row, qk_segments, qk_next_row)
         self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else None
+
+    def _steer_rows(self, req: _Request) -> tuple:
+        """The request's routed steering ops as arrays (cached until its ops change)."""
+        if req.steer_rows is None:
+            layers, ms, slots, in_prompt, in_gen = [], [], [], [], []
+            for layer, entries in req.slots_by_layer.items():
+                for m, (slot, op) in enumerate(entries[: self.cfg.max_ops_per_layer]):
+                    layers.append(layer)
+                    ms.append(m)
+                    slots.append(slot)
+                    in_prompt.append(op.positions in ("all", "prompt"))
+                    in_gen.append(op.positions in ("all", "generated"))
+            req.steer_rows = (np.asarray(layers, np.int64), np.asarray(ms, np.int64), np.asarray(slots, np.int32),
+                              np.asarray(in_prompt, bool), np.asarray(in_gen, bool))
+        return req.steer_rows
 
     @staticmethod
     def _tokens(batch: StepBatch, token_rows: np.ndarray) -> tuple:
