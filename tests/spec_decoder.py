@@ -41,7 +41,7 @@ KINDS: dict[str, dict[str, tuple[str, bool, Any]]] = {
               "control_id": (_S, False, "")},
     "tensors": {**_STREAM, "seq": (_I, True, None), "step": (_I, True, None), "positions": (_A, False, []),
                 "token_ids": (_A, False, []), "tensors": (_A, False, []), "steering_version": (_I, False, 0),
-                "time_ns": (_I, False, 0)},
+                "time_ns": (_I, False, 0), "part": (_I, False, 0)},
     "tokens": {**_STREAM, "seq": (_I, True, None), "step": (_I, True, None), "token_ids": (_A, False, []),
                "positions": (_A, False, []), "finish_reason": (_SN, False, None), "time_ns": (_I, False, 0)},
     "end": {**_STREAM, "seq": (_I, True, None), "finish_reason": (_S, False, "stop"),

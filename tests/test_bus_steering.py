@@ -94,3 +94,19 @@ def test_steering_disabled_broker_refuses():
         finally:
             engine.pub.close()
     assert not ack.ok and ack.error.startswith("steering_disabled") and engine.received == []
+
+
+def test_command_goes_to_the_control_peer_named_by_the_start(broker_dir):
+    worker, control = _Engine(broker_dir, "worker"), _Engine(broker_dir, "scheduler")
+    try:
+        control.pub.publish(__import__("mia_stream.schemas", fromlist=["Heartbeat"]).Heartbeat(
+            "scheduler", "producer", control.pub.epoch))  # the control peer makes itself known
+        worker.pub.publish(StreamStart("req-c", "worker", worker.pub.epoch, worker.pub.next_seq("req-c"),
+                                       control_id="scheduler"))
+        wait_for(lambda: len(stats(broker_dir)["streams"]) == 1 and len(stats(broker_dir)["producers"]) == 2)
+        with BrokerClient(broker_dir) as client:
+            ack = client.send_steering(SteeringCommand("c-1", "req-c", "clear"), timeout=5)
+        assert ack.ok and [c.command_id for c in control.received] == ["c-1"] and worker.received == []
+    finally:
+        worker.pub.close()
+        control.pub.close()

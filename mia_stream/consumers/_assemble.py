@@ -273,15 +273,16 @@ class _Merger:
         self.pending: dict[int, dict[int, TensorFrame]] = {}
         self.last_step: dict[int, int] = {}
         self.ended: set[int] = set()
-        self.done_up_to = -1
+        self.done_up_to = (-1, 0)  # (step, part) keys, compared in order
         self.late = 0
 
     def add(self, rank: int, frame: TensorFrame) -> list:
-        if frame.step <= self.done_up_to:
+        key = (frame.step, frame.part)  # a step may have two frames (hidden states, Q/K) per rank
+        if key <= self.done_up_to:
             self.late += 1  # its step was already delivered or declared incomplete
             return []
-        self.pending.setdefault(frame.step, {})[rank] = frame
-        self.last_step[rank] = max(self.last_step.get(rank, -1), frame.step)
+        self.pending.setdefault(key, {})[rank] = frame
+        self.last_step[rank] = max(self.last_step.get(rank, (-1, 0)), key)
         return self.resolve()
 
     def rank_ended(self, rank: int) -> list:
@@ -291,14 +292,15 @@ class _Merger:
     def resolve(self, everything: bool = False) -> list:
         """(step, StepFrame | IncompleteShardError) in step order, for every step that can be decided."""
         out = []
-        for step in sorted(self.pending):
-            have = self.pending[step]
+        for key in sorted(self.pending):
+            step = key[0]
+            have = self.pending[key]
             missing = [r for r in range(self.tp_size) if r not in have]
             if missing and not everything and len(self.pending) <= self.window and not all(
-                    r in self.ended or self.last_step.get(r, -1) > step for r in missing):
+                    r in self.ended or self.last_step.get(r, (-1, 0)) > key for r in missing):
                 break
-            del self.pending[step]
-            self.done_up_to = max(self.done_up_to, step)
+            del self.pending[key]
+            self.done_up_to = max(self.done_up_to, key)
             if missing:
                 out.append((step, IncompleteShardError(f"step {step}: no frame from rank(s) {missing}"), missing))
                 continue

@@ -29,6 +29,18 @@ logger = logging.getLogger("mia_stream.producer")
 OP_CODES = {"add": 1, "cap": 2, "ablate": 3}
 
 
+def _locked(method):
+    """Run under the runtime's lock: with an in-process executor the scheduler thread ends requests
+    (``finish_request``) while the worker thread may be routing a step."""
+    import functools
+
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return wrapper
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
@@ -69,6 +81,7 @@ class _Segment:
     positions: np.ndarray
     token_ids: np.ndarray | None  # None: resolved at drain time from the step's device token-id copy
     token_rows: np.ndarray | None = None  # the token rows of this step the positions came from
+    steer_version: int = 0  # the steering config this step was computed with
 
 
 @dataclass
@@ -252,10 +265,16 @@ class ProducerRuntime:
         self._staging = _PinnedStaging(device) if device.type == "cuda" else None
         self.stats = {"steps": 0, "frames": 0, "dropped_frames": 0, "bytes": 0}
         self._step_segments: tuple | None = None
+        # Under async scheduling a request may run one step past its stop token: hold each stream's newest
+        # step until the next one (or the end, which says the final length) so that step can be trimmed.
+        self.hold_last_step = False
+        self._held: dict[str, list] = {}
+        self._lock = threading.RLock()
         self._drain = threading.Thread(target=self._drain_loop, name="mia-stream-drain", daemon=True)
         self._drain.start()
 
     # ---------------------------------------------------------------- request lifecycle (engine thread)
+    @_locked
     def add_request(self, engine_id: str, stream_id: str, spec: RequestSpec, prompt_token_ids: list) -> None:
         if engine_id in self.requests:
             return  # resumed after preemption: keep its stream (positions dedupe by hs_next/qk_next)
@@ -274,14 +293,19 @@ class ProducerRuntime:
             control_id=self.control_id)
         self._enqueue(("msg", engine_id, start))
 
-    def finish_request(self, engine_id: str, reason: str) -> None:
+    @_locked
+    def finish_request(self, engine_id: str, reason: str, num_tokens: int | None = None) -> None:
+        """End a request's stream. ``num_tokens`` (prompt + output, as the scheduler finished it) trims what
+        async scheduling computed past the stop token: frames at positions >= num_tokens - 1 and tokens at
+        positions >= num_tokens are never published."""
         req = self.requests.pop(engine_id, None)
         if req is None:
             return
         if self.steering is not None:
             self._release_steering(req)
-        self._enqueue(("end", engine_id, req, reason))
+        self._enqueue(("end", engine_id, req, reason, num_tokens))
 
+    @_locked
     def update_steering(self, engine_id: str, ops: tuple, version: int) -> None:
         """Takes effect in the next ``begin_step`` (the scheduler attached it to that step)."""
         req = self.requests.get(engine_id)
@@ -312,6 +336,7 @@ class ProducerRuntime:
         """Nothing to route and nothing left routed from the last step: the step can skip the runtime."""
         return not self.requests and not (self._dirty_rows or self._dirty_rows_qk or self._dirty_steer_rows)
 
+    @_locked
     def begin_step(self, batch: StepBatch) -> None:
         """Rewrite the routing slabs for this step. Cheap when nobody captures or steers."""
         st = self.state
@@ -434,6 +459,8 @@ class ProducerRuntime:
             self._write_route(st.qk_route, host_qk, "_dirty_rows_qk", n)
         if self.steering is not None:
             self._write_route(st.steer_slots, host_steer, "_dirty_steer_rows", n)
+        for seg in hs_segments + qk_segments:  # recorded now: the drain thread runs behind the engine
+            seg.steer_version = self.requests[seg.engine_id].steer_version
         self._step_segments = (batch.step, hs_segments, hs_next_row, qk_segments, qk_next_row)
         self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else None
 
@@ -586,6 +613,38 @@ class ProducerRuntime:
         except Exception:  # the bus must never take the engine down
             logger.exception("mia_stream: publish failed")
 
+    def _emit(self, eid: str, msg, step: int) -> None:
+        """Publish a stream message now, or (async scheduling) hold it until its step is known to be valid.
+
+        Seqs are stamped at publication, so trimming a held message never leaves a hole in the stream.
+        """
+        if not self.hold_last_step:
+            self._stamp_and_publish(msg)
+            return
+        held = self._held.setdefault(eid, [])
+        if held and held[-1][0] != step:
+            for _, m in held:
+                self._stamp_and_publish(m)
+            held.clear()
+        held.append((step, msg))
+
+    def _stamp_and_publish(self, msg) -> None:
+        if isinstance(msg, GapNotice):
+            s = self._next_seq(msg.request_id)
+            msg.missing = [[s, s]]
+        else:
+            msg.seq = self._next_seq(msg.request_id)
+        self._publish(msg)
+
+    def _flush_held(self, eid: str, num_tokens: int | None) -> None:
+        for _, m in self._held.pop(eid, []):
+            if num_tokens is not None:
+                if isinstance(m, TensorFrame) and m.positions and m.positions[0] >= num_tokens - 1:
+                    continue  # computed one step past the stop token (async scheduling): never valid
+                if isinstance(m, TokenFrame) and m.positions and m.positions[0] >= num_tokens:
+                    continue  # a token sampled after the request had already stopped
+            self._stamp_and_publish(m)
+
     def _drain_loop(self) -> None:
         streams: dict[str, _Request] = {}
         while True:
@@ -597,31 +656,31 @@ class ProducerRuntime:
                 if kind == "msg":
                     _, eid, msg = item
                     streams[eid] = self.requests.get(eid) or streams.get(eid)
-                    msg.seq = self._next_seq(msg.request_id)
-                    self._publish(msg)
+                    self._stamp_and_publish(msg)
                 elif kind == "step":
                     self._drain_step(streams, *item[1:])
                 elif kind == "tokens":
                     _, eid, step, toks, positions = item
                     req = streams.get(eid)
                     if req is not None:
-                        self._publish(TokenFrame(request_id=req.stream_id, producer_id=self.producer_id,
-                                                 epoch=self.epoch, seq=self._next_seq(req.stream_id), step=step,
-                                                 token_ids=toks, positions=positions, time_ns=time.time_ns()))
+                        self._emit(eid, TokenFrame(request_id=req.stream_id, producer_id=self.producer_id,
+                                                   epoch=self.epoch, seq=0, step=step, token_ids=toks,
+                                                   positions=positions, time_ns=time.time_ns()), step)
                 elif kind == "gap":
                     _, eid, sid, reason, step = item
-                    s = self._next_seq(sid)
-                    self._publish(GapNotice(request_id=sid, producer_id=self.producer_id, epoch=self.epoch,
-                                            missing=[[s, s]], reason=reason, origin="producer",
-                                            time_ns=time.time_ns()))
+                    self._emit(eid, GapNotice(request_id=sid, producer_id=self.producer_id, epoch=self.epoch,
+                                              missing=[], reason=reason, origin="producer",
+                                              time_ns=time.time_ns()), step)
                 elif kind == "end":
-                    _, eid, req, reason = item
+                    _, eid, req, reason, num_tokens = item
+                    self._flush_held(eid, num_tokens)
                     streams.pop(eid, None)
                     sid = req.stream_id
+                    generated = req.generated if num_tokens is None else min(req.generated, num_tokens - req.prompt_len)
                     self._publish(StreamEnd(
                         request_id=sid, producer_id=self.producer_id, epoch=self.epoch, seq=self._next_seq(sid),
                         finish_reason=reason, num_prompt_tokens=req.prompt_len,
-                        num_generated_tokens=req.generated, frames_sent=self._seq.get(sid, 0),
+                        num_generated_tokens=generated, frames_sent=self._seq.get(sid, 0),
                         frames_dropped=req.frames_dropped, drops=dict(req.drops),
                         uncaptured_positions=req.uncaptured, time_ns=time.time_ns()))
                     self._seq.pop(sid, None)
@@ -639,42 +698,46 @@ class ProducerRuntime:
                     s.token_ids = ids[s.token_rows] if ids is not None else np.full(len(s.positions), -1)
         try:
             per_req: dict[str, dict] = {}
-            if self.tp_rank == 0:
-                hs = host.get("hs")
-                for s in hs_segments:
-                    req = streams.get(s.engine_id)
-                    if req is None:
-                        continue
+            # Every rank publishes a frame for every captured step (the SDK merges per step over all
+            # ranks); hidden states are replicated across TP ranks, so only rank 0 carries them.
+            hs = host.get("hs")
+            for s in hs_segments:
+                req = streams.get(s.engine_id)
+                if req is None:
+                    continue
+                entry = per_req.setdefault(s.engine_id, {"positions": s.positions, "token_ids": s.token_ids,
+                                                         "tensors": [], "steer_version": s.steer_version})
+                if self.tp_rank == 0:
                     n = len(s.positions)
                     layers = list(req.spec.hs_layers)
-                    data = hs[layers, s.row0:s.row0 + n].contiguous()
-                    per_req.setdefault(s.engine_id, {"positions": s.positions, "token_ids": s.token_ids,
-                                                     "tensors": []})["tensors"].append(
-                        Tensor.from_array("hs", data, layers=layers))
+                    entry["tensors"].append(Tensor.from_array("hs", hs[layers, s.row0:s.row0 + n].contiguous(),
+                                                              layers=layers))
             for s in qk_segments:
                 req = streams.get(s.engine_id)
                 if req is None:
                     continue
                 entry = per_req.setdefault(s.engine_id, {"positions": s.positions, "token_ids": s.token_ids,
-                                                         "tensors": []})
+                                                         "tensors": [], "steer_version": s.steer_version})
                 if not np.array_equal(entry["positions"], s.positions):
                     # hs and q/k cover different positions: q/k go in a frame of their own
                     entry = per_req.setdefault(s.engine_id + "\x00qk", {"positions": s.positions,
                                                                         "token_ids": s.token_ids, "tensors": [],
-                                                                        "engine_id": s.engine_id})
+                                                                        "engine_id": s.engine_id, "part": 1,
+                                                                        "steer_version": s.steer_version})
                 entry["tensors"].extend(self._qk_tensors(req, host, s))
             for key, entry in per_req.items():
                 req = streams.get(entry.get("engine_id", key))
                 if req is None:
                     continue
                 frame = TensorFrame(request_id=req.stream_id, producer_id=self.producer_id, epoch=self.epoch,
-                                    seq=self._next_seq(req.stream_id), step=step,
+                                    seq=0, step=step,
                                     positions=[int(p) for p in entry["positions"]],
                                     token_ids=[int(t) for t in entry["token_ids"]], tensors=entry["tensors"],
-                                    steering_version=req.steer_version, time_ns=step_end_ns or time.time_ns())
+                                    steering_version=entry["steer_version"], time_ns=step_end_ns or time.time_ns(),
+                                    part=entry.get("part", 0))
                 self.stats["frames"] += 1
                 self.stats["bytes"] += sum(t.nbytes for t in frame.tensors)
-                self._publish(frame)
+                self._emit(entry.get("engine_id", key), frame, step)
         finally:
             for t in host.values():
                 self._ring.free(t)

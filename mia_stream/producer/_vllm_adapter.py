@@ -242,7 +242,12 @@ def _patch_scheduler(module) -> None:
     def _free_request(self, request, *args, **kwargs):
         reasons = self.__dict__.setdefault("_mia_finish_reasons", {})
         reason = request.get_finished_reason()
-        reasons[request.request_id] = _FINISH_NAMES.get(int(reason), str(reason)) if reason is not None else "abort"
+        name = _FINISH_NAMES.get(int(reason), str(reason)) if reason is not None else "abort"
+        reasons[request.request_id] = (name, int(request.num_tokens))
+        # Workers in this process end the stream now: an in-process engine (LLM with
+        # VLLM_ENABLE_V1_MULTIPROCESSING=0) may never run the step that would carry the finished id.
+        for rt in _LOCAL_RUNTIMES:
+            rt.finish_request(request.request_id, name, int(request.num_tokens))
         ctl = getattr(self, "_mia_control", None)
         if ctl is not None:
             ctl.ops.pop(request.request_id, None)
@@ -255,7 +260,7 @@ def _patch_scheduler(module) -> None:
     def schedule(self, *args, **kwargs):
         out = orig_schedule(self, *args, **kwargs)
         reasons = self.__dict__.setdefault("_mia_finish_reasons", {})
-        out._mia_finish_reasons = {rid: reasons.pop(rid, "abort") for rid in out.finished_req_ids}
+        out._mia_finish_reasons = {rid: reasons.pop(rid, ("abort", None)) for rid in out.finished_req_ids}
         step = self.__dict__.get("_mia_step", 0)
         if out.total_num_scheduled_tokens > 0:
             step += 1
@@ -288,6 +293,7 @@ def _patch_scheduler(module) -> None:
 
 
 _SCHEDULERS: list = []
+_LOCAL_RUNTIMES: list = []  # the producer runtimes of the workers living in this process
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -401,6 +407,8 @@ def _attach(runner, model) -> None:
                     mod.__dict__["_mia_state_ref"] = state
     model._mia_runtime_state = state  # keeps the buffers reachable from the model (a registered submodule)
     runner._mia_runtime = runtime
+    runtime.hold_last_step = bool(getattr(vcfg.scheduler_config, "async_scheduling", False))
+    _LOCAL_RUNTIMES.append(runtime)
     logger.info("mia_stream: producer %s attached (%d layers, aperture rows %d)", producer_id, geo.num_layers,
                 runtime.cfg.aperture_rows)
 
@@ -421,7 +429,7 @@ def _register_new(runtime, req_id: str, prompt_token_ids, sampling_params) -> No
 def _apply_scheduler_side(runtime, scheduler_output) -> None:
     reasons = getattr(scheduler_output, "_mia_finish_reasons", {}) or {}
     for rid in scheduler_output.finished_req_ids:
-        runtime.finish_request(rid, reasons.get(rid, "abort"))
+        runtime.finish_request(rid, *reasons.get(rid, ("abort", None)))
     for eid, ops_wire, version in getattr(scheduler_output, "_mia_control", []) or []:
         runtime.update_steering(eid, parse_steer_ops(ops_wire, runtime.geo), version)
 

@@ -408,7 +408,9 @@ class FramePublisher:
                     out.append(dataclasses.replace(st.start, resent=True))
             for st in self._ended.values():  # recently ended: the new broker may hold its frames unstarted
                 if st.start is not None and st.end is not None and now - st.ended_at < _REANNOUNCE_ENDED_S:
-                    out += [dataclasses.replace(st.start, resent=True), st.end]
+                    out.append(dataclasses.replace(st.start, resent=True))
+                    if st.end_sent:  # else the end is still queued behind its frames: it will go out in order
+                        out.append(st.end)
             for msg in reversed(out):
                 frames = encode(msg, **self._encode_opts)
                 self._append(frames, _transport.frames_nbytes(frames), front=True)

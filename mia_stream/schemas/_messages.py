@@ -78,6 +78,7 @@ class TensorFrame(Message):
     tensors: list = field(default_factory=list)  # list[Tensor]; buffers follow the header in this order
     steering_version: int = 0  # which steering config was in force (0 = none; bumps on every change)
     time_ns: int = 0
+    part: int = 0  # (1.1) frames of one step that cover different positions: 0 = hidden states, 1 = Q/K
 
     def tensor(self, name: str) -> Tensor:
         for t in self.tensors:

@@ -1,0 +1,112 @@
+"""The producer runtime without vLLM: the runner calls it the way the adapter does, the in-graph op writes the
+aperture, and a real FramePublisher -> broker -> consumer carries the frames. Covers what the CPU engine
+cannot show: async scheduling's step past the stop token, and steering versions under a lagging drain.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
+from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch
+from mia_stream.producer.spec import ModelGeometry, parse_spec
+
+GEO = ModelGeometry(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4)
+
+
+@pytest.fixture
+def bus():
+    from mia_stream.broker import run_broker_in_thread
+    from mia_stream.consumers import open_stream
+    from mia_stream.producer.publisher import FramePublisher
+
+    run_dir = tempfile.mkdtemp(prefix="mia-rt-", dir="/tmp")
+    try:
+        with run_broker_in_thread(address=run_dir):
+            stream = open_stream(run_dir, patterns=["rt-*"], timeout=3.0)
+            time.sleep(0.2)
+            pub = FramePublisher(run_dir, producer_id="runtime-test")
+            yield pub, stream
+            pub.close()
+            stream.close()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _runtime(pub, hold: bool) -> ProducerRuntime:
+    cfg = RuntimeConfig(aperture_rows=16, host_ring_bytes=1 << 20, steer_slots=4, max_ops_per_layer=2,
+                        capture_qk=False, steering=True)
+    rt = ProducerRuntime(geo=GEO, model_name="toy", tokenizer="toy", dtype=torch.float32,
+                         device=torch.device("cpu"), max_tokens=8, tp_rank=0, tp_size=1, dp_rank=0,
+                         publisher=pub, cfg=cfg)
+    rt.hold_last_step = hold
+    return rt
+
+
+def _step(rt, step, first_pos, token_ids):
+    """One engine step of request e1: route, 'forward' (the in-graph ops on known values), drain."""
+    n = len(token_ids)
+    rt.begin_step(StepBatch(step=step, req_ids=["e1"], query_start=np.array([0, n]),
+                            num_computed=np.array([first_pos]), num_tokens=n, token_ids=np.array(token_ids)))
+    st = rt.state
+    for layer in range(GEO.num_layers):
+        hidden = torch.arange(n * 8, dtype=torch.float32).reshape(n, 8) + 100 * first_pos + 1000 * layer
+        torch.ops.mia_stream_producer.steer(hidden, torch.zeros_like(hidden), st.vectors, st.op_codes,
+                                            st.scales, st.thresholds, st.steer_slots, layer)
+        torch.ops.mia_stream_producer.capture(st.hs_aperture, st.hs_route, hidden, torch.zeros_like(hidden), layer)
+    rt.end_step()
+
+
+def _events(stream, until_end=True):
+    out = []
+    for ev in stream:
+        out.append(ev)
+        if until_end and ev.kind == "end":
+            break
+    return out
+
+
+def test_async_step_past_the_stop_token_is_trimmed_without_a_gap(bus):
+    pub, stream = bus
+    rt = _runtime(pub, hold=True)
+    spec = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, GEO)
+    rt.add_request("e1", "rt-async", spec, [5, 6, 7])
+    _step(rt, 1, 0, [5, 6, 7]); rt.on_sampled(1, ["e1"], [[8]])
+    _step(rt, 2, 3, [8]); rt.on_sampled(2, ["e1"], [[9]])
+    _step(rt, 3, 4, [9]); rt.on_sampled(3, ["e1"], [[10]])  # 10 is the stop token: 6 tokens in all
+    _step(rt, 4, 5, [10]); rt.on_sampled(4, ["e1"], [[11]])  # async scheduling ran one step too far
+    rt.finish_request("e1", "stop", num_tokens=6)
+    events = _events(stream)
+    rt.close()
+    frames = [e.frame for e in events if e.kind == "frame"]
+    assert [f.positions for f in frames] == [[0, 1, 2], [3], [4]]
+    assert [f.token_ids for f in frames] == [[5, 6, 7], [8], [9]]
+    # the captured rows are exactly what the "forward" wrote for those positions
+    np.testing.assert_array_equal(frames[1].tensors["hs"][1, 0], np.arange(8) + 300 + 1000)
+    assert events[-1].stream.generated_token_ids == [8, 9, 10]
+    assert not [e for e in events if e.kind == "gap"], "trimming must not leave holes in the seqs"
+    assert events[-1].end.num_generated_tokens == 3 and events[-1].end.finish_reason == "stop"
+
+
+def test_frames_carry_the_steering_version_of_the_step_not_of_the_drain(bus):
+    pub, stream = bus
+    rt = _runtime(pub, hold=False)
+    spec = parse_spec({"capture": {"hidden_states": {"layers": [1], "positions": "all"}}}, GEO)
+    rt.add_request("e1", "rt-version", spec, [1, 2])
+    ops = parse_spec({"steer": [{"layer": 1, "op": "add", "vector": [1.0] * 8, "scale": 10.0}]}, GEO).steer
+    _step(rt, 1, 0, [1, 2])
+    rt.update_steering("e1", ops, 1)  # arrives for step 2, possibly before step 1 was drained
+    _step(rt, 2, 2, [3])
+    rt.finish_request("e1", "length", num_tokens=4)
+    frames = [e.frame for e in _events(stream) if e.kind == "frame"]
+    rt.close()
+    assert [(f.step, f.steering_version) for f in frames] == [(1, 0), (2, 1)]
+    base = np.arange(8) + 200 + 1000
+    np.testing.assert_array_equal(frames[1].tensors["hs"][0, 0], base + 10.0)  # steered before capture
+    np.testing.assert_array_equal(frames[0].tensors["hs"][0, 1], np.arange(8, 16) + 1000)  # unsteered

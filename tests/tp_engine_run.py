@@ -1,0 +1,155 @@
+"""Run one real vLLM CPU engine (with the mia_stream plugin) through a plan of generate() phases.
+
+Used by tests/test_tp_cpu.py and scripts/tp_cpu_check.py in a subprocess each: vLLM loads its plugins once
+per process, and two engines in one process would fight over the two cores and the memory.
+
+    python tests/tp_engine_run.py --model DIR --broker RUN_DIR --tp 2 --plan plan.json --out out.json
+
+``plan.json``: ``[{"name": ..., "requests": [{"prompt": str, "max_tokens": int, "ignore_eos": bool,
+"spec": {... "id": stream id}}]}]``. After each phase ``out.json`` is rewritten with
+``{"phases": {name: {stream id: {"prompt_token_ids": [...], "token_ids": [...], "finish_reason": str}}},
+"done": [phase names]}``, so a phase that kills the engine still leaves the earlier ones.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+
+PROMPTS = ["The capital of France is", "Once upon a time there was a",
+           "Summarise: " + " ".join(f"item {i} is blue." for i in range(20))]
+CAPTURE = {"hidden_states": {"layers": "all", "positions": "all"},
+           "qk": {"layers": "all", "heads": "all", "positions": "all"}}
+STEER_LAYER = 1
+
+
+def steer_vector(seed: int, hidden: int = 256, norm: float = 1.0) -> list:
+    import numpy as np
+
+    v = np.random.default_rng(seed).standard_normal(hidden).astype(np.float32)
+    return (v * (norm / np.linalg.norm(v))).tolist()
+
+
+def standard_plan(prefix: str, *, live_tokens: int = 0, kill_tokens: int = 0) -> list:
+    """Phase "batch": the prompts captured, plus one statically steered request; then optional phases
+    "live" (one long request for a live steering command) and "kill" (one long request whose rank dies)."""
+    reqs = [{"prompt": p, "max_tokens": 12, "spec": {"capture": CAPTURE, "id": f"{prefix}-cap-{i}"}}
+            for i, p in enumerate(PROMPTS)]
+    reqs.append({"prompt": PROMPTS[1], "max_tokens": 12, "spec": {
+        "capture": CAPTURE, "id": f"{prefix}-steered",
+        "steer": [{"layer": STEER_LAYER, "op": "add", "vector": steer_vector(1, norm=2.0)}]}})
+    plan = [{"name": "batch", "requests": reqs}]
+    if live_tokens:
+        plan.append({"name": "live", "requests": [{"prompt": PROMPTS[0], "max_tokens": live_tokens, "ignore_eos": True,
+                                                   "spec": {"capture": CAPTURE, "id": f"{prefix}-live"}}]})
+    if kill_tokens:
+        plan.append({"name": "kill", "requests": [{"prompt": PROMPTS[0], "max_tokens": kill_tokens, "ignore_eos": True,
+                                                   "spec": {"capture": CAPTURE, "id": f"{prefix}-kill"}}]})
+    return plan
+
+
+def engine_env(broker: str, tp: int) -> dict:
+    """The environment of an engine subprocess: the plugin on, small KV cache, one OMP core per rank."""
+    env = dict(os.environ, MIA_STREAM_BROKER=broker, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    if tp == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # measured: TP=2 on this 2-core machine needs one core each
+    else:
+        env.pop("VLLM_CPU_OMP_THREADS_BIND", None)  # "auto", as the session engine runs
+    return env
+
+
+def run_and_collect(model: str, broker: str, tp: int, plan: list, workdir: Path, on_event=None,
+                    timeout: float = 200.0) -> tuple[dict, dict, str]:
+    """Start the engine subprocess on ``plan`` while collecting every planned stream from the broker.
+
+    ``on_event(event, client)`` sees each consumer event as it arrives (e.g. to send a steering command).
+    Returns (the subprocess's out.json, {stream id: [events]}, its log); the subprocess is always killed.
+    """
+    from mia_stream.consumers import open_stream
+
+    workdir.mkdir(parents=True, exist_ok=True)
+    plan_path, out_path, log_path = workdir / "plan.json", workdir / "out.json", workdir / "engine.log"
+    plan_path.write_text(json.dumps(plan))
+    wanted = {r["spec"]["id"] for ph in plan for r in ph["requests"] if r.get("spec")}
+    events: dict = defaultdict(list)
+    ended = lambda: all(any(e.kind == "end" for e in events.get(r, ())) for r in wanted)  # noqa: E731
+    with open_stream(broker, patterns=sorted(wanted), timeout=None) as stream, open(log_path, "w") as log:
+        time.sleep(0.2)  # the subscription reaches the broker before the engine publishes
+        proc = subprocess.Popen([sys.executable, __file__, "--model", model, "--broker", broker, "--tp", str(tp),
+                                 "--plan", str(plan_path), "--out", str(out_path)],
+                                env=engine_env(broker, tp), stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        deadline, exited_at = time.monotonic() + timeout, None
+        try:
+            source = stream._source
+            while time.monotonic() < deadline and not ended():
+                for ev in source.events(timeout=0.5):
+                    events[ev.stream.request_id].append(ev)
+                    if on_event is not None:
+                        on_event(ev, stream.client)
+                    if ended():
+                        break
+                if proc.poll() is not None:
+                    exited_at = exited_at or time.monotonic()
+                    if time.monotonic() - exited_at > 15:  # the broker ends a lost producer's streams in 5 s
+                        break
+            proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait(10)
+    out = json.loads(out_path.read_text()) if out_path.exists() else {"phases": {}, "done": []}
+    return out, dict(events), log_path.read_text()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--broker", required=True)
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--plan", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--max-model-len", type=int, default=512)
+    args = ap.parse_args(argv)
+    os.environ["MIA_STREAM_BROKER"] = args.broker
+    from vllm import LLM, SamplingParams
+
+    plan = json.loads(open(args.plan).read())
+    t0 = time.monotonic()
+    # enforce_eager: the CPU torch.compile warm-up costs about a minute per engine; capture in eager mode
+    # goes through the same custom ops (test_producer covers compiled mode at TP=1).
+    llm = LLM(args.model, dtype="float32", tensor_parallel_size=args.tp, enforce_eager=True,
+              max_model_len=args.max_model_len, distributed_executor_backend="mp", seed=0)
+    result = {"phases": {}, "done": [], "start_s": time.monotonic() - t0}
+    for phase in plan:
+        reqs = phase["requests"]
+        params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=r.get("ignore_eos", False),
+                                 extra_args={"mia_stream": r["spec"]} if r.get("spec") else None) for r in reqs]
+        outs = llm.generate([r["prompt"] for r in reqs], params, use_tqdm=False)
+        result["phases"][phase["name"]] = {
+            (r.get("spec") or {}).get("id", f"plain-{i}"): {
+                "prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids),
+                "finish_reason": o.outputs[0].finish_reason}
+            for i, (r, o) in enumerate(zip(reqs, outs))}
+        result["done"].append(phase["name"])
+        tmp = args.out + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(result, f)
+        os.replace(tmp, args.out)
+        print(f"phase {phase['name']} done", flush=True)
+    llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
