@@ -38,6 +38,7 @@ def rel(a, b):
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--live-tokens", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args()
     from mia_stream.broker import run_broker_in_thread
 
@@ -60,16 +61,30 @@ def main() -> int:
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
     (o1, e1), (o2, e2) = results[1], results[2]
-    print(f"{'stream':<14} {'tokens':>7} {'hs':>10} {'q':>10} {'k':>10}")
+    if "--verbose" in sys.argv:
+        for sid, evs in sorted(e2.items()):
+            rs = evs[0].stream
+            print(sid, [(e.kind, e.frame.step if e.frame else (e.gap.reason if e.gap else "")) for e in evs][-8:],
+                  {r: (x.finish_reason, x.frames_sent) for r, x in rs.ends.items()})
+    print(f"{'stream':<14} {'tokens':>7} {'hs':>10} {'q':>10} {'k':>10} {'frames':>7} {'gaps':>5}")
     for sid1, r1 in o1["phases"]["batch"].items():
         sid2 = sid1.replace("tp1", "tp2", 1)
         r2 = o2["phases"]["batch"][sid2]
         row = [sid1.removeprefix("tp1-"), "same" if r1["token_ids"] == r2["token_ids"] else "DIFFER"]
         for name in ("hs", "q", "k"):
-            p1, a = stacked(e1[sid1], name)
-            p2, b = stacked(e2[sid2], name)
-            row.append(f"{rel(b, a):.2e}" if p1 == p2 and a.shape == b.shape else "MISMATCH")
-        print(f"{row[0]:<14} {row[1]:>7} {row[2]:>10} {row[3]:>10} {row[4]:>10}")
+            if not any(e.kind == "frame" and name in e.frame.raw_tensors for e in e1[sid1]):
+                row.append("-")
+                continue
+            try:
+                p1, a = stacked(e1[sid1], name)
+                p2, b = stacked(e2[sid2], name)
+                row.append(f"{rel(b, a):.2e}" if p1 == p2 and a.shape == b.shape else "MISMATCH")
+            except ValueError:
+                row.append("MISSING")
+        nframes = [sum(e.kind == "frame" for e in ev) for ev in (e1[sid1], e2[sid2])]
+        ngaps = [sum(e.kind == "gap" for e in ev) for ev in (e1[sid1], e2[sid2])]
+        print(f"{row[0]:<14} {row[1]:>7} {row[2]:>10} {row[3]:>10} {row[4]:>10} "
+              f"{nframes[0]:>3}/{nframes[1]:<3} {ngaps[0]}/{ngaps[1]}")
     return 0
 
 

@@ -19,6 +19,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Engine limits the producer tests rely on: prompts longer than MAX_BATCHED_TOKENS are chunked.
 MAX_BATCHED_TOKENS = 256
 MAX_MODEL_LEN = 1024
+# A small KV cache (24 blocks of 128 tokens = 3072 tokens) so that a test can force preemption.
+KV_BLOCKS = 24
 
 
 def pytest_collection_modifyitems(config, items):
@@ -63,7 +65,8 @@ def engine(model_dir, broker_address):
 
     llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,
               max_num_batched_tokens=MAX_BATCHED_TOKENS, max_num_seqs=16, enable_prefix_caching=True,
-              seed=0)
+              num_gpu_blocks_override=KV_BLOCKS, seed=0,
+              disable_log_stats=False)  # the preemption test reads vllm:num_preemptions
     yield llm
     llm.llm_engine.engine_core.shutdown()  # stop the engine-core process before pytest closes its streams
 

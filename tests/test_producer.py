@@ -147,3 +147,54 @@ def test_prefix_cache_never_hides_captured_prompt_rows(engine, broker_address):
     assert positions == list(range(len(out.prompt_token_ids)))
     end = col.kinds("pc-1", "end")[0].end
     assert end.uncaptured_positions == []
+
+
+def _preemptions(engine) -> float:
+    return sum(getattr(m, "value", 0) for m in engine.get_metrics() if m.name == "vllm:num_preemptions")
+
+
+def test_preempted_and_resumed_requests_stream_each_position_once(engine, hf_model, broker_address):
+    """More KV than the cache holds: the scheduler preempts and recomputes; streams stay exact."""
+    from vllm import SamplingParams
+
+    prompts = [f"Story {i}: " + " ".join(f"word{i}x{j}" for j in range(110)) for i in range(8)]
+    ids = [f"pre-{i}" for i in range(8)]
+    spec = {"capture": {"hidden_states": {"layers": [3], "positions": "all"}}}
+    params = [SamplingParams(max_tokens=160, temperature=0.0, ignore_eos=True,
+                             extra_args={"mia_stream": dict(spec, id=rid)}) for rid in ids]
+    before = _preemptions(engine)
+    with collecting(broker_address, ["pre-*"]) as col:
+        outs = engine.generate(prompts, params)
+        col.wait_ended(ids, timeout=300)
+    assert _preemptions(engine) > before, "the workload did not force a preemption"
+    for rid, out in zip(ids, outs):
+        full = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        positions, token_ids, hs = col.stacked(rid, "hs")
+        assert positions == list(range(len(full) - 1)), rid  # each position once, in order
+        assert token_ids == full[:-1]
+        end = col.kinds(rid, "end")[0].end
+        assert end.num_generated_tokens == 160 and end.frames_dropped == 0
+    # a sample of streams against the oracle (each HF forward over ~500 tokens costs a second)
+    for rid, out in list(zip(ids, outs))[::3]:
+        full = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref_hs, _, _, _ = hf_trace(hf_model, full[:-1])
+        assert rel_err(col.stacked(rid, "hs")[2], ref_hs[[3]]).max() < TOL, rid
+
+
+def test_stream_llm_wraps_an_engine_and_returns_each_prompt_with_its_stream(engine, broker_address, hf_model):
+    from vllm import SamplingParams
+
+    from mia_stream import StreamLLM
+
+    sllm = StreamLLM.from_llm(engine, broker=broker_address)
+    results = sllm.generate(["The capital of France is", "Water boils at"],
+                            SamplingParams(max_tokens=5, temperature=0.0),
+                            capture=[{"hidden_states": {"layers": [0, 29], "positions": "all"}}, None])
+    assert [r.request_id.rsplit("-", 1)[1] for r in results] == ["0", "1"]
+    first, second = results
+    full = list(first.output.prompt_token_ids) + list(first.output.outputs[0].token_ids)
+    assert first.positions() == list(range(len(full) - 1)) and first.end.finish_reason == "length"
+    ref_hs, _, _, _ = hf_trace(hf_model, full[:-1])
+    assert rel_err(first.tensor("hs"), ref_hs[[0, 29]]).max() < TOL
+    assert second.frames == [] and second.end is not None  # streamed tokens only
+    assert second.events[0].stream.generated_token_ids == list(second.output.outputs[0].token_ids)

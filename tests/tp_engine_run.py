@@ -45,6 +45,12 @@ def standard_plan(prefix: str, *, live_tokens: int = 0, kill_tokens: int = 0) ->
     reqs.append({"prompt": PROMPTS[1], "max_tokens": 12, "spec": {
         "capture": CAPTURE, "id": f"{prefix}-steered",
         "steer": [{"layer": STEER_LAYER, "op": "add", "vector": steer_vector(1, norm=2.0)}]}})
+    # hidden states only (rank 1 has nothing to publish), and q/k at other positions than hs (two frames a step)
+    reqs.append({"prompt": PROMPTS[2], "max_tokens": 6, "spec": {
+        "capture": {"hidden_states": CAPTURE["hidden_states"]}, "id": f"{prefix}-hs-only"}})
+    reqs.append({"prompt": PROMPTS[0], "max_tokens": 6, "spec": {
+        "capture": {"hidden_states": {"layers": [0, 3], "positions": "all"},
+                    "qk": {"layers": [2], "heads": [1, 2, 5, 6], "positions": "last_prompt"}}, "id": f"{prefix}-mixed"}})
     plan = [{"name": "batch", "requests": reqs}]
     if live_tokens:
         plan.append({"name": "live", "requests": [{"prompt": PROMPTS[0], "max_tokens": live_tokens, "ignore_eos": True,
@@ -58,7 +64,8 @@ def standard_plan(prefix: str, *, live_tokens: int = 0, kill_tokens: int = 0) ->
 def engine_env(broker: str, tp: int) -> dict:
     """The environment of an engine subprocess: the plugin on, small KV cache, one OMP core per rank."""
     env = dict(os.environ, MIA_STREAM_BROKER=broker, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # measured: TP=2 on this 2-core machine needs one core each
     else:
@@ -128,14 +135,20 @@ def main(argv=None) -> int:
     t0 = time.monotonic()
     # enforce_eager: the CPU torch.compile warm-up costs about a minute per engine; capture in eager mode
     # goes through the same custom ops (test_producer covers compiled mode at TP=1).
+    # TP=2: one worker process per rank ("mp"); TP=1: the worker in this process ("uni"). The engine core
+    # runs in this process too (VLLM_ENABLE_V1_MULTIPROCESSING=0): every vLLM process costs a ~20 s import here.
     llm = LLM(args.model, dtype="float32", tensor_parallel_size=args.tp, enforce_eager=True,
-              max_model_len=args.max_model_len, distributed_executor_backend="mp", seed=0)
+              max_model_len=args.max_model_len, distributed_executor_backend="mp" if args.tp > 1 else "uni",
+              seed=0)
     result = {"phases": {}, "done": [], "start_s": time.monotonic() - t0}
     for phase in plan:
         reqs = phase["requests"]
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=r.get("ignore_eos", False),
                                  extra_args={"mia_stream": r["spec"]} if r.get("spec") else None) for r in reqs]
         outs = llm.generate([r["prompt"] for r in reqs], params, use_tqdm=False)
+        # generate() returns before the step that tells the workers which requests finished (the engine
+        # core's own busy loop runs it when it is a process of its own): run it, so the StreamEnds go out now.
+        llm.llm_engine.step()
         result["phases"][phase["name"]] = {
             (r.get("spec") or {}).get("id", f"plain-{i}"): {
                 "prompt_token_ids": list(o.prompt_token_ids), "token_ids": list(o.outputs[0].token_ids),
