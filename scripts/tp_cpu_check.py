@@ -39,6 +39,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--live-tokens", type=int, default=0)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
     from mia_stream.broker import run_broker_in_thread
 
@@ -48,7 +49,7 @@ def main() -> int:
     results = {}
     try:
         with run_broker_in_thread(address=run_dir):
-            for tp in (1, 2):
+            for tp in args.tp:
                 t0 = time.monotonic()
                 out, events, log = run_and_collect(model, run_dir, tp, standard_plan(f"tp{tp}", live_tokens=args.live_tokens),
                                                    work / f"tp{tp}")
@@ -58,14 +59,17 @@ def main() -> int:
                     print(log[-4000:])
                     return 1
                 results[tp] = (out, events)
+                for sid, evs in sorted(events.items()) if args.verbose else ():
+                    rs = evs[0].stream
+                    print(" ", sid, [e.kind for e in evs].count("frame"), "frames",
+                          [e.gap.reason for e in evs if e.kind == "gap"][:3],
+                          {r: (x.finish_reason, x.frames_sent) for r, x in rs.ends.items()})
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+    if sorted(results) != [1, 2]:
+        return 0
     (o1, e1), (o2, e2) = results[1], results[2]
-    if "--verbose" in sys.argv:
-        for sid, evs in sorted(e2.items()):
-            rs = evs[0].stream
-            print(sid, [(e.kind, e.frame.step if e.frame else (e.gap.reason if e.gap else "")) for e in evs][-8:],
-                  {r: (x.finish_reason, x.frames_sent) for r, x in rs.ends.items()})
+
     print(f"{'stream':<14} {'tokens':>7} {'hs':>10} {'q':>10} {'k':>10} {'frames':>7} {'gaps':>5}")
     for sid1, r1 in o1["phases"]["batch"].items():
         sid2 = sid1.replace("tp1", "tp2", 1)

@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from mia_stream.schemas import SCHEMA_VERSION
+
 import spec_decoder
 from mia_stream.consumers import recording as recording_module
 from mia_stream.consumers.recorder import Recorder
@@ -81,7 +83,7 @@ def test_stock_mcap_reader_sees_schema_channels_metadata(tmp_path):
         assert {c.topic: c.message_encoding for c in summary.channels.values()} == {
             "r1": "mia_stream/multipart", "r2": "mia_stream/multipart"}
         (meta,) = list(reader.iter_metadata())
-        assert meta.name == "mia_stream" and meta.metadata["schema_version"] == "1.0"
+        assert meta.name == "mia_stream" and meta.metadata["schema_version"] == "{}.{}".format(*SCHEMA_VERSION)
         assert meta.metadata["source"] == "ipc:///x" and int(meta.metadata["recorder_start_ns"]) > 0
         assert reader.get_header().library.startswith("mia_stream ")
     with open(part, "rb") as f:  # CRC-validating linear read; data decoded with the spec's layout only

@@ -12,7 +12,7 @@ from typing import Any, ClassVar
 
 from mia_stream.schemas._tensors import Tensor
 
-SCHEMA_VERSION = (1, 0)  # (major, minor): a new major breaks decoders, a new minor only adds fields
+SCHEMA_VERSION = (1, 1)  # (major, minor): a new major breaks decoders, a new minor only adds fields
 
 # Finish reasons of a stream: vLLM's plus the ones only the bus knows.
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected", "producer_lost")
