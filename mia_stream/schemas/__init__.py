@@ -3,8 +3,8 @@
 Producers, the broker and consumers all speak through this package and nothing else.
 """
 
-from mia_stream.schemas._codec import DEFAULT_MAX_MESSAGE_BYTES, decode, encode
-from mia_stream.schemas._messages import (FINISH_REASONS, MESSAGE_TYPES, SCHEMA_VERSION, ErrorNotice,
+from mia_stream.schemas._codec import DEFAULT_MAX_MESSAGE_BYTES, decode, decode_header, encode
+from mia_stream.schemas._messages import (FINISH_REASONS, MESSAGE_TYPES, SCHEMA_VERSION, Credit, ErrorNotice,
                                           GapNotice, Heartbeat, Message, SteeringAck, SteeringCommand,
                                           StreamEnd, StreamStart, Subscribe, TensorFrame, TokenFrame,
                                           Unsubscribe, request_topic, stream_key)
@@ -12,7 +12,7 @@ from mia_stream.schemas._tensors import WIRE_DTYPES, Shard, Tensor
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "SCHEMA_VERSION", "WIRE_DTYPES",
-    "ErrorNotice", "GapNotice", "Heartbeat", "Message", "Shard", "SteeringAck", "SteeringCommand",
+    "Credit", "ErrorNotice", "GapNotice", "Heartbeat", "Message", "Shard", "SteeringAck", "SteeringCommand",
     "StreamEnd", "StreamStart", "Subscribe", "Tensor", "TensorFrame", "TokenFrame", "Unsubscribe",
-    "decode", "encode", "request_topic", "stream_key",
+    "decode", "decode_header", "encode", "request_topic", "stream_key",
 ]
