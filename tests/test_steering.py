@@ -91,21 +91,24 @@ def test_steering_equals_hf_hook(engine, hf_model, broker_address, op, scale, th
 
 
 def test_unsteered_requests_in_a_steered_batch_are_bit_identical(engine, broker_address):
-    prompts = ["Once upon a time", "The best way to cook rice is", "In 1969, astronauts"]
+    """The same batch twice: once with its fourth request steered, once not. Batch shape and order are equal,
+    so any difference in the other three requests can only come from steering leaking across rows."""
+    prompts = ["Once upon a time", "The best way to cook rice is", "In 1969, astronauts", "Once upon a time"]
     watch = {"capture": {"hidden_states": {"layers": [LAYER, 29], "positions": "all"}}}
-    alone = {}
+    steer = [{"layer": LAYER, "op": "add", "vector": (_direction(2) * 8).tolist()}]
     with collecting(broker_address, ["bit-*"]) as col:
-        engine.generate(prompts, [_params(8, dict(watch, id=f"bit-alone-{i}")) for i in range(3)])
-        col.wait_ended([f"bit-alone-{i}" for i in range(3)])
-        steered = {"steer": [{"layer": LAYER, "op": "add", "vector": (_direction(2) * 8).tolist()}],
-                   "id": "bit-steered"}
-        engine.generate(prompts + ["Once upon a time"],
-                        [_params(8, dict(watch, id=f"bit-mixed-{i}")) for i in range(3)] + [_params(8, steered)])
-        col.wait_ended([f"bit-mixed-{i}" for i in range(3)] + ["bit-steered"])
+        for run in ("plain", "steered"):
+            last = dict(watch, id=f"bit-{run}-3", **({"steer": steer} if run == "steered" else {}))
+            engine.generate(prompts, [_params(8, dict(watch, id=f"bit-{run}-{i}")) for i in range(3)]
+                            + [_params(8, last)])
+        col.wait_ended([f"bit-{run}-{i}" for run in ("plain", "steered") for i in range(4)])
     for i in range(3):
-        _, _, a = col.stacked(f"bit-alone-{i}", "hs")
-        _, _, b = col.stacked(f"bit-mixed-{i}", "hs")
+        _, _, a = col.stacked(f"bit-plain-{i}", "hs")
+        _, _, b = col.stacked(f"bit-steered-{i}", "hs")
         assert a.shape == b.shape and np.array_equal(a, b), f"request {i} changed by another's steering"
+    _, _, a = col.stacked("bit-plain-3", "hs")
+    _, _, b = col.stacked("bit-steered-3", "hs")
+    assert np.abs(a[0] - b[0]).max() > 1.0, "the steered request was not steered"
 
 
 def test_live_steering_command_applies_from_the_acked_step(engine, hf_model, broker_address):
