@@ -282,3 +282,29 @@ def frames_nbytes(frames: list) -> int:
     for f in frames:
         total += len(f) if isinstance(f, (bytes, zmq.Frame)) else memoryview(f).nbytes
     return total
+
+
+# ---------------------------------------------------------------------------------------------- hot path
+# The hot paths call the Cython socket methods directly with int flags: pyzmq's send_multipart /
+# recv_multipart wrappers (per-part type checks, enum flag arithmetic, a getsockopt(RCVMORE) per part)
+# cost 2-4x more per message than libzmq itself.
+NOBLOCK, SNDMORE = int(zmq.NOBLOCK), int(zmq.SNDMORE)
+zsend, zrecv = zmq.backend.Socket.send, zmq.backend.Socket.recv
+
+
+def recv_parts(sock: zmq.Socket) -> list:
+    """One multipart message as zmq.Frames, NOBLOCK (raises zmq.Again when there is none)."""
+    f = zrecv(sock, NOBLOCK, False)
+    parts = [f]
+    while f.more:
+        f = zrecv(sock, NOBLOCK, False)
+        parts.append(f)
+    return parts
+
+
+def send_parts(sock: zmq.Socket, identity: bytes, frames: list) -> None:
+    """``[identity, *frames]`` NOBLOCK, zero-copy; zmq checks HWM/ROUTER_MANDATORY on the first part only."""
+    zsend(sock, identity, NOBLOCK | SNDMORE, False)
+    last = len(frames) - 1
+    for i, f in enumerate(frames):
+        zsend(sock, f, NOBLOCK if i == last else NOBLOCK | SNDMORE, False)

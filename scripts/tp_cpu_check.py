@@ -1,6 +1,6 @@
 """TP=2 vs TP=1 on vLLM CPU: the same prompts through two real engines, merged tensors compared.
 
-    .venv/bin/python scripts/tp_cpu_check.py [--live-tokens 64]
+    .venv/bin/python scripts/tp_cpu_check.py [--tp 1 2] [--verbose]
 
 Prints, per stream and tensor, max |TP2 - TP1| / max |TP1| (per layer, worst layer), and whether the
 greedy tokens match. Runs the engines one after the other in subprocesses (tests/tp_engine_run.py) against a
@@ -37,7 +37,6 @@ def rel(a, b):
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--live-tokens", type=int, default=0)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     args = ap.parse_args()
@@ -51,7 +50,7 @@ def main() -> int:
         with run_broker_in_thread(address=run_dir):
             for tp in args.tp:
                 t0 = time.monotonic()
-                out, events, log = run_and_collect(model, run_dir, tp, standard_plan(f"tp{tp}", live_tokens=args.live_tokens),
+                out, events, log = run_and_collect(model, run_dir, tp, standard_plan(f"tp{tp}"),
                                                    work / f"tp{tp}")
                 print(f"TP={tp}: {time.monotonic() - t0:.1f} s (engine start {out.get('start_s', float('nan')):.1f} s), "
                       f"phases done {out['done']}", flush=True)
@@ -66,6 +65,7 @@ def main() -> int:
                           {r: (x.finish_reason, x.frames_sent) for r, x in rs.ends.items()})
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
     if sorted(results) != [1, 2]:
         return 0
     (o1, e1), (o2, e2) = results[1], results[2]

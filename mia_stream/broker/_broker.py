@@ -36,13 +36,17 @@ DEFAULT_CONSUMER_QUEUE_BYTES = 256 << 20  # per consumer, beyond what its credit
 DEFAULT_LATE_JOIN_BYTES = 64 << 20  # per stream
 DEFAULT_LATE_JOIN_TOTAL_BYTES = 1 << 30  # all streams together
 DEFAULT_LATE_JOIN_LINGER_S = 10.0  # how long an ended stream stays joinable from its start
-DEFAULT_PRODUCER_TIMEOUT_S = 5.0  # no message from a producer for this long: its open streams end
+DEFAULT_PRODUCER_TIMEOUT_S = 30.0  # silent this long: its open streams end (an engine can stall for seconds, e.g. compiling)
 DEFAULT_CONSUMER_TIMEOUT_S = 60.0  # no message from a consumer for this long: it is forgotten
 DEFAULT_STEER_TIMEOUT_S = 30.0
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 _ERRORS_PER_PEER_PER_S = 20  # error replies are rate-limited so garbage cannot amplify
 _RECV_BATCH = 256
 _CLOSED_MEMORY = 100_000
+
+_NOBLOCK, _SNDMORE = _transport.NOBLOCK, _transport.SNDMORE
+_zsend, _zrecv = _transport.zsend, _transport.zrecv
+_recv_parts, _send_parts = _transport.recv_parts, _transport.send_parts
 
 
 @dataclass
@@ -209,6 +213,8 @@ class Broker:
         self.counters: collections.Counter[str] = collections.Counter()
         self._last_heartbeat = 0.0
         self._last_housekeeping = 0.0
+        self._now = time.monotonic()  # taken once per batch of received messages
+        self._messages_in = self._bytes_in = 0  # folded into counters after each batch
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -255,30 +261,39 @@ class Broker:
     # ------------------------------------------------------------------------------------------ receive
 
     def _drain(self, sock: zmq.Socket, handler) -> None:
-        for _ in range(_RECV_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                return
-            try:
-                handler(frames)
-            except Exception:  # last line of defence: bad input must never stop the broker
-                self.counters["internal_errors"] += 1
-                log.exception("broker: error while handling a message (counted as internal_errors)")
+        self._now = time.monotonic()
+        try:
+            for _ in range(_RECV_BATCH):
+                try:
+                    frames = _recv_parts(sock)
+                except zmq.Again:
+                    return
+                try:
+                    handler(frames)
+                except Exception:  # last line of defence: bad input must never stop the broker
+                    self.counters["internal_errors"] += 1
+                    log.exception("broker: error while handling a message (counted as internal_errors)")
+        finally:
+            if self._messages_in:
+                self.counters["messages_in"] += self._messages_in
+                self.counters["bytes_in"] += self._bytes_in
+                self._messages_in = self._bytes_in = 0
 
     def _on_producer_message(self, frames: list) -> None:
         identity = frames[0].bytes
         body = frames[1:]
-        nbytes = _transport.frames_nbytes(body)
+        nbytes = 0
+        for f in body:
+            nbytes += len(f)
         p = self._producers.get(identity)
         if p is None:
             p = self._producers[identity] = _Producer(identity)
             self._heartbeat_to(self._prod, identity, known=True)  # lets a restarted peer re-announce now
-        p.last_seen = time.monotonic()
+        p.last_seen = self._now
         p.messages += 1
         p.bytes += nbytes
-        self.counters["messages_in"] += 1
-        self.counters["bytes_in"] += nbytes
+        self._messages_in += 1
+        self._bytes_in += nbytes
         header = self._header_or_report(body, p, self._prod, identity, "producer")
         if header is None:
             return
@@ -327,7 +342,7 @@ class Broker:
 
     def _send_direct(self, sock: zmq.Socket, identity: bytes, frames: list) -> bool:
         try:
-            sock.send_multipart([identity, *frames], zmq.NOBLOCK, copy=False)
+            _send_parts(sock, identity, frames)
             return True
         except zmq.ZMQError:
             return False
@@ -475,9 +490,10 @@ class Broker:
                 c.dropped += 1
                 self.counters["dropped_for_consumers"] += 1
                 return
-        pending = c.drops.pop(s.key, None)
-        if pending:
-            self._enqueue_gap(c, s, pending, "consumer_queue_full")
+        if c.drops:
+            pending = c.drops.pop(s.key, None)
+            if pending:
+                self._enqueue_gap(c, s, pending, "consumer_queue_full")
         c.queue.append((entry.frames, n))
         c.queue_bytes += n
         self._ready.add(c.identity)
@@ -511,7 +527,7 @@ class Broker:
                 break
             frames, n = q[0]
             try:
-                sock.send_multipart([ident, *frames], zmq.NOBLOCK, copy=False)
+                _send_parts(sock, ident, frames)
             except zmq.Again:
                 c.blocked = True
                 break
@@ -545,7 +561,7 @@ class Broker:
         body = frames[1:]
         c = self._consumers.get(identity)
         if c is not None:
-            c.last_seen = time.monotonic()
+            c.last_seen = self._now
         header = self._header_or_report(body, c, self._cons, identity, "consumer")
         if header is None:
             return

@@ -166,6 +166,9 @@ class _Sequencer:
     def push(self, msg: Message, now: float) -> list:
         """Messages (and synthesized GapNotices) ready in order after ``msg`` arrived."""
         seq = msg.seq
+        if seq == self.expected and not self.held and not self.known:  # in order: the common case
+            self.expected = seq + 1
+            return [msg]
         if seq < self.expected or seq in self.held:
             self.duplicates += 1
             return []
@@ -261,8 +264,11 @@ def _concat(name: str, step: int, shards: list[Tensor], tp_size: int) -> Tensor:
             scale = np.concatenate([t.scale for t in shards], axis=dim)
         except (TypeError, ValueError):
             scale = first.scale  # per-tensor scales: identical on every rank
+    meta = dict(first.meta)
+    if all(isinstance(t.meta.get("heads"), list) for t in shards):  # each rank names its own heads
+        meta["heads"] = [h for t in shards for h in t.meta["heads"]]
     return Tensor(name, first.dtype, tuple(data.shape), memoryview(np.ascontiguousarray(data)).cast("B"),
-                  first.layers, None, scale, dict(first.meta))
+                  first.layers, None, scale, meta)
 
 
 class _Merger:

@@ -28,6 +28,15 @@ log = logging.getLogger("mia_stream.consumers")
 
 DEFAULT_WINDOW_BYTES = 64 << 20
 
+_NOBLOCK, _zrecv, _recv_parts = _transport.NOBLOCK, _transport.zrecv, _transport.recv_parts
+
+
+def _nbytes(frames: list) -> int:
+    n = 0
+    for f in frames:
+        n += len(f)
+    return n
+
 
 class BrokerClient:
     """A live connection to a broker's consumers endpoint. ``address``: see ``_transport.endpoints_for``."""
@@ -91,7 +100,7 @@ class BrokerClient:
             if deadline is not None:
                 wait = min(wait, deadline - now)
             try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                frames = _recv_parts(sock)
             except zmq.Again:
                 if wait <= 0 and deadline is not None and now >= deadline:
                     return None
@@ -150,13 +159,13 @@ class BrokerClient:
             msg = decode(frames, max_message_bytes=self.max_message_bytes)
         except WireError as e:
             self.counters["malformed"] += 1
-            self._credit(_transport.frames_nbytes(frames))
+            self._credit(_nbytes(frames))
             log.warning("mia_stream consumer: skipped an undecodable message: %s", e)
             return None
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(msg)
             return None
-        self._credit(_transport.frames_nbytes(frames))
+        self._credit(_nbytes(frames))
         self.counters["messages"] += 1
         if isinstance(msg, ErrorNotice):
             self.errors.append(msg)

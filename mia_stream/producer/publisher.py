@@ -47,6 +47,7 @@ _SNDHWM = 1024  # messages zmq may hold beyond the byte-bounded queue (IMMEDIATE
 _ENDED_MEMORY = 10_000
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
+_NOBLOCK, _SNDMORE, _zsend = _transport.NOBLOCK, _transport.SNDMORE, _transport.zsend  # see _transport
 
 
 class _PubStream:
@@ -324,12 +325,15 @@ class FramePublisher:
         """Hand queued messages to zmq until it pushes back; True if it did (EAGAIN)."""
         with self._lock:
             batch, self._queue = self._queue, collections.deque()
-        sent = 0
+        sent = count = 0
         blocked = False
+        more = _NOBLOCK | _SNDMORE
         while batch:
             frames, n, end_of = batch[0]
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            try:  # zmq accepts or refuses (EAGAIN) a multipart message at its first part
+                last = len(frames) - 1
+                for i, f in enumerate(frames):
+                    _zsend(sock, f, _NOBLOCK if i == last else more, False)
             except zmq.Again:
                 blocked = True
                 break
@@ -337,7 +341,8 @@ class FramePublisher:
                 end_of.end_sent = True
             batch.popleft()
             sent += n
-            self.counters["sent"] += 1
+            count += 1
+        self.counters["sent"] += count
         with self._lock:
             self._queued -= sent
             if batch:

@@ -29,6 +29,19 @@ def _buffer_of(frame: Any) -> Any:
     return buf if buf is not None else frame
 
 
+def _len(buf: Any) -> int:
+    """``len(memoryview(buf))`` without building a memoryview for bytes and memoryviews (the hot path)."""
+    t = type(buf)
+    return len(buf) if t is bytes or t is memoryview else len(memoryview(buf))
+
+
+try:  # len() of these is their size in bytes, as len(memoryview(frame.buffer)) is
+    from zmq import Frame as _ZmqFrame
+    _SIZED = frozenset((bytes, memoryview, _ZmqFrame))
+except ImportError:  # pragma: no cover - pyzmq is a dependency
+    _SIZED = frozenset((bytes, memoryview))
+
+
 def encode(msg: Message, *, compression: str = "none", checksum: bool = False) -> list[Any]:
     """Frames for ``socket.send_multipart(frames, copy=False)``: tensor buffers are not copied.
 
@@ -80,12 +93,14 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
     if len(frames) < 2:
         raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {len(frames)}")
     bufs = [_buffer_of(f) for f in frames]
-    total = sum(len(memoryview(b)) for b in bufs)
+    total = 0
+    for b in bufs:
+        total += _len(b)
     if total > max_message_bytes:
         raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
     header_buf = bufs[1]
-    if len(memoryview(header_buf)) > _MAX_HEADER_BYTES:
-        raise OversizedMessageError(f"header of {len(memoryview(header_buf))} bytes exceeds {_MAX_HEADER_BYTES}")
+    if _len(header_buf) > _MAX_HEADER_BYTES:
+        raise OversizedMessageError(f"header of {_len(header_buf)} bytes exceeds {_MAX_HEADER_BYTES}")
     try:
         header = msgpack.unpackb(header_buf, raw=False, strict_map_key=True)
     except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
@@ -178,8 +193,8 @@ def _decode_tensors(entries: Any, buffers: list, verify: bool, max_message_bytes
             raise MalformedFrameError(f"tensor {name!r}: its buffer frame is missing")
         payload = buffers[i]
         i += 1
-        if len(memoryview(payload)) != nbytes:
-            raise MalformedFrameError(f"tensor {name!r}: buffer has {len(memoryview(payload))} bytes, header says {nbytes}")
+        if _len(payload) != nbytes:
+            raise MalformedFrameError(f"tensor {name!r}: buffer has {_len(payload)} bytes, header says {nbytes}")
         data = decompress(payload, method, raw_nbytes)
         if verify and "crc32" in e:
             verify_crc32(name, data, _entry_field(e, "crc32", int))
@@ -200,33 +215,42 @@ def _decode_tensors(entries: Any, buffers: list, verify: bool, max_message_bytes
             i += 1
         t = Tensor(name, dtype, shape, data, layers,
                    Shard.from_wire(e["shard"]) if e.get("shard") else None, scale, dict(meta))
-        t.raw()  # validates size against shape and dtype
+        if (type(data) is bytes or type(data) is memoryview and data.contiguous) and dtype in WIRE_DTYPES:
+            # Tensor.raw()'s size check without building the array (same error)
+            want = WIRE_DTYPES[dtype][1]
+            for d in shape:
+                want *= d
+            have = data.nbytes if type(data) is memoryview else len(data)
+            if have != want:
+                raise MalformedFrameError(
+                    f"tensor {name!r}: {have} bytes for shape {shape} {dtype} (want {want})")
+        else:
+            t.raw()  # validates size against shape and dtype
         out.append(t)
     if i != len(buffers):
         raise MalformedFrameError(f"{len(buffers) - i} buffer frame(s) not described by the header")
     return out
 
 
+_TYPE_CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "bool": lambda v: isinstance(v, bool),
+    "list": lambda v: isinstance(v, list),
+    "dict": lambda v: isinstance(v, dict),
+    "str | None": lambda v: v is None or isinstance(v, str),
+    "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
+}
+# Per kind, the (field, annotation, check) triples, built once (other annotations are not checked).
+_CHECKS = {kind: [(name, str(f.type), _TYPE_CHECKS[str(f.type)]) for name, f in fields.items()
+                  if str(f.type) in _TYPE_CHECKS]
+           for kind, fields in _FIELDS.items()}
+
+
 def _check_types(msg: Message) -> None:
-    for name, f in _FIELDS[msg.KIND].items():
+    for name, ann, ok in _CHECKS[msg.KIND]:
         value = getattr(msg, name)
-        ann = str(f.type)
-        ok = True
-        if ann == "str":
-            ok = isinstance(value, str)
-        elif ann == "int":
-            ok = isinstance(value, int) and not isinstance(value, bool)
-        elif ann == "bool":
-            ok = isinstance(value, bool)
-        elif ann == "list":
-            ok = isinstance(value, list)
-        elif ann == "dict":
-            ok = isinstance(value, dict)
-        elif ann == "str | None":
-            ok = value is None or isinstance(value, str)
-        elif ann == "int | None":
-            ok = value is None or (isinstance(value, int) and not isinstance(value, bool))
-        if not ok:
+        if not ok(value):
             raise MalformedFrameError(f"{msg.KIND}.{name} must be {ann}, got {type(value).__name__}")
 
 
@@ -243,7 +267,7 @@ def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX
     n = len(frames)
     if n < 2:
         raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {n}")
-    sizes = [len(memoryview(_buffer_of(f))) if not isinstance(f, bytes) else len(f) for f in frames]
+    sizes = [len(f) if type(f) in _SIZED else _len(_buffer_of(f)) for f in frames]
     total = sum(sizes)
     if total > max_message_bytes:
         raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
