@@ -113,6 +113,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--rounds", type=int, default=2, help="plain and plugin engines alternate; best round counts")
     ap.add_argument("--child", choices=("plain", "plugin"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.model is None:
@@ -122,26 +123,32 @@ def main() -> int:
     if args.child:
         _child(args)
         return 0
-    results = {}
-    for child in ("plain", "plugin"):
-        env = {k: v for k, v in os.environ.items() if k != "MIA_STREAM_BROKER"}
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-        cmd = [sys.executable, __file__, "--child", child, "--model", args.model, "--prompts", str(args.prompts),
-               "--tokens", str(args.tokens)] + (["--eager"] if args.eager else [])
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-        line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
-        if not line:
-            print(out.stderr[-3000:], file=sys.stderr)
-            return 1
-        results.update(json.loads(line[0][7:]))
+    results: dict = {}
+    rounds: dict = {}
+    for _ in range(args.rounds):  # alternate, so machine noise hits both sides alike
+        for child in ("plain", "plugin"):
+            env = {k: v for k, v in os.environ.items() if k != "MIA_STREAM_BROKER"}
+            env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+            cmd = [sys.executable, __file__, "--child", child, "--model", args.model, "--prompts",
+                   str(args.prompts), "--tokens", str(args.tokens)] + (["--eager"] if args.eager else [])
+            out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
+            if not line:
+                print(out.stderr[-3000:], file=sys.stderr)
+                return 1
+            for name, r in json.loads(line[0][7:]).items():
+                rounds.setdefault(name, []).append(round(r["tok_s"], 1))
+                if name not in results or r["tok_s"] > results[name]["tok_s"]:
+                    results[name] = r
     base = results["plain vLLM"]["tok_s"]
     print(f"model {args.model}, {args.prompts} prompts x {args.tokens} generated tokens, float32, "
           f"{'eager' if args.eager else 'torch.compile'}, CPU")
-    print(f"{'row':<32} {'tok/s':>8} {'ratio':>6} {'MB/s captured':>14} {'frames':>7} {'dropped':>8} {'gaps':>5}")
+    print(f"best of {args.rounds} alternating rounds (per-round tok/s in the last column)")
+    print(f"{'row':<32} {'tok/s':>8} {'ratio':>6} {'MB/s captured':>14} {'frames':>7} {'dropped':>8} {'gaps':>5}  rounds")
     for name, r in results.items():
         mbs = r.get("bytes", 0) / r["seconds"] / 1e6
         print(f"{name:<32} {r['tok_s']:8.1f} {r['tok_s'] / base:6.3f} {mbs:14.1f} {r.get('frames', 0):7d} "
-              f"{r.get('dropped', 0):8d} {r.get('gaps', 0):5d}")
+              f"{r.get('dropped', 0):8d} {r.get('gaps', 0):5d}  {rounds[name]}")
     return 0
 
 

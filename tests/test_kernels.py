@@ -588,3 +588,34 @@ def test_triton_on_cuda_inside_a_cuda_graph(monkeypatch):
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == _CHILD_FLAG:
     _run_interpreted(sys.argv[2], sys.argv[3])
+
+
+# ---------------------------------------------------------------- CPU fast paths of the dispatch
+
+
+def test_cpu_steer_of_only_the_slotted_rows_is_bit_identical_to_the_full_reference():
+    from mia_stream.kernels import steer_rows_reference
+
+    g = torch.Generator().manual_seed(7)
+    hidden, residual = torch.randn(9, 576, generator=g), torch.randn(9, 576, generator=g)
+    vectors = torch.randn(3, 576, generator=g)
+    op_codes = torch.tensor([OP_ADD, OP_CAP, OP_ABLATE], dtype=torch.int32)
+    scales, thresholds = torch.tensor([2.0, 1.0, 1.0]), torch.tensor([0.0, 0.3, 0.0])
+    slots = torch.full((12, 2), -1, dtype=torch.int32)
+    slots[1, 0], slots[4] = 0, torch.tensor([1, 2], dtype=torch.int32)
+    slots[8, 1] = 2
+    full, fast = hidden.clone(), hidden.clone()
+    steer_rows_reference(full, residual, vectors, op_codes, scales, thresholds, slots)
+    steer_rows(fast, residual, vectors, op_codes, scales, thresholds, slots)  # dispatch: only rows 1, 4, 8
+    assert torch.equal(fast, full) and not torch.equal(fast[[1, 4, 8]], hidden[[1, 4, 8]])
+    untouched = hidden.clone()
+    steer_rows(untouched, residual, vectors, op_codes, scales, thresholds, torch.full((12, 2), -1, dtype=torch.int32))
+    assert torch.equal(untouched, hidden)
+
+
+def test_cpu_scatter_with_every_row_on_the_sentinel_writes_nothing_else():
+    dst = torch.full((5, 4), 7.0)
+    scatter_rows(dst, torch.zeros(3, 4), torch.full((3,), 4, dtype=torch.int32))
+    assert torch.equal(dst[:4], torch.full((4, 4), 7.0))
+    scatter_rows(dst, torch.ones(3, 4), torch.tensor([4, 1, 4], dtype=torch.int32))  # one watched row
+    assert torch.equal(dst[1], torch.ones(4)) and torch.equal(dst[0], torch.full((4,), 7.0))

@@ -46,6 +46,8 @@ def scatter_rows(dst: Tensor, src: Tensor, route: Tensor, residual: Tensor | Non
     if _dispatch.active_backend(dst.device) == "triton":
         scatter_rows_triton(dst, src, route, residual)
         _dispatch._record("scatter_rows", "triton")
+    elif dst.device.type == "cpu" and _only_sentinel_cpu(dst, src, route, residual):
+        _dispatch._record("scatter_rows", "reference")
     else:
         scatter_rows_reference(dst, src, route, residual)
         _dispatch._record("scatter_rows", "reference")
@@ -59,6 +61,14 @@ def _config(width: int) -> tuple[int, int, int]:
     block_h = min((256, 512, _MAX_BLOCK_H), key=lambda b: (triton.cdiv(width, b) * b, -b))
     block_h = min(block_h, triton.next_power_of_2(width))
     return max(1, _TILE // block_h), block_h, 4
+
+
+def _only_sentinel_cpu(dst: Tensor, src: Tensor, route: Tensor, residual: Tensor | None) -> bool:
+    """CPU (the op body runs eagerly, so reading the route costs no sync): a step where no row is watched
+    writes only the sentinel row, whose contents are junk by contract, and can skip the copy."""
+    _checks.scatter_args(dst, src, route, residual)  # the same errors as the full path
+    tokens = src.shape[0]
+    return tokens > 0 and not bool((route[:tokens] != dst.shape[0] - 1).any())
 
 
 def scatter_rows_triton(dst: Tensor, src: Tensor, route: Tensor, residual: Tensor | None = None) -> None:

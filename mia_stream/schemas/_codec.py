@@ -84,6 +84,27 @@ def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list) -
     return entry
 
 
+def _unpack_header(buf: Any, nbytes: int) -> dict:
+    """The header map of a message, with its size, msgpack form and major version checked."""
+    if nbytes > _MAX_HEADER_BYTES:
+        raise OversizedMessageError(f"header of {nbytes} bytes exceeds {_MAX_HEADER_BYTES}")
+    try:
+        header = msgpack.unpackb(buf, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
+        raise MalformedFrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(header, dict):
+        raise MalformedFrameError(f"header must be a msgpack map, got {type(header).__name__}")
+    version = header.get("v")
+    if (not isinstance(version, (list, tuple)) or len(version) != 2
+            or not all(isinstance(x, int) for x in version)):
+        raise MalformedFrameError(f"header field 'v' must be [major, minor], got {version!r}")
+    if version[0] != SCHEMA_VERSION[0]:
+        raise SchemaVersionError(
+            f"schema major version {version[0]} is not supported by this decoder "
+            f"(it speaks {SCHEMA_VERSION[0]}.x); upgrade mia_stream on this side")
+    return header
+
+
 def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
            verify: bool = True) -> Message:
     """Decode ``[topic, header, *buffers]``; tensors view the received buffers without copying.
@@ -98,23 +119,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
         total += _len(b)
     if total > max_message_bytes:
         raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
-    header_buf = bufs[1]
-    if _len(header_buf) > _MAX_HEADER_BYTES:
-        raise OversizedMessageError(f"header of {_len(header_buf)} bytes exceeds {_MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(header_buf, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises many types (ExtraData, FormatError, ValueError, ...)
-        raise MalformedFrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
-    if not isinstance(header, dict):
-        raise MalformedFrameError(f"header must be a msgpack map, got {type(header).__name__}")
-    version = header.get("v")
-    if (not isinstance(version, (list, tuple)) or len(version) != 2
-            or not all(isinstance(x, int) for x in version)):
-        raise MalformedFrameError(f"header field 'v' must be [major, minor], got {version!r}")
-    if version[0] != SCHEMA_VERSION[0]:
-        raise SchemaVersionError(
-            f"schema major version {version[0]} is not supported by this decoder "
-            f"(it speaks {SCHEMA_VERSION[0]}.x); upgrade mia_stream on this side")
+    header = _unpack_header(bufs[1], _len(bufs[1]))
     kind = header.get("kind")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
@@ -271,22 +276,7 @@ def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX
     total = sum(sizes)
     if total > max_message_bytes:
         raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
-    if sizes[1] > _MAX_HEADER_BYTES:
-        raise OversizedMessageError(f"header of {sizes[1]} bytes exceeds {_MAX_HEADER_BYTES}")
-    try:
-        header = msgpack.unpackb(_buffer_of(frames[1]), raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises many types
-        raise MalformedFrameError(f"header is not valid msgpack: {type(e).__name__}: {e}") from None
-    if not isinstance(header, dict):
-        raise MalformedFrameError(f"header must be a msgpack map, got {type(header).__name__}")
-    version = header.get("v")
-    if (not isinstance(version, (list, tuple)) or len(version) != 2
-            or not all(isinstance(x, int) for x in version)):
-        raise MalformedFrameError(f"header field 'v' must be [major, minor], got {version!r}")
-    if version[0] != SCHEMA_VERSION[0]:
-        raise SchemaVersionError(
-            f"schema major version {version[0]} is not supported by this decoder "
-            f"(it speaks {SCHEMA_VERSION[0]}.x); upgrade mia_stream on this side")
+    header = _unpack_header(_buffer_of(frames[1]), sizes[1])
     kind = header.get("kind")
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
         raise MalformedFrameError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
