@@ -110,3 +110,31 @@ def test_frames_carry_the_steering_version_of_the_step_not_of_the_drain(bus):
     base = np.arange(8) + 200 + 1000
     np.testing.assert_array_equal(frames[1].tensors["hs"][0, 0], base + 10.0)  # steered before capture
     np.testing.assert_array_equal(frames[0].tensors["hs"][0, 1], np.arange(8, 16) + 1000)  # unsteered
+
+
+def test_a_request_that_ends_before_the_drain_reaches_its_start_keeps_its_frames(bus):
+    """The drain thread runs behind the engine: hold it at the request's StreamStart until the engine has
+    already finished the request; every frame must still be published."""
+    import threading
+
+    pub, stream = bus
+    gate = threading.Event()
+    real_next_seq = pub.next_seq
+
+    def gated_next_seq(rid):  # the drain thread stamps the StreamStart first: make it wait there
+        gate.wait(10)
+        return real_next_seq(rid)
+
+    pub.next_seq = gated_next_seq
+    rt = _runtime(pub, hold=False)
+    spec = parse_spec({"capture": {"hidden_states": {"layers": [0], "positions": "all"}}}, GEO)
+    rt.add_request("e1", "rt-behind", spec, [1, 2, 3])
+    _step(rt, 1, 0, [1, 2, 3]); rt.on_sampled(1, ["e1"], [[4]])
+    _step(rt, 2, 3, [4]); rt.on_sampled(2, ["e1"], [[5]])
+    rt.finish_request("e1", "length", num_tokens=5)
+    assert "e1" not in rt.requests  # the engine side is done with it
+    gate.set()
+    events = _events(stream)
+    rt.close()
+    assert [e.frame.positions for e in events if e.kind == "frame"] == [[0, 1, 2], [3]]
+    assert events[-1].stream.generated_token_ids == [4, 5]

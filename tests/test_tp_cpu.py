@@ -82,7 +82,8 @@ def tp_runs(tmp_path_factory):
     run_dir = tempfile.mkdtemp(prefix="mia-tp-", dir="/tmp")  # short: unix socket paths are limited
     runs = {}
     try:
-        with run_broker_in_thread(address=run_dir):
+        # A dead rank is declared lost after 5 s of silence (the default, 30 s, tolerates compile stalls).
+        with run_broker_in_thread(address=run_dir, producer_timeout_s=5.0):
             for tp in (1, 2):
                 driver = _Driver(f"tp{tp}", kill=tp == 2)
                 t0 = time.monotonic()

@@ -315,7 +315,7 @@ class ProducerRuntime:
             steering=[o.to_wire() for o in spec.steer], capture_after_steering=True,
             prompt_token_ids=list(prompt_token_ids), tags=spec.tags, time_ns=time.time_ns(),
             control_id=self.control_id)
-        self._enqueue(("msg", engine_id, start))
+        self._enqueue(("msg", engine_id, start, req))
 
     @_locked
     def finish_request(self, engine_id: str, reason: str, num_tokens: int | None = None) -> None:
@@ -696,8 +696,10 @@ class ProducerRuntime:
             kind = item[0]
             try:
                 if kind == "msg":
-                    _, eid, msg = item
-                    streams[eid] = self.requests.get(eid) or streams.get(eid)
+                    # The request object travels with its start: by the time this thread gets here the engine
+                    # may have finished it already (the drain runs behind), and its frames must still go out.
+                    _, eid, msg, req = item
+                    streams[eid] = req
                     self._stamp_and_publish(msg)
                 elif kind == "step":
                     self._drain_step(streams, *item[1:])
