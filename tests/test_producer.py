@@ -198,3 +198,18 @@ def test_stream_llm_wraps_an_engine_and_returns_each_prompt_with_its_stream(engi
     assert rel_err(first.tensor("hs"), ref_hs[[0, 29]]).max() < TOL
     assert second.frames == [] and second.end is not None  # streamed tokens only
     assert second.events[0].stream.generated_token_ids == list(second.output.outputs[0].token_ids)
+
+
+def test_plugin_loaded_but_idle_generates_what_hf_generates(engine, hf_model, tokenizer):
+    """No request streamed: the engine with the plugin active gives the independent oracle's greedy tokens."""
+    import torch
+
+    prompts = [_chat(tokenizer, "Name a primary color."), "The largest planet in the solar system is"]
+    outs = engine.generate(prompts, _params(12))
+    for prompt, out in zip(prompts, outs):
+        ids = torch.tensor([list(out.prompt_token_ids)])
+        with torch.no_grad():
+            ref = hf_model.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+        got = list(out.outputs[0].token_ids)
+        n = min(len(got), len(ref))  # either may stop at EOS first
+        assert n >= 3 and got[:n] == ref[:n], (prompt, got, ref)
