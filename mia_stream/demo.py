@@ -1,9 +1,11 @@
 """``mia-stream demo``: the end-to-end walk-through on a real vLLM engine and the embedded model.
 
-Phase 1 (this file today): start a real ``vllm.LLM`` with CPU-friendly settings, answer three chat prompts
-and print each answer with its timing. The demo is a pipeline of small steps run inside one
-``contextlib.ExitStack``, so every component a later phase starts (broker, live consumer process, recorder) is
-torn down in reverse order even when a step fails. The marked places in ``run_demo`` say where they go.
+Start a broker, a live consumer process and the recorder process; start a real ``vllm.LLM`` (CPU-friendly
+settings) with the mia_stream plugin; answer three chat prompts while capturing hidden states of layers 15 and 29,
+the consumer printing each generated token with ``|h29|`` as it streams; then replay the MCAP recording through
+the same consumer class in a new process and compare its output line by line with the live one. Every step is a
+small function run inside one ``contextlib.ExitStack``, so each process is torn down even when a step fails.
+``--no-streaming`` runs plain vLLM only.
 """
 
 from __future__ import annotations
