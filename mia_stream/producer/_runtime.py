@@ -115,8 +115,9 @@ class _Request:
     spec: RequestSpec
     prompt_len: int
     prompt_token_ids: list
-    hs_next: int = 0  # next position not yet captured (dedupes recomputation after preemption)
-    qk_next: int = 0
+    # per captured kind (0 = hidden states, 1 = Q/K): the next position not yet captured, which dedupes the
+    # recomputation after a preemption
+    next_pos: list = field(default_factory=lambda: [0, 0])
     first_computed: int | None = None
     steer_ops: tuple = ()
     steer_version: int = 0
@@ -127,6 +128,44 @@ class _Request:
     frames_dropped: int = 0
     drops: dict = field(default_factory=dict)
     uncaptured: list = field(default_factory=list)
+    capture_kinds: tuple = ()  # ((0 = hidden states | 1 = Q/K, layers, positions mode), ...) it captures
+
+
+class _KindRouting:
+    """One captured kind's routing for a step (hidden states, or Q/K): aperture rows handed out in request
+    order, and the route entries grouped by layer set so each group is one numpy write."""
+
+    def __init__(self):
+        self.next_row = 0
+        self.groups: dict[tuple, tuple[list, list, list, list]] = {}  # ints (decode) and arrays
+        self.segments: list[_Segment] = []
+
+    def claim(self, eid: str, layers: tuple, token_rows: np.ndarray, positions: np.ndarray, tokens: tuple,
+              capacity: int) -> bool:
+        """Give ``token_rows`` aperture rows at ``layers``; False (nothing taken) when the aperture is full."""
+        count = len(token_rows)
+        if self.next_row + count > capacity:
+            return False
+        group = self.groups.setdefault(layers, ([], [], [], []))
+        if count == 1:  # decode: plain ints, one numpy write per layer set at the end
+            group[0].append(token_rows.item())
+            group[1].append(self.next_row)
+        else:
+            group[2].append(token_rows)
+            group[3].append(np.arange(self.next_row, self.next_row + count, dtype=np.int32))
+        self.segments.append(_Segment(eid, self.next_row, positions, *tokens, layers=layers))
+        self.next_row += count
+        return True
+
+    def host_route(self, num_layers: int, width: int, sentinel: int) -> np.ndarray | None:
+        if not self.groups:
+            return None
+        host = np.full((num_layers, width), sentinel, np.int32)
+        for layers, (one_tokens, one_rows, token_rows, rows) in self.groups.items():
+            tok = np.concatenate([np.asarray(one_tokens, np.int64), *token_rows])
+            dst = np.concatenate([np.asarray(one_rows, np.int32), *rows])
+            host[np.asarray(layers)[:, None], tok[None, :]] = dst[None, :]
+        return host
 
 
 class _SteeringTable:
@@ -301,8 +340,11 @@ class ProducerRuntime:
     @_locked
     def add_request(self, engine_id: str, stream_id: str, spec: RequestSpec, prompt_token_ids: list) -> None:
         if engine_id in self.requests:
-            return  # resumed after preemption: keep its stream (positions dedupe by hs_next/qk_next)
+            return  # resumed after preemption: keep its stream (positions dedupe by next_pos)
         req = _Request(engine_id, stream_id, spec, len(prompt_token_ids), list(prompt_token_ids))
+        req.capture_kinds = tuple(k for k in ((0, spec.hs_layers, spec.hs_positions),
+                                               (1, spec.qk_layers if self.cfg.capture_qk else (), spec.qk_positions))
+                                  if k[1])
         self.requests[engine_id] = req
         if spec.steer:
             self._set_steering(req, spec.steer, 1 if spec.steer else 0)
@@ -369,12 +411,9 @@ class ProducerRuntime:
             # compute stream (the host never waits), placed before this step's forward, not before sampling.
             torch.cuda.current_stream(self.device).wait_event(self._last_copy_done)
             self._last_copy_done = None
-        hs_segments, qk_segments = [], []
-        hs_next_row = qk_next_row = 0
-        host_hs = host_qk = host_steer = None
         n = batch.num_tokens
-        fast_hs: dict = {}
-        fast_qk: dict = {}
+        hs, qk = _KindRouting(), _KindRouting()  # kinds 0 and 1 of _Request.capture_kinds
+        host_steer = None
         fast_steer: list = []
         for i, eid in enumerate(batch.req_ids):
             req = self.requests.get(eid)
@@ -388,107 +427,64 @@ class ProducerRuntime:
             if b <= a:
                 continue
             first = int(batch.num_computed[i])
-            if b - a == 1 and req.first_computed is not None:
-                # One token (decode): scalar tests, rows gathered and written in one numpy call per layer set
-                # below; the general path costs ~25 us of numpy per request, which at 256 decodes per step is
-                # as long as the step itself.
-                spec, plen = req.spec, req.prompt_len
-                if spec.hs_layers and first >= req.hs_next and _hits(spec.hs_positions, first, plen):
-                    if hs_next_row + 1 > self.cfg.aperture_rows:
-                        self._drop_now(req, batch.step, "aperture_full")
-                    else:
-                        fast_hs.setdefault(spec.hs_layers, ([], []))
-                        fast_hs[spec.hs_layers][0].append(a)
-                        fast_hs[spec.hs_layers][1].append(hs_next_row)
-                        hs_segments.append(_Segment(eid, hs_next_row, np.array([first]),
-                                                    *self._tokens(batch, np.array([a]))))
-                        hs_next_row += 1
-                        req.hs_next = first + 1
-                if (spec.qk_layers and self.cfg.capture_qk and first >= req.qk_next
-                        and _hits(spec.qk_positions, first, plen)):
-                    if qk_next_row + 1 > self.cfg.aperture_rows:
-                        self._drop_now(req, batch.step, "aperture_full")
-                    else:
-                        fast_qk.setdefault(spec.qk_layers, ([], []))
-                        fast_qk[spec.qk_layers][0].append(a)
-                        fast_qk[spec.qk_layers][1].append(qk_next_row)
-                        qk_segments.append(_Segment(eid, qk_next_row, np.array([first]),
-                                                    *self._tokens(batch, np.array([a]))))
-                        qk_next_row += 1
-                        req.qk_next = first + 1
-                if req.slots_by_layer:
-                    layers, ms, slots, in_prompt, in_gen = self._steer_rows(req)
-                    keep = in_prompt if first < plen else in_gen
-                    if keep.any():
-                        fast_steer.append((layers[keep], np.full(int(keep.sum()), a), ms[keep], slots[keep]))
+            spec, plen = req.spec, req.prompt_len
+            decode = b - a == 1 and req.first_computed is not None
+            if decode:  # one token: scalar tests (the numpy path costs ~25 us per request)
+                positions, one_row, one_pos = None, np.array((a,)), np.array((first,))
+            else:
+                positions = np.arange(first, first + (b - a))
+                if req.first_computed is None:
+                    req.first_computed = first
+                    if first > 0 and spec.needs_every_prompt_token:
+                        req.uncaptured.append([0, first - 1])
+            for kind, layers, mode in req.capture_kinds:
+                routing = hs if kind == 0 else qk
+                next_pos = req.next_pos[kind]
+                if decode:
+                    if first < next_pos or not _hits(mode, first, plen):
+                        continue
+                    token_rows, picked = one_row, one_pos
+                else:
+                    sel = self._select(positions, mode, plen, next_pos)
+                    if not sel.size:
+                        continue
+                    token_rows, picked = a + sel, positions[sel]
+                if routing.claim(eid, layers, token_rows, picked, self._tokens(batch, token_rows),
+                                 self.cfg.aperture_rows):
+                    req.next_pos[kind] = int(picked[-1]) + 1
+                else:
+                    self._drop_now(req, batch.step, "aperture_full")
+            if not req.slots_by_layer:
                 continue
-            positions = np.arange(first, first + (b - a))
-            if req.first_computed is None:
-                req.first_computed = first
-                if first > 0 and req.spec.needs_every_prompt_token:
-                    req.uncaptured.append([0, first - 1])
-            spec = req.spec
-            if spec.hs_layers:
-                sel = self._select(positions, spec.hs_positions, req.prompt_len, req.hs_next)
-                if sel.size:
-                    if hs_next_row + sel.size > self.cfg.aperture_rows:
-                        self._drop_now(req, batch.step, "aperture_full")
-                    else:
-                        if host_hs is None:
-                            host_hs = np.full((self.geo.num_layers, max(n, self._dirty_rows)), st.sentinel, np.int32)
-                        rows = np.arange(hs_next_row, hs_next_row + sel.size, dtype=np.int32)
-                        host_hs[np.asarray(spec.hs_layers)[:, None], (a + sel)[None, :]] = rows[None, :]
-                        hs_segments.append(_Segment(eid, hs_next_row, positions[sel], *self._tokens(batch, a + sel)))
-                        hs_next_row += sel.size
-                        req.hs_next = int(positions[sel][-1]) + 1
-            if spec.qk_layers and self.cfg.capture_qk:
-                sel = self._select(positions, spec.qk_positions, req.prompt_len, req.qk_next)
-                if sel.size:
-                    if qk_next_row + sel.size > self.cfg.aperture_rows:
-                        self._drop_now(req, batch.step, "aperture_full")
-                    else:
-                        if host_qk is None:
-                            host_qk = np.full((self.geo.num_layers, max(n, self._dirty_rows_qk)), st.sentinel, np.int32)
-                        rows = np.arange(qk_next_row, qk_next_row + sel.size, dtype=np.int32)
-                        host_qk[np.asarray(spec.qk_layers)[:, None], (a + sel)[None, :]] = rows[None, :]
-                        qk_segments.append(_Segment(eid, qk_next_row, positions[sel], *self._tokens(batch, a + sel)))
-                        qk_next_row += sel.size
-                        req.qk_next = int(positions[sel][-1]) + 1
-            if req.slots_by_layer:
-                if host_steer is None:
-                    host_steer = np.full((self.geo.num_layers, max(n, self._dirty_steer_rows),
-                                          self.cfg.max_ops_per_layer), -1, np.int32)
-                for layer, entries in req.slots_by_layer.items():
-                    for m, (slot, op) in enumerate(entries[: self.cfg.max_ops_per_layer]):
-                        sel = self._select(positions, op.positions, req.prompt_len, 0)
-                        host_steer[layer, a + sel, m] = slot
-        if fast_hs:
-            if host_hs is None:
-                host_hs = np.full((self.geo.num_layers, max(n, self._dirty_rows)), st.sentinel, np.int32)
-            for layers, (token_rows, rows) in fast_hs.items():
-                host_hs[np.asarray(layers)[:, None], np.asarray(token_rows)[None, :]] = np.asarray(rows)[None, :]
-        if fast_qk:
-            if host_qk is None:
-                host_qk = np.full((self.geo.num_layers, max(n, self._dirty_rows_qk)), st.sentinel, np.int32)
-            for layers, (token_rows, rows) in fast_qk.items():
-                host_qk[np.asarray(layers)[:, None], np.asarray(token_rows)[None, :]] = np.asarray(rows)[None, :]
+            if decode:
+                layers, ms, slots, in_prompt, in_gen = self._steer_rows(req)
+                keep = in_prompt if first < plen else in_gen
+                if keep.any():
+                    fast_steer.append((layers[keep], np.full(int(keep.sum()), a), ms[keep], slots[keep]))
+                continue
+            if host_steer is None:
+                host_steer = np.full((self.geo.num_layers, max(n, self._dirty_steer_rows),
+                                      self.cfg.max_ops_per_layer), -1, np.int32)
+            for layer, entries in req.slots_by_layer.items():
+                for m, (slot, op) in enumerate(entries[: self.cfg.max_ops_per_layer]):
+                    sel = self._select(positions, op.positions, plen, 0)
+                    host_steer[layer, a + sel, m] = slot
         if fast_steer:
             if host_steer is None:
                 host_steer = np.full((self.geo.num_layers, max(n, self._dirty_steer_rows),
                                       self.cfg.max_ops_per_layer), -1, np.int32)
             layers, token_rows, ms, slots = (np.concatenate(x) for x in zip(*fast_steer))
             host_steer[layers, token_rows, ms] = slots
-        self._write_route(st.hs_route, host_hs, "_dirty_rows", n)
+        self._write_route(st.hs_route, hs.host_route(self.geo.num_layers, max(n, self._dirty_rows), st.sentinel),
+                          "_dirty_rows", n)
         if self.cfg.capture_qk:
-            self._write_route(st.qk_route, host_qk, "_dirty_rows_qk", n)
+            self._write_route(st.qk_route, qk.host_route(self.geo.num_layers, max(n, self._dirty_rows_qk),
+                                                         st.sentinel), "_dirty_rows_qk", n)
         if self.steering is not None:
             self._write_route(st.steer_slots, host_steer, "_dirty_steer_rows", n)
+        hs_segments, qk_segments, hs_next_row, qk_next_row = hs.segments, qk.segments, hs.next_row, qk.next_row
         for seg in hs_segments + qk_segments:  # recorded now: the drain thread runs behind the engine
             seg.steer_version = self.requests[seg.engine_id].steer_version
-        for seg in hs_segments:
-            seg.layers = self.requests[seg.engine_id].spec.hs_layers
-        for seg in qk_segments:
-            seg.layers = self.requests[seg.engine_id].spec.qk_layers
         self._step_segments = (batch.step, hs_segments, hs_next_row, qk_segments, qk_next_row)
         self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else None
 
