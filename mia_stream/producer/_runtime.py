@@ -59,6 +59,12 @@ def _rows(host: np.ndarray, index: dict, layers: tuple, row0: int, n: int) -> np
     return np.ascontiguousarray(rows[js])
 
 
+def _frame_entry(seg: "_Segment", part: int) -> dict:
+    """What one TensorFrame of a request's step is built from (part 1: Q/K at other positions than hs)."""
+    return {"engine_id": seg.engine_id, "part": part, "positions": seg.positions, "token_ids": seg.token_ids,
+            "tensors": [], "steer_version": seg.steer_version}
+
+
 def _tensor(name: str, raw: np.ndarray, dtype: str, item: int, layers, **kw) -> Tensor:
     shape = raw.shape[:-1] + (raw.shape[-1] // item,)
     return Tensor(name, dtype, tuple(int(x) for x in shape), memoryview(raw).cast("B"), tuple(layers), **kw)
@@ -748,8 +754,7 @@ class ProducerRuntime:
                 req = streams.get(s.engine_id)
                 if req is None:
                     continue
-                entry = per_req.setdefault(s.engine_id, {"positions": s.positions, "token_ids": s.token_ids,
-                                                         "tensors": [], "steer_version": s.steer_version})
+                entry = per_req.setdefault(s.engine_id, _frame_entry(s, part=0))
                 if self.tp_rank == 0:
                     rows = _rows(hs, layer_index["hs"], s.layers, s.row0, len(s.positions))
                     entry["tensors"].append(_tensor("hs", rows, wire, item, s.layers))
@@ -758,17 +763,13 @@ class ProducerRuntime:
                 req = streams.get(s.engine_id)
                 if req is None:
                     continue
-                entry = per_req.setdefault(s.engine_id, {"positions": s.positions, "token_ids": s.token_ids,
-                                                         "tensors": [], "steer_version": s.steer_version})
+                entry = per_req.setdefault(s.engine_id, _frame_entry(s, part=0))
                 if not np.array_equal(entry["positions"], s.positions):
                     # hs and q/k cover different positions: q/k go in a frame of their own
-                    entry = per_req.setdefault(s.engine_id + "\x00qk", {"positions": s.positions,
-                                                                        "token_ids": s.token_ids, "tensors": [],
-                                                                        "engine_id": s.engine_id, "part": 1,
-                                                                        "steer_version": s.steer_version})
+                    entry = per_req.setdefault(s.engine_id + "\x00qk", _frame_entry(s, part=1))
                 entry["tensors"].extend(self._qk_tensors(req, qk_host, s, layer_index, wire, item))
             for key, entry in per_req.items():
-                req = streams.get(entry.get("engine_id", key))
+                req = streams.get(entry["engine_id"])
                 if req is None:
                     continue
                 frame = TensorFrame(request_id=req.stream_id, producer_id=self.producer_id, epoch=self.epoch,
@@ -776,10 +777,10 @@ class ProducerRuntime:
                                     positions=[int(p) for p in entry["positions"]],
                                     token_ids=[int(t) for t in entry["token_ids"]], tensors=entry["tensors"],
                                     steering_version=entry["steer_version"], time_ns=step_end_ns or time.time_ns(),
-                                    part=entry.get("part", 0))
+                                    part=entry["part"])
                 self.stats["frames"] += 1
                 self.stats["bytes"] += sum(t.nbytes for t in frame.tensors)
-                self._emit(entry.get("engine_id", key), frame, step)
+                self._emit(entry["engine_id"], frame, step)
         finally:
             for t in host.values():
                 self._ring.free(t)
