@@ -45,6 +45,7 @@ ZAP_DOMAIN = "mia_stream"
 HEARTBEAT_S = 0.5  # application heartbeat interval of every peer
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
+TCP_KEEPALIVE_IDLE_S, TCP_KEEPALIVE_INTVL_S, TCP_KEEPALIVE_CNT = 5, 1, 3  # a dead tcp peer is noticed in ~8 s
 
 
 # ---------------------------------------------------------------------------------------------- endpoints
@@ -216,17 +217,25 @@ def start_authenticator(ctx: zmq.Context, keys: ServerKeys):
 # ---------------------------------------------------------------------------------------------- sockets
 
 def configure(sock: zmq.Socket, *, sndhwm: int = 1000, rcvhwm: int = 1000, max_message_bytes: int | None = None,
-              heartbeat_ms: int = 1000, router_mandatory: bool = False, immediate: bool = False) -> None:
-    """Options every bus socket gets: no linger, bounded HWMs, ZMTP heartbeats, quick reconnects."""
+              router_mandatory: bool = False, immediate: bool = False) -> None:
+    """Options every bus socket gets: no linger, bounded HWMs, quick reconnects, TCP keepalive.
+
+    No ZMTP heartbeats (``ZMQ_HEARTBEAT_IVL``): in libzmq 4.3.x their timer can run the engine's output path
+    after an I/O error and abort the whole process (``Assertion failed: !_io_error
+    (stream_engine_base.cpp:310)``, libzmq issues 3937 and 4364). That killed a vLLM engine under
+    back-pressure on the H200. Dead peers are found by the application heartbeats (``HEARTBEAT_S``) and, on
+    tcp, half-open connections by the kernel's keepalive, which lets zmq reconnect.
+    """
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.SNDHWM, sndhwm)
     sock.setsockopt(zmq.RCVHWM, rcvhwm)
     sock.setsockopt(zmq.RECONNECT_IVL, RECONNECT_IVL_MS)
     sock.setsockopt(zmq.RECONNECT_IVL_MAX, RECONNECT_IVL_MAX_MS)
-    if heartbeat_ms:
-        sock.setsockopt(zmq.HEARTBEAT_IVL, heartbeat_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 3 * heartbeat_ms)
-        sock.setsockopt(zmq.HEARTBEAT_TTL, 3 * heartbeat_ms)
+    sock.setsockopt(zmq.HEARTBEAT_IVL, 0)
+    sock.setsockopt(zmq.TCP_KEEPALIVE, 1)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_IDLE, TCP_KEEPALIVE_IDLE_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_INTVL, TCP_KEEPALIVE_INTVL_S)
+    sock.setsockopt(zmq.TCP_KEEPALIVE_CNT, TCP_KEEPALIVE_CNT)
     if max_message_bytes:
         sock.setsockopt(zmq.MAXMSGSIZE, int(max_message_bytes))
     if router_mandatory:

@@ -91,7 +91,7 @@ def fetch_stats(address=None, *, stats_endpoint: str | None = None, keys=None, t
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     try:
-        _transport.configure(sock, heartbeat_ms=0)
+        _transport.configure(sock)
         _transport.connect(sock, endpoint, client_keys)
         sock.send(b"msgpack")
         if not sock.poll(int(timeout * 1000)):

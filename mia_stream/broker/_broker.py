@@ -193,7 +193,7 @@ class Broker:
             _transport.configure(self._cons, sndhwm=4096, rcvhwm=1000, max_message_bytes=16 << 20,
                                  router_mandatory=True)
             self._stats_sock = self._ctx.socket(zmq.REP)
-            _transport.configure(self._stats_sock, max_message_bytes=1 << 16, heartbeat_ms=0)
+            _transport.configure(self._stats_sock, max_message_bytes=1 << 16)
             _transport.bind(self._prod, eps.producers, keys)
             _transport.bind(self._cons, eps.consumers, keys)
             _transport.bind(self._stats_sock, eps.stats, keys)
