@@ -61,7 +61,7 @@ KINDS: dict[str, dict[str, tuple[str, bool, Any]]] = {
                   "error": (_SN, False, None), "producer_id": (_S, False, ""), "tp_rank": (_I, False, 0),
                   "time_ns": (_I, False, 0)},
     "subscribe": {"patterns": (_A, False, []), "from_start": (_B, False, False), "consumer_id": (_S, False, ""),
-                  "window_bytes": (_I, False, 0)},
+                  "window_bytes": (_I, False, 0), "batch": (_B, False, False)},
     "unsubscribe": {"patterns": (_A, False, [])},
     "credit": {"nbytes": (_I, True, None)},
     "error": {"code": (_S, True, None), "message": (_S, True, None), "request_id": (_SN, False, None),
@@ -211,6 +211,34 @@ def decode(frames: list, max_message_bytes: int = 1 << 30) -> SpecMessage:
     if i != len(frames):  # 7
         raise SpecDecodeError("undescribed buffers")
     return SpecMessage(frames[0], tuple(v), kind, fields, tensors)
+
+
+def split_batch(frames: list) -> list[list[bytes]] | None:
+    """Section 8: the messages of a batch, or None when ``frames`` is a single message."""
+    frames = [bytes(f) for f in frames]
+    if len(frames) < 2 or frames[0] != b"":  # a batch's topic is empty
+        return None
+    try:
+        header = msgpack.unpackb(frames[1], raw=False)
+    except Exception:
+        return None
+    if not isinstance(header, dict) or header.get("kind") != "batch":
+        return None
+    v = header.get("v")
+    if not (isinstance(v, list) and len(v) == 2 and all(isinstance(x, int) for x in v)) or v[0] != SUPPORTED_MAJOR:
+        raise SpecDecodeError("bad batch version")
+    counts = header.get("frames")
+    if not isinstance(counts, list) or not counts or len(counts) > 4096:
+        raise SpecDecodeError("batch.frames must list 1 to 4096 counts")
+    if not all(isinstance(c, int) and not isinstance(c, bool) and c >= 2 for c in counts):
+        raise SpecDecodeError("a frame count below 2")
+    if sum(counts) != len(frames) - 2:
+        raise SpecDecodeError("frame counts do not add up")
+    out, i = [], 2
+    for c in counts:
+        out.append(frames[i:i + c])
+        i += c
+    return out
 
 
 def decode_recorded(data: bytes) -> list[bytes]:

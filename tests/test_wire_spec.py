@@ -20,7 +20,7 @@ from mia_stream.errors import (ChecksumError, MalformedFrameError, OversizedMess
                                WireError)
 from mia_stream.schemas import (MESSAGE_TYPES, SCHEMA_VERSION, WIRE_DTYPES, ErrorNotice, GapNotice, Heartbeat,
                                 Shard, SteeringAck, SteeringCommand, StreamEnd, StreamStart, Subscribe, Tensor,
-                                TensorFrame, TokenFrame, Unsubscribe, decode, encode)
+                                TensorFrame, TokenFrame, Unsubscribe, decode, encode, encode_batch, split_batch)
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "wire-format.md"
 
@@ -384,5 +384,103 @@ def test_property_corrupted_bytes_raise_only_wire_errors(position, byte, compres
     frames[which] = bytes(corrupted)
     try:
         decode(frames)
+    except WireError:
+        pass
+
+
+# --- batches (section 8) -------------------------------------------------------------------------------------
+
+
+def test_batch_section_documents_its_fields():
+    section = re.search(r"\n## 8\. Batches.*", DOC.read_text(), re.S)
+    assert section, "docs/wire-format.md has no batch section"
+    assert set(re.findall(r"^\| `(\w+)` \|", section.group(0), re.M)) == {"v", "kind", "frames"}
+
+
+def test_batch_carries_every_kind_unchanged_and_both_decoders_agree():
+    q = Tensor.from_array("q", np.arange(8, dtype=np.int8).reshape(2, 4), scale=np.ones((2, 1), np.float32))
+    tf = TensorFrame("req-1", "prod-a", 7, 3, 11, tensors=[Tensor.from_array("hs", np.ones((1, 2, 3), np.float32)), q])
+    messages = [encode(m) for m in (*SAMPLES, tf)]
+    batch = encode_batch(messages)
+    assert bytes(batch[0]) == b"" and msgpack.unpackb(batch[1]) == {
+        "v": list(SCHEMA_VERSION), "kind": "batch", "frames": [len(m) for m in messages]}
+    parts = split_batch(batch)
+    assert len(parts) == len(messages)
+    for part, original in zip(parts, messages):
+        assert len(part) == len(original) and all(a is b for a, b in zip(part, original))  # no copies
+    wire = [bytes(memoryview(f).cast("B")) for f in batch]  # as a receiver in any language gets it
+    spec_parts = spec_decoder.split_batch(wire)
+    assert [[bytes(memoryview(f).cast("B")) for f in m] for m in messages] == spec_parts
+    for part, spec_part, msg in zip(split_batch(wire), spec_parts, (*SAMPLES, tf)):
+        assert {k: v for k, v in spec_decoder.decode(spec_part).fields.items() if k != "tensors"} == _fields(msg)
+        assert _fields(decode(part)) == _fields(msg)
+
+
+def test_single_messages_are_not_batches():
+    for msg in SAMPLES:
+        frames = encode(msg)
+        assert split_batch(frames) is None
+        assert spec_decoder.split_batch(frames) is None
+
+
+def test_a_1_1_decoder_rejects_a_batch_as_an_unknown_kind():
+    """A batch reaching a decoder that does not split batches is refused cleanly, never misread."""
+    batch = encode_batch([encode(SAMPLES[2]), encode(SAMPLES[3])])
+    with pytest.raises(MalformedFrameError, match="unknown message kind 'batch'"):
+        decode(batch)
+    with pytest.raises(spec_decoder.SpecDecodeError, match="unknown kind 'batch'"):
+        spec_decoder.decode(batch)
+    with pytest.raises(MalformedFrameError, match="unknown message kind 'batch'"):  # batches do not nest
+        decode(split_batch(encode_batch([batch]))[0])
+
+
+@pytest.mark.parametrize("counts, match", [
+    ([2, 2], "adds up to 4 frames, the batch carries 5"),
+    ([2, 4], "adds up to 6 frames, the batch carries 5"),
+    ([1, 4], "each >= 2"),
+    ([True, 4], "each >= 2"),
+    ([2, "3"], "each >= 2"),
+    ([], "1 to 4096"),
+    ([2] * 4097, "1 to 4096"),
+    (5, "1 to 4096"),
+])
+def test_malformed_batches_are_refused_by_both_decoders(counts, match):
+    frames = [bytes(f) for f in encode_batch([encode(SAMPLES[2]), encode(TensorFrame("r", "p", 0, 1, 1))])]
+    frames[1] = msgpack.packb({"v": [1, 2], "kind": "batch", "frames": counts})
+    frames.append(b"")  # 5 frames after the header: counts of 2 + 3 do not describe them either
+    with pytest.raises(MalformedFrameError, match=match):
+        split_batch(frames)
+    with pytest.raises(spec_decoder.SpecDecodeError):
+        spec_decoder.split_batch(frames)
+
+
+def test_batch_of_another_major_is_a_schema_version_error():
+    batch = encode_batch([encode(SAMPLES[2])])
+    batch[1] = msgpack.packb({"v": [2, 0], "kind": "batch", "frames": [2]})
+    assert split_batch(batch) is None  # left to the single-message path, which names the version
+    with pytest.raises(SchemaVersionError):
+        decode(batch)
+    with pytest.raises(spec_decoder.SpecDecodeError):
+        spec_decoder.split_batch(batch)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 10_000), st.integers(0, 255))
+def test_property_corrupted_batches_raise_only_wire_errors(position, byte):
+    frames = [bytes(f) for f in encode_batch([encode(SAMPLES[0]), _tensor_frames(), encode(SAMPLES[4])])]
+    lengths = [len(f) for f in frames]
+    which, offset = 0, position % sum(lengths)
+    while offset >= lengths[which]:
+        offset -= lengths[which]
+        which += 1
+    corrupted = bytearray(frames[which])
+    corrupted[offset] = byte
+    frames[which] = bytes(corrupted)
+    try:
+        for part in split_batch(frames) or [frames]:
+            try:
+                decode(part)
+            except WireError:
+                pass
     except WireError:
         pass

@@ -57,6 +57,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     ap.add_argument("--heartbeat", type=float, default=_transport.HEARTBEAT_S)
     ap.add_argument("--no-steering", action="store_true", help="refuse every steering command")
+    ap.add_argument("--no-batch", action="store_true",
+                    help="neither accept nor send batch messages (behave as a schema 1.1 broker)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     import logging
@@ -68,7 +70,8 @@ def main(argv: list[str]) -> int:
         config = BrokerConfig(eps, keys, args.consumer_queue_bytes, args.late_join_bytes,
                               args.late_join_total_bytes, args.late_join_linger, args.producer_timeout,
                               args.consumer_timeout, max_message_bytes=args.max_message_bytes,
-                              heartbeat_s=args.heartbeat, steering=not args.no_steering)
+                              heartbeat_s=args.heartbeat, steering=not args.no_steering,
+                              batch=not args.no_batch)
         broker = Broker(config)
     except MiaStreamError as e:
         print(f"mia-stream broker: {e}", file=sys.stderr)

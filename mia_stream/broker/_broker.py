@@ -24,10 +24,10 @@ import zmq
 
 from mia_stream import _transport
 from mia_stream._transport import BrokerEndpoints, ServerKeys
-from mia_stream.errors import OversizedMessageError, SchemaVersionError, WireError
+from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, SteeringAck,
-                                SteeringCommand, StreamEnd, Subscribe, Unsubscribe, decode, encode)
-from mia_stream.schemas._codec import decode_header
+                                SteeringCommand, StreamEnd, Subscribe, Unsubscribe, decode, encode, split_batch)
+from mia_stream.schemas._codec import batch_header, decode_header
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.broker")
@@ -41,7 +41,9 @@ DEFAULT_CONSUMER_TIMEOUT_S = 60.0  # no message from a consumer for this long: i
 DEFAULT_STEER_TIMEOUT_S = 30.0
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 _ERRORS_PER_PEER_PER_S = 20  # error replies are rate-limited so garbage cannot amplify
-_RECV_BATCH = 256
+_RECV_BATCH = 256  # stream messages handled per poll wake-up before consumers are flushed
+_BATCH_MESSAGES = 64  # a batch to a consumer holds at most this many messages ...
+_BATCH_BYTES = 1 << 20  # ... and this many bytes; a bigger message goes alone
 _CLOSED_MEMORY = 100_000
 
 _NOBLOCK, _SNDMORE = _transport.NOBLOCK, _transport.SNDMORE
@@ -65,6 +67,7 @@ class BrokerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     heartbeat_s: float = _transport.HEARTBEAT_S
     steering: bool = True
+    batch: bool = True  # accept and send batches (off: behaves as a 1.1 broker, for comparisons and fallback)
 
     @property
     def token_reserve_bytes(self) -> int:
@@ -106,7 +109,7 @@ class _Stream:
 class _Consumer:
     __slots__ = ("identity", "name", "patterns", "match_cache", "queue", "queue_bytes", "window", "in_flight",
                  "drops", "delivered", "delivered_bytes", "dropped", "gaps_sent", "last_seen", "blocked",
-                 "errors_this_s")
+                 "errors_this_s", "batch", "batches")
 
     def __init__(self, identity: bytes):
         self.identity = identity
@@ -122,6 +125,8 @@ class _Consumer:
         self.last_seen = time.monotonic()
         self.blocked = False
         self.errors_this_s = 0
+        self.batch = False  # it said (Subscribe.batch) that it unpacks batches
+        self.batches = 0
 
     def matches(self, request_id: str) -> bool:
         hit = self.match_cache.get(request_id)
@@ -135,14 +140,14 @@ class _Consumer:
 
 class _Producer:
     __slots__ = ("identity", "name", "last_seen", "streams", "messages", "bytes", "reported", "gaps_reported",
-                 "rate", "_snap", "errors_this_s")
+                 "rate", "_snap", "errors_this_s", "batches")
 
     def __init__(self, identity: bytes):
         self.identity = identity
         self.name = identity.decode("utf-8", "replace")
         self.last_seen = time.monotonic()
         self.streams: set[tuple] = set()
-        self.messages = self.bytes = self.gaps_reported = 0
+        self.messages = self.bytes = self.gaps_reported = self.batches = 0
         self.reported: dict = {}
         self.rate = (0.0, 0.0)
         self._snap = (time.monotonic(), 0, 0)
@@ -268,28 +273,51 @@ class Broker:
                     frames = _recv_parts(sock)
                 except zmq.Again:
                     return
-                try:
-                    handler(frames)
-                except Exception:  # last line of defence: bad input must never stop the broker
-                    self.counters["internal_errors"] += 1
-                    log.exception("broker: error while handling a message (counted as internal_errors)")
+                self._handle_safely(handler, frames)
+                if self._messages_in >= _RECV_BATCH:  # a few producer batches: flush to consumers first
+                    return
         finally:
             if self._messages_in:
                 self.counters["messages_in"] += self._messages_in
                 self.counters["bytes_in"] += self._bytes_in
                 self._messages_in = self._bytes_in = 0
 
+    def _handle_safely(self, handler, *args) -> None:
+        try:
+            handler(*args)
+        except Exception:  # last line of defence: bad input must never stop the broker
+            self.counters["internal_errors"] += 1
+            log.exception("broker: error while handling a message (counted as internal_errors)")
+
     def _on_producer_message(self, frames: list) -> None:
         identity = frames[0].bytes
         body = frames[1:]
-        nbytes = 0
-        for f in body:
-            nbytes += len(f)
         p = self._producers.get(identity)
         if p is None:
             p = self._producers[identity] = _Producer(identity)
             self._heartbeat_to(self._prod, identity, known=True)  # lets a restarted peer re-announce now
         p.last_seen = self._now
+        if self.config.batch:
+            try:
+                messages = split_batch(body)
+            except MalformedFrameError as e:  # its frames cannot be told apart: the whole batch is dropped
+                self.counters["malformed_batches"] += 1
+                self._report_bad(p, self._prod, identity, "producer", e)
+                return
+            if messages is not None:
+                p.batches += 1
+                self.counters["batches_in"] += 1
+                self.counters["batched_messages_in"] += len(messages)
+                for m in messages:  # each exactly as if it had come alone
+                    self._handle_safely(self._on_producer_body, p, m)
+                return
+        self._on_producer_body(p, body)
+
+    def _on_producer_body(self, p: _Producer, body: list) -> None:
+        identity = p.identity
+        nbytes = 0
+        for f in body:
+            nbytes += len(f)
         p.messages += 1
         p.bytes += nbytes
         self._messages_in += 1
@@ -317,13 +345,15 @@ class Broker:
         try:
             return decode_header(body, max_message_bytes=self.config.max_message_bytes)
         except WireError as e:
-            code = ("oversized" if isinstance(e, OversizedMessageError)
-                    else "schema_version" if isinstance(e, SchemaVersionError) else "malformed")
-            text = str(e)
+            self._report_bad(peer, sock, identity, role, e)
+        return None
+
+    def _report_bad(self, peer, sock, identity: bytes, role: str, e: WireError) -> None:
+        code = ("oversized" if isinstance(e, OversizedMessageError)
+                else "schema_version" if isinstance(e, SchemaVersionError) else "malformed")
         self.counters[code] += 1
         self.counters[f"{code}_from_{role}s"] += 1
-        self._error_to(peer, sock, identity, code, text)
-        return None
+        self._error_to(peer, sock, identity, code, str(e))
 
     def _error_to(self, peer, sock, identity: bytes, code: str, message: str, request_id=None) -> None:
         if isinstance(peer, _Consumer):
@@ -348,7 +378,7 @@ class Broker:
             return False
 
     def _heartbeat_to(self, sock: zmq.Socket, identity: bytes, known: bool) -> None:
-        hb = Heartbeat("broker", "broker", self.instance, time.time_ns(), {"known": known})
+        hb = Heartbeat("broker", "broker", self.instance, time.time_ns(), {"known": known, "batch": self.config.batch})
         self._send_direct(sock, identity, encode(hb))
 
     # ------------------------------------------------------------------------------------------ streams
@@ -519,15 +549,32 @@ class Broker:
                 self._flush_one(c)
 
     def _flush_one(self, c: _Consumer) -> bool:
-        """Hand ``c``'s queue to zmq while its credit and zmq allow; False if ``c`` turned out to be gone."""
-        sock, ident, q = self._cons, c.identity, c.queue
+        """Hand ``c``'s queue to zmq while its credit and zmq allow; False if ``c`` turned out to be gone.
+
+        A message may go while less than the window is in flight (the batch's earlier messages count as in
+        flight); to a consumer that unpacks batches, consecutive ready messages go as one batch.
+        """
+        sock, ident, q, window = self._cons, c.identity, c.queue, c.window
         c.blocked = False
         while q:
-            if c.window and c.in_flight >= c.window:
+            in_flight = c.in_flight
+            if window and in_flight >= window:
                 break
             frames, n = q[0]
+            count = 1
+            if c.batch and n < _BATCH_BYTES:
+                total, limit = n, min(len(q), _BATCH_MESSAGES)
+                while count < limit:
+                    n_next = q[count][1]
+                    if total + n_next > _BATCH_BYTES or (window and in_flight + total >= window):
+                        break
+                    total += n_next
+                    count += 1
             try:
-                _send_parts(sock, ident, frames)
+                if count == 1:
+                    _send_parts(sock, ident, frames)
+                else:
+                    self._send_batch(sock, ident, q, count)
             except zmq.Again:
                 c.blocked = True
                 break
@@ -536,14 +583,33 @@ class Broker:
                     self._forget_consumer(c, "consumers_lost")
                     return False
                 raise
-            q.popleft()
-            c.queue_bytes -= n
-            c.in_flight += n
-            c.delivered += 1
-            c.delivered_bytes += n
+            sent = 0
+            for _ in range(count):
+                sent += q.popleft()[1]
+            c.queue_bytes -= sent
+            c.in_flight += sent
+            c.delivered += count
+            c.delivered_bytes += sent
+            if count > 1:
+                c.batches += 1
+                self.counters["batches_out"] += 1
+                self.counters["batched_messages_out"] += count
         if not q:
             self._ready.discard(ident)
         return True
+
+    @staticmethod
+    def _send_batch(sock: zmq.Socket, ident: bytes, q: collections.deque, count: int) -> None:
+        """The first ``count`` queued messages as one batch, zero-copy (zmq takes or refuses it whole)."""
+        more = _NOBLOCK | _SNDMORE
+        _zsend(sock, ident, more, False)
+        _zsend(sock, b"", more, False)
+        _zsend(sock, batch_header([len(q[i][0]) for i in range(count)]), more, False)
+        for i in range(count):
+            frames = q[i][0]
+            last = len(frames) - 1 if i == count - 1 else -1
+            for j, f in enumerate(frames):
+                _zsend(sock, f, _NOBLOCK if j == last else more, False)
 
     def _forget_consumer(self, c: _Consumer, counter: str) -> None:
         self.counters[counter] += 1
@@ -613,6 +679,7 @@ class Broker:
         if msg.consumer_id:
             c.name = msg.consumer_id
         c.window = max(0, msg.window_bytes)
+        c.batch = self.config.batch and msg.batch is True
         c.patterns = sorted(set(c.patterns) | set(patterns))
         c.match_cache.clear()
         for s in list(self._streams.values()):
@@ -716,7 +783,8 @@ class Broker:
             self._last_heartbeat = now
             for ident in self._producers:
                 self._heartbeat_to(self._prod, ident, known=True)
-            hb = encode(Heartbeat("broker", "broker", self.instance, time.time_ns(), {"known": True}))
+            hb = encode(Heartbeat("broker", "broker", self.instance, time.time_ns(),
+                                  {"known": True, "batch": self.config.batch}))
             for c in list(self._consumers.values()):
                 try:
                     self._cons.send_multipart([c.identity, *hb], zmq.NOBLOCK)
@@ -791,18 +859,20 @@ class Broker:
             "broker": {"instance": self.instance, "pid": os.getpid(), "uptime_s": now - self._started,
                        "endpoints": {"producers": eps.producers, "consumers": eps.consumers, "stats": eps.stats},
                        "curve": self.config.keys is not None, "steering": self.config.steering,
+                       "batch": self.config.batch,
                        "late_join_buffer_bytes": self._buffered_total, "time_ns": time.time_ns()},
             "totals": dict(self.counters),
             "producers": {p.name: {"frames_per_s": p.rate[0], "bytes_per_s": p.rate[1], "messages": p.messages,
                                    "bytes": p.bytes, "open_streams": len(p.streams),
-                                   "gaps_reported": p.gaps_reported, "reported": p.reported,
+                                   "gaps_reported": p.gaps_reported, "batches": p.batches, "reported": p.reported,
                                    "last_seen_s": now - p.last_seen}
                           for p in self._producers.values()},
             "consumers": {c.name: {"patterns": c.patterns, "queue_messages": len(c.queue),
                                    "queue_bytes": c.queue_bytes, "in_flight_bytes": c.in_flight,
                                    "window_bytes": c.window, "delivered": c.delivered,
                                    "delivered_bytes": c.delivered_bytes, "dropped": c.dropped,
-                                   "gaps_notified": c.gaps_sent, "pending_gaps": sum(
+                                   "gaps_notified": c.gaps_sent, "batch": c.batch, "batches": c.batches,
+                                   "pending_gaps": sum(
                                        b - a + 1 for rs in c.drops.values() for a, b in rs),
                                    "last_seen_s": now - c.last_seen}
                           for c in self._consumers.values()},

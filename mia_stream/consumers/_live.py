@@ -21,7 +21,7 @@ import zmq
 from mia_stream import _transport
 from mia_stream.errors import BrokerTimeoutError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, Heartbeat, Message, SteeringAck,
-                                SteeringCommand, Subscribe, Unsubscribe, decode, encode)
+                                SteeringCommand, Subscribe, Unsubscribe, decode, encode, split_batch)
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.consumers")
@@ -57,6 +57,8 @@ class BrokerClient:
         self._subscribed = False
         self._unacked = 0
         self._stash: collections.deque[tuple[list, Message]] = collections.deque()
+        # the rest of the last batch received; not part of the stash, which send_steering swaps out
+        self._unbatched: collections.deque[tuple[list, Message]] = collections.deque()
         self._next_heartbeat = 0.0
         self._ctx = context or zmq.Context.instance()
         keys = _transport.resolve_client_keys(keys, "consumer")
@@ -76,7 +78,7 @@ class BrokerClient:
         patterns = [str(p) for p in patterns]
         self._patterns = sorted(set(self._patterns) | set(patterns))
         self._subscribed = True
-        self._send(Subscribe(patterns, from_start, self.consumer_id, self.window_bytes))
+        self._send(Subscribe(patterns, from_start, self.consumer_id, self.window_bytes, batch=True))
 
     def unsubscribe(self, patterns) -> None:
         patterns = [str(p) for p in patterns]
@@ -90,6 +92,8 @@ class BrokerClient:
         """
         if self._stash:
             return self._stash.popleft()
+        if self._unbatched:
+            return self._unbatched.popleft()
         deadline = None if timeout is None else time.monotonic() + timeout
         sock = self._sock
         while True:
@@ -155,6 +159,29 @@ class BrokerClient:
             self._stash = stash
 
     def _accept(self, frames: list):
+        """The first message ``frames`` carries (a batch's others are queued in order), or None."""
+        try:
+            messages = split_batch(frames)
+        except WireError as e:
+            self.counters["malformed"] += 1
+            self._credit(_nbytes(frames[2:]))  # what the broker counted in flight for its messages
+            log.warning("mia_stream consumer: skipped an undecodable batch: %s", e)
+            return None
+        if messages is None:
+            return self._accept_one(frames)
+        self.counters["batches"] += 1
+        first = None
+        for m in messages:
+            got = self._accept_one(m)
+            if got is None:
+                continue
+            if first is None:
+                first = got
+            else:
+                self._unbatched.append(got)
+        return first
+
+    def _accept_one(self, frames: list):
         try:
             msg = decode(frames, max_message_bytes=self.max_message_bytes)
         except WireError as e:
@@ -196,7 +223,7 @@ class BrokerClient:
             # that reached it before we did are not lost (duplicates are dropped by seq).
             self._unacked = 0
             self.counters["resubscribed"] += 1
-            self._send(Subscribe(list(self._patterns), True, self.consumer_id, self.window_bytes))
+            self._send(Subscribe(list(self._patterns), True, self.consumer_id, self.window_bytes, batch=True))
 
     def _send(self, msg: Message) -> None:
         try:

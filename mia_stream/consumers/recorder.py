@@ -28,6 +28,7 @@ import msgpack
 
 from mia_stream.consumers.recording import (BUS_TOPIC, MESSAGE_ENCODING, METADATA_NAME, PART_GLOB, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
+from mia_stream.errors import WireError
 from mia_stream.schemas import MESSAGE_TYPES, SCHEMA_VERSION
 
 log = logging.getLogger(__name__)
@@ -288,10 +289,11 @@ class _BrokerSource:
         import zmq
 
         from mia_stream import _transport
-        from mia_stream.schemas import Subscribe, encode
+        from mia_stream.schemas import Subscribe, encode, split_batch
 
         self._zmq, self._transport, self._consumer_id = zmq, _transport, consumer_id
-        self._subscribe = encode(Subscribe(list(patterns), from_start=True, consumer_id=consumer_id))
+        self._split_batch = split_batch
+        self._subscribe = encode(Subscribe(list(patterns), from_start=True, consumer_id=consumer_id, batch=True))
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         # Unbounded receive queue: the broker, not ZeroMQ, decides what is dropped (and says so).
@@ -326,6 +328,7 @@ class _BrokerSource:
             self._send(self._subscribe)
 
     def recv_frames(self, timeout_s: float) -> list[list[Any]]:
+        """The messages received within ``timeout_s``, one frame list each (batches unpacked)."""
         self._heartbeat()
         out = []
         if self._sock.poll(int(timeout_s * 1000)):
@@ -334,6 +337,14 @@ class _BrokerSource:
                     frames = self._sock.recv_multipart(self._zmq.NOBLOCK, copy=False)
                 except self._zmq.Again:
                     break
+                try:
+                    messages = self._split_batch(frames)
+                except WireError as e:
+                    log.warning("recorder: malformed batch: %s", e)
+                    messages = None  # passed on whole: Recorder.write counts it as rejected
+                if messages is not None:
+                    out.extend(messages)
+                    continue
                 if len(frames) >= 2 and len(frames[0]) == 0 and len(frames[1]) < 4096:  # maybe a heartbeat
                     header = Recorder._header_of(frames)
                     if header is not None and header.get("kind") == "heartbeat" and header.get("role") == "broker":

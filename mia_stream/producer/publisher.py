@@ -39,6 +39,7 @@ from mia_stream import _transport
 from mia_stream.errors import WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
+from mia_stream.schemas._codec import batch_header
 
 log = logging.getLogger("mia_stream.publisher")
 
@@ -48,6 +49,8 @@ _ENDED_MEMORY = 10_000
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 _NOBLOCK, _SNDMORE, _zsend = _transport.NOBLOCK, _transport.SNDMORE, _transport.zsend  # see _transport
+_BATCH_MESSAGES = 64  # queued messages sent as one batch (to a broker that accepts batches) at most ...
+_BATCH_BYTES = 1 << 20  # ... and bytes; a bigger message goes alone
 
 
 class _PubStream:
@@ -94,6 +97,7 @@ class FramePublisher:
         self._steering: collections.deque[SteeringCommand] = collections.deque(maxlen=10_000)
         self.counters: collections.Counter[str] = collections.Counter()
         self.broker_instance: int | None = None
+        self.broker_batches = False  # the broker's heartbeats say it accepts batches (sender thread only)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ctx = zmq.Context()
         self._ready = threading.Event()
@@ -322,32 +326,53 @@ class FramePublisher:
                 self._receive(sock)
 
     def _send_queued(self, sock: zmq.Socket) -> bool:
-        """Hand queued messages to zmq until it pushes back; True if it did (EAGAIN)."""
+        """Hand queued messages to zmq until it pushes back; True if it did (EAGAIN).
+
+        To a broker that accepts batches, consecutive queued messages go as one batch (up to
+        ``_BATCH_MESSAGES`` / ``_BATCH_BYTES``): zmq's per-message cost is then paid once for all of them.
+        """
         with self._lock:
-            batch, self._queue = self._queue, collections.deque()
-        sent = count = 0
+            queue, self._queue = self._queue, collections.deque()
+        sent = count = batches = 0
         blocked = False
         more = _NOBLOCK | _SNDMORE
-        while batch:
-            frames, n, end_of = batch[0]
+        max_group = _BATCH_MESSAGES if self.broker_batches else 1
+        while queue:
+            n = queue[0][1]
+            group, total = 1, n
+            if n < _BATCH_BYTES:
+                limit = min(len(queue), max_group)
+                while group < limit and total + queue[group][1] <= _BATCH_BYTES:
+                    total += queue[group][1]
+                    group += 1
             try:  # zmq accepts or refuses (EAGAIN) a multipart message at its first part
-                last = len(frames) - 1
-                for i, f in enumerate(frames):
-                    _zsend(sock, f, _NOBLOCK if i == last else more, False)
+                if group > 1:
+                    _zsend(sock, b"", more, False)
+                    _zsend(sock, batch_header([len(queue[i][0]) for i in range(group)]), more, False)
+                for i in range(group):
+                    frames = queue[i][0]
+                    last = len(frames) - 1 if i == group - 1 else -1
+                    for j, f in enumerate(frames):
+                        _zsend(sock, f, _NOBLOCK if j == last else more, False)
             except zmq.Again:
                 blocked = True
                 break
-            if end_of is not None:
-                end_of.end_sent = True
-            batch.popleft()
-            sent += n
-            count += 1
+            for _ in range(group):
+                end_of = queue.popleft()[2]
+                if end_of is not None:
+                    end_of.end_sent = True
+            sent += total
+            count += group
+            if group > 1:
+                batches += 1
         self.counters["sent"] += count
+        if batches:
+            self.counters["batches_sent"] += batches
         with self._lock:
             self._queued -= sent
-            if batch:
-                batch.extend(self._queue)
-                self._queue = batch
+            if queue:
+                queue.extend(self._queue)
+                self._queue = queue
         return blocked
 
     def _announce_idle_gaps(self) -> None:
@@ -397,6 +422,7 @@ class FramePublisher:
     def _on_broker_heartbeat(self, hb: Heartbeat) -> None:
         previous, self.broker_instance = self.broker_instance, hb.instance
         known = hb.stats.get("known", True) if isinstance(hb.stats, dict) else True
+        self.broker_batches = isinstance(hb.stats, dict) and hb.stats.get("batch") is True
         if previous == hb.instance and known:
             return
         # A broker that may not know our streams (a restart; the first heartbeat of a broker that may have

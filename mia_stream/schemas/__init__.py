@@ -3,7 +3,8 @@
 Producers, the broker and consumers all speak through this package and nothing else.
 """
 
-from mia_stream.schemas._codec import DEFAULT_MAX_MESSAGE_BYTES, decode, decode_header, encode
+from mia_stream.schemas._codec import (DEFAULT_MAX_MESSAGE_BYTES, decode, decode_header, encode, encode_batch,
+                                      split_batch)
 from mia_stream.schemas._messages import (FINISH_REASONS, MESSAGE_TYPES, SCHEMA_VERSION, Credit, ErrorNotice,
                                           GapNotice, Heartbeat, Message, SteeringAck, SteeringCommand,
                                           StreamEnd, StreamStart, Subscribe, TensorFrame, TokenFrame,
@@ -14,5 +15,5 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "SCHEMA_VERSION", "WIRE_DTYPES",
     "Credit", "ErrorNotice", "GapNotice", "Heartbeat", "Message", "Shard", "SteeringAck", "SteeringCommand",
     "StreamEnd", "StreamStart", "Subscribe", "Tensor", "TensorFrame", "TokenFrame", "Unsubscribe",
-    "decode", "decode_header", "encode", "request_topic", "stream_key",
+    "decode", "decode_header", "encode", "encode_batch", "request_topic", "split_batch", "stream_key",
 ]

@@ -7,7 +7,7 @@ from typing import Any, Sequence
 
 import msgpack
 
-from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError
+from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
 from mia_stream.schemas._messages import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, Message, TensorFrame
 from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, compress, crc32,
                                         decompress, verify_crc32)
@@ -326,3 +326,54 @@ def _check_tensor_entries(entries: Any, sizes: list[int]) -> None:
                 raise MalformedFrameError(f"tensor {name!r}: its scale buffer is missing")
     if i != len(sizes):
         raise MalformedFrameError(f"{len(sizes) - i} buffer frame(s) not described by the header")
+
+
+# ---------------------------------------------------------------------------------------------- batches
+# A batch is one zmq multipart message carrying several messages' frames unchanged (spec section 8):
+# ``[b"", header {"v", "kind": "batch", "frames": [frames of each message]}, *frames of message 0, ...]``.
+# libzmq signals its pipe and I/O thread once per multipart message, so a batch pays that once for all.
+
+BATCH_KIND = "batch"
+MAX_BATCH_MESSAGES = 4096  # a receiver refuses bigger batches (senders use far fewer)
+
+
+def batch_header(counts: list[int]) -> bytes:
+    """The header frame of a batch whose messages have ``counts[i]`` frames each."""
+    return msgpack.packb({"v": list(SCHEMA_VERSION), "kind": BATCH_KIND, "frames": counts})
+
+
+def encode_batch(messages: Sequence[Sequence[Any]]) -> list[Any]:
+    """One multipart message carrying ``messages`` (each ``[topic, header, *buffers]``); nothing is copied."""
+    out: list[Any] = [b"", batch_header([len(m) for m in messages])]
+    for m in messages:
+        out.extend(m)
+    return out
+
+
+def split_batch(frames: Sequence[Any]) -> list[list[Any]] | None:
+    """The messages of a batch, or None when ``frames`` is not one (left to the single-message path).
+
+    Only an empty topic frame can start a batch, so stream messages cost one ``len()`` here. Raises
+    ``MalformedFrameError`` for a batch whose frame counts do not describe its frames.
+    """
+    if len(frames) < 3 or len(frames[0]):
+        return None
+    head = _buffer_of(frames[1])
+    try:
+        header = _unpack_header(head, _len(head))
+    except WireError:
+        return None  # not a valid header of any kind: the single-message path reports it
+    if header.get("kind") != BATCH_KIND:
+        return None
+    counts = header.get("frames")
+    if (not isinstance(counts, list) or not 1 <= len(counts) <= MAX_BATCH_MESSAGES
+            or not all(type(c) is int and c >= 2 for c in counts)):
+        raise MalformedFrameError("batch.frames must be a list of 1 to "
+                                  f"{MAX_BATCH_MESSAGES} frame counts, each >= 2")
+    if sum(counts) != len(frames) - 2:
+        raise MalformedFrameError(f"batch.frames adds up to {sum(counts)} frames, the batch carries {len(frames) - 2}")
+    out, i = [], 2
+    for c in counts:
+        out.append(frames[i:i + c])
+        i += c
+    return out

@@ -2,7 +2,8 @@
 
 Every message is one ZeroMQ multipart message ``[topic, header, *buffers]``. Each class here is one
 ``kind`` of header. Fields with defaults are optional on the wire; unknown fields are ignored (minor
-versions only ever add optional fields).
+versions add optional fields, and new kinds sent only to peers that advertised them). A ``batch`` (1.2) is
+not a message but an envelope of several: see ``_codec.encode_batch``.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any, ClassVar
 
 from mia_stream.schemas._tensors import Tensor
 
-SCHEMA_VERSION = (1, 1)  # (major, minor): a new major breaks decoders, a new minor only adds fields
+SCHEMA_VERSION = (1, 2)  # (major, minor): a new major breaks decoders, a new minor only adds (see the spec)
 
 # Finish reasons of a stream: vLLM's plus the ones only the bus knows.
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected", "producer_lost")
@@ -187,7 +188,7 @@ class Subscribe(Message):
     from_start: bool = False  # replay each matching live request from its first buffered message
     consumer_id: str = ""
     window_bytes: int = 0  # (1.1) credit flow control: bytes the broker may have in flight; 0 = off
-
+    batch: bool = False  # (1.2) this consumer unpacks batch messages, so the broker may send it batches
 
     def topic(self) -> bytes:
         return b""
