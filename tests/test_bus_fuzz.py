@@ -15,7 +15,7 @@ from bus_helpers import account, assert_exact, events_until, processes, publish_
 from mia_stream import _transport
 from mia_stream.consumers import open_stream
 from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import ErrorNotice, StreamStart, Subscribe, Tensor, TensorFrame, decode, encode
+from mia_stream.schemas import ErrorNotice, StreamStart, Subscribe, Tensor, TensorFrame, decode, encode, encode_batch
 import numpy as np
 
 
@@ -106,6 +106,48 @@ def test_after_fuzzing_the_broker_still_serves_a_valid_stream(broker_dir):
     assert rec["gap_seqs"] == [] and rec["steps"] == list(range(50))
     totals = stats(broker_dir)["totals"]
     assert totals["malformed"] > 0
+    assert totals.get("internal_errors", 0) == 0
+
+
+def _mutated_batch(data) -> list[bytes]:
+    """A batch of valid messages with one mutation: in its own header, or in one carried message."""
+    messages = [_valid_frames(data.draw(st.integers(0, 1000))) for _ in range(data.draw(st.integers(1, 4)))]
+    if data.draw(st.booleans()):
+        i = data.draw(st.integers(0, len(messages) - 1))
+        messages[i] = _mutate(messages[i], data)
+    frames = [bytes(memoryview(f)) for f in encode_batch(messages)]
+    if data.draw(st.booleans()):
+        header = msgpack.unpackb(frames[1])
+        header[data.draw(st.sampled_from(sorted(header)))] = data.draw(st.one_of(
+            st.none(), st.integers(-3, 2**32), st.text(max_size=8), st.binary(max_size=8), st.booleans(),
+            st.lists(st.one_of(st.integers(-2, 8), st.booleans(), st.none()), max_size=6)))
+        frames[1] = msgpack.packb(header)
+    return frames
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_fuzzed_batches_never_take_the_broker_down(broker_dir, data):
+    prod, cons = _fuzz_sockets(broker_dir)
+    (prod if data.draw(st.booleans()) else cons).send_multipart(_mutated_batch(data))
+
+
+def test_after_fuzzing_batches_the_broker_counts_them_and_still_serves(broker_dir):
+    test_fuzzed_batches_never_take_the_broker_down(broker_dir)
+    before = stats(broker_dir)["totals"]
+    pub = FramePublisher(broker_dir, producer_id="honest-batches")
+    try:
+        with open_stream(broker_dir, patterns=("honest-b-*",), timeout=10) as events:
+            time.sleep(0.3)
+            publish_stream(pub, "honest-b-1", 2000, 256, tokens=True)
+            rec = account(events_until(events, 1, 20))["honest-b-1"]
+    finally:
+        pub.close()
+    assert_exact(rec)
+    assert rec["gap_seqs"] == [] and rec["steps"] == list(range(2000))
+    totals = stats(broker_dir)["totals"]
+    assert before["malformed_batches"] > 0 and before["batches_in"] > 0
+    assert totals["batches_in"] > before["batches_in"] and totals["batches_out"] > before.get("batches_out", 0)
     assert totals.get("internal_errors", 0) == 0
 
 
