@@ -96,7 +96,7 @@ def _unpack_header(buf: Any, nbytes: int) -> dict:
         raise MalformedFrameError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.get("v")
     if (not isinstance(version, (list, tuple)) or len(version) != 2
-            or not all(isinstance(x, int) for x in version)):
+            or not isinstance(version[0], int) or not isinstance(version[1], int)):
         raise MalformedFrameError(f"header field 'v' must be [major, minor], got {version!r}")
     if version[0] != SCHEMA_VERSION[0]:
         raise SchemaVersionError(
@@ -162,6 +162,20 @@ def _entry_field(e: dict, key: str, kind: type, default: Any = dataclasses.MISSI
     return value
 
 
+_NO_META: dict = {}  # shared defaults, never mutated
+_NO_LAYERS: list = []
+
+
+def _exact_int_tuple(values: Any) -> tuple[int, ...] | None:
+    """``tuple(values)`` when it is a list of exact ints, else None (then ``_int_list`` decides)."""
+    if type(values) is not list:
+        return None
+    for x in values:
+        if type(x) is not int:
+            return None
+    return tuple(values)
+
+
 def _int_list(e: dict, key: str, default: Any = dataclasses.MISSING) -> tuple[int, ...]:
     values = _entry_field(e, key, list, default)
     if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
@@ -176,15 +190,31 @@ def _decode_tensors(entries: Any, buffers: list, verify: bool, max_message_bytes
     for e in entries:
         if not isinstance(e, dict):
             raise MalformedFrameError(f"bad tensor entry {e!r}: must be a map")
-        name = _entry_field(e, "name", str)
-        dtype = _entry_field(e, "dtype", str)
-        shape = _int_list(e, "shape")
-        if any(d < 0 for d in shape):
-            raise MalformedFrameError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
-        layers = _int_list(e, "layers", [])
-        method = _entry_field(e, "compression", str, "none")
-        nbytes, raw_nbytes = _entry_field(e, "nbytes", int), _entry_field(e, "raw_nbytes", int)
-        meta = _entry_field(e, "meta", dict, {})
+        # type(x) is T is the common case (msgpack builds exact types); anything else takes the checking path
+        name = e.get("name")
+        if type(name) is not str:
+            name = _entry_field(e, "name", str)
+        dtype = e.get("dtype")
+        if type(dtype) is not str:
+            dtype = _entry_field(e, "dtype", str)
+        shape = _exact_int_tuple(e.get("shape"))
+        if shape is None:
+            shape = _int_list(e, "shape")
+        for d in shape:
+            if d < 0:
+                raise MalformedFrameError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+        layers = _exact_int_tuple(e.get("layers", _NO_LAYERS))
+        if layers is None:
+            layers = _int_list(e, "layers", [])
+        method = e.get("compression", "none")
+        if type(method) is not str:
+            method = _entry_field(e, "compression", str, "none")
+        nbytes, raw_nbytes = e.get("nbytes"), e.get("raw_nbytes")
+        if type(nbytes) is not int or type(raw_nbytes) is not int:
+            nbytes, raw_nbytes = _entry_field(e, "nbytes", int), _entry_field(e, "raw_nbytes", int)
+        meta = e.get("meta", _NO_META)
+        if type(meta) is not dict:
+            meta = _entry_field(e, "meta", dict, {})
         if dtype not in WIRE_DTYPES:
             raise MalformedFrameError(f"tensor {name!r}: unknown dtype {dtype!r}")
         if method not in COMPRESSIONS:
@@ -246,20 +276,24 @@ _TYPE_CHECKS = {
     "str | None": lambda v: v is None or isinstance(v, str),
     "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
 }
-# Per kind, the (field, annotation, check) triples, built once (other annotations are not checked).
-_CHECKS = {kind: [(name, str(f.type), _TYPE_CHECKS[str(f.type)]) for name, f in fields.items()
-                  if str(f.type) in _TYPE_CHECKS]
+# The exact types msgpack gives for each annotation: one set lookup per field in the common case.
+_EXACT_TYPES = {"str": {str}, "int": {int}, "bool": {bool}, "list": {list}, "dict": {dict},
+                "str | None": {str, type(None)}, "int | None": {int, type(None)}}
+# Per kind, the (field, exact types, annotation, check) tuples, built once (other annotations are not checked).
+_CHECKS = {kind: [(name, frozenset(_EXACT_TYPES[str(f.type)]), str(f.type), _TYPE_CHECKS[str(f.type)])
+                  for name, f in fields.items() if str(f.type) in _TYPE_CHECKS]
            for kind, fields in _FIELDS.items()}
 
 
 def _check_types(msg: Message) -> None:
-    for name, ann, ok in _CHECKS[msg.KIND]:
+    for name, exact, ann, ok in _CHECKS[msg.KIND]:
         value = getattr(msg, name)
-        if not ok(value):
+        if type(value) not in exact and not ok(value):
             raise MalformedFrameError(f"{msg.KIND}.{name} must be {ann}, got {type(value).__name__}")
 
 
 _ROUTING_TYPES = (("request_id", str), ("producer_id", str), ("epoch", int), ("seq", int))
+_ROUTING = {kind: [(name, typ) for name, typ in _ROUTING_TYPES if name in fields] for kind, fields in _FIELDS.items()}
 
 
 def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict:
@@ -276,18 +310,18 @@ def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX
     total = sum(sizes)
     if total > max_message_bytes:
         raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
-    header = _unpack_header(_buffer_of(frames[1]), sizes[1])
+    head = frames[1]
+    header = _unpack_header(head if type(head) in _SIZED else _buffer_of(head), sizes[1])  # msgpack reads a Frame
     kind = header.get("kind")
     if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
         raise MalformedFrameError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
     for name in _REQUIRED[kind]:
         if name not in header:
             raise MalformedFrameError(f"{kind} header lacks required field {name!r}")
-    fields = _FIELDS[kind]
-    for name, typ in _ROUTING_TYPES:
-        if name in fields and name in header:
+    for name, typ in _ROUTING[kind]:
+        if name in header:
             value = header[name]
-            if not isinstance(value, typ) or isinstance(value, bool):
+            if type(value) is not typ and (not isinstance(value, typ) or isinstance(value, bool)):
                 raise MalformedFrameError(f"{kind}.{name} must be {typ.__name__}, got {type(value).__name__}")
     if kind == "tensors":
         _check_tensor_entries(header.get("tensors", []), sizes[2:])
