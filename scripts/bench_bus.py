@@ -1,12 +1,14 @@
 """Bus benchmark: raw pyzmq PUSH/PULL over ipc vs FramePublisher -> broker -> consumer SDK, side by side.
 
-    .venv/bin/python scripts/bench_bus.py [--quick]
+    .venv/bin/python scripts/bench_bus.py [--quick] [--unbatched]
 
 Every leg is its own process (sender, broker, receiver). For each frame size it prints GB/s, frames/s,
 p50/p99 latency from send to the consumer callback, frames lost and the seqs the consumer was told were
 lost (gaps: a saturated broker drops for a slow consumer, never silently, so lost == gaps), and the
-bus/raw ratios; then a run paced at ~70% of the measured bus saturation rate, which must lose nothing. Latency uses CLOCK_MONOTONIC,
-which is shared by every process of the machine.
+bus/raw ratios; then a run paced at ~70% of the measured bus saturation rate, which must lose nothing.
+``--unbatched`` adds, in the same run, the bus through a second broker started with ``--no-batch`` (every
+message its own zmq message on both hops, as before batches). Latency uses CLOCK_MONOTONIC, which is shared
+by every process of the machine.
 """
 
 from __future__ import annotations
@@ -171,18 +173,22 @@ def run_bus(run_dir: str, size: int, n: int, rate: float = 0.0) -> dict:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer frames per size")
+    ap.add_argument("--unbatched", action="store_true",
+                    help="also run the bus through a --no-batch broker (batching off on both hops)")
     args = ap.parse_args(argv)
     run_dir = tempfile.mkdtemp(prefix="mia-bench-", dir="/tmp")
+    unbatched_dir = os.path.join(run_dir, "unbatched")
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    broker = subprocess.Popen([PY, "-m", "mia_stream.broker", "--address", run_dir], stdout=subprocess.PIPE,
-                              text=True, env=env)
+    brokers = [subprocess.Popen([PY, "-m", "mia_stream.broker", "--address", d, *extra], stdout=subprocess.PIPE,
+                                text=True, env=env)
+               for d, extra in [(run_dir, [])] + ([(unbatched_dir, ["--no-batch"])] if args.unbatched else [])]
     rows = []
     t_start = time.monotonic()
     try:
-        if "ready" not in broker.stdout.readline():
+        if not all("ready" in b.stdout.readline() for b in brokers):
             raise RuntimeError("broker did not start")
-        print(f"bus benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, ipc, one frame = one "
-              f"TensorFrame with one tensor of the size shown")
+        print(f"bus benchmark, {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average "
+              f"{os.getloadavg()[0]:.1f}, ipc, one frame = one TensorFrame with one tensor of the size shown")
         head = (f"{'size':>7} | {'raw GB/s':>8} {'raw f/s':>9} {'raw p50':>8} {'raw p99':>8} | {'bus GB/s':>8} "
                 f"{'bus f/s':>9} {'bus p50':>8} {'bus p99':>8} {'lost':>5} {'gaps':>5} | {'ratio':>5}")
         print(head)
@@ -196,6 +202,11 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{label:>7} | {raw['gbps']:8.3f} {raw['fps']:9.0f} {raw['p50_us']:7.0f}u {raw['p99_us']:7.0f}u | "
                   f"{bus['gbps']:8.3f} {bus['fps']:9.0f} {bus['p50_us']:7.0f}u {bus['p99_us']:7.0f}u "
                   f"{bus['lost']:5d} {bus['gaps_reported']:5d} | {ratio:5.2f}", flush=True)
+            if args.unbatched:
+                plain = run_bus(unbatched_dir, size, n)
+                print(f"{'':>7} | {'unbatched (--no-batch broker):':>37} | {plain['gbps']:8.3f} {plain['fps']:9.0f} "
+                      f"{plain['p50_us']:7.0f}u {plain['p99_us']:7.0f}u {plain['lost']:5d} {plain['gaps_reported']:5d} "
+                      f"| {plain['gbps'] / raw['gbps']:5.2f}", flush=True)
         print()
         print("paced at ~70% of the bus saturation rate measured above (must lose nothing):")
         for label, size, _raw, bus, _ in rows:
@@ -208,10 +219,11 @@ def main(argv: list[str] | None = None) -> int:
                   f"lost {paced['lost']}, gaps reported {paced['gaps_reported']}, publisher drops "
                   f"{paced['dropped_by_publisher']}, p50 {paced['p50_us']:.0f} us, p99 {paced['p99_us']:.0f} us",
                   flush=True)
-        print(f"\ntotal {time.monotonic() - t_start:.0f} s")
+        print(f"\ntotal {time.monotonic() - t_start:.0f} s, load average {os.getloadavg()[0]:.1f} at the end")
     finally:
-        broker.terminate()
-        broker.wait(10)
+        for b in brokers:
+            b.terminate()
+            b.wait(10)
         shutil.rmtree(run_dir, ignore_errors=True)
     try:
         sys.path.insert(0, str(REPO / "scripts"))
