@@ -192,7 +192,9 @@ class Broker:
         big = config.max_message_bytes
         try:
             self._prod = self._ctx.socket(zmq.ROUTER)
-            _transport.configure(self._prod, sndhwm=1000, rcvhwm=4096, max_message_bytes=big,
+            # A batch (up to 1 MiB) is one zmq message: 256 bound what waits in zmq here; beyond that the
+            # producers' byte budgets hold the backlog (and count what they drop).
+            _transport.configure(self._prod, sndhwm=1000, rcvhwm=256, max_message_bytes=big,
                                  router_mandatory=True)
             self._cons = self._ctx.socket(zmq.ROUTER)
             _transport.configure(self._cons, sndhwm=4096, rcvhwm=1000, max_message_bytes=16 << 20,

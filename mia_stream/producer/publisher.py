@@ -44,7 +44,9 @@ from mia_stream.schemas._codec import batch_header
 log = logging.getLogger("mia_stream.publisher")
 
 DEFAULT_PUBLISHER_QUEUE_BYTES = 256 << 20
-_SNDHWM = 1024  # messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected)
+# zmq messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected). A batch is one
+# zmq message of up to _BATCH_BYTES, so this also bounds what batching moves from the queue into zmq (64 MiB).
+_SNDHWM = 64
 _ENDED_MEMORY = 10_000
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
