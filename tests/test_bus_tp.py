@@ -7,11 +7,11 @@ import time
 import numpy as np
 import pytest
 
-from bus_helpers import processes, run_dir, start_broker
-from mia_stream.consumers import open_stream
+from bus_helpers import processes, run_dir, start_broker, stats, wait_for
+from mia_stream.consumers import StreamAssembler, open_stream
 from mia_stream.errors import IncompleteShardError
 from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import Shard, StreamEnd, StreamStart, Tensor, TensorFrame, TokenFrame
+from mia_stream.schemas import Shard, StreamEnd, StreamStart, Tensor, TensorFrame, TokenFrame, decode, encode
 
 L, T, HEADS, KV, D, H = 2, 3, 4, 2, 8, 16
 
@@ -53,7 +53,9 @@ def test_tp2_shards_merge_to_the_full_tensor_and_a_missing_rank_is_never_partial
         ranks = [FramePublisher(d, producer_id=f"rank{r}") for r in range(2)]
         try:
             with open_stream(d, patterns=("tp-*",), timeout=10) as events:
-                time.sleep(0.2)
+                # Subscribe has no ack: wait until the broker has it, or it may come after both streams ended
+                # (a live subscriber then gets nothing of them)
+                wait_for(lambda: any("tp-*" in c.get("patterns", ()) for c in stats(d)["consumers"].values()))
                 _publish_rank(ranks[1], 1, steps, skip={lose_step})  # rank 1 first: order must not matter
                 _publish_rank(ranks[0], 0, steps)
                 got = []
@@ -64,6 +66,10 @@ def test_tp2_shards_merge_to_the_full_tensor_and_a_missing_rank_is_never_partial
         finally:
             for p in ranks:
                 p.close()
+    _check_merged(got, steps, lose_step)
+
+
+def _check_merged(got, steps, lose_step):
     kinds = [e.kind for e in got]
     assert kinds[0] == "start" and kinds[-1] == "end"
     frames = [e.frame for e in got if e.kind == "frame"]
@@ -103,3 +109,65 @@ def test_shards_that_do_not_tile_are_refused():
         merge_shards({0: frame(0, 0, 2)}, 2)  # a rank missing
     merged = merge_shards({0: frame(0, 0, 2), 1: frame(1, 2, 4)}, 2)
     assert merged.tensors["q"].shape == (1, 1, 4, 2)
+
+
+class _Capture:
+    """A stand-in for a rank's FramePublisher that keeps what it publishes (encoded and decoded, as on the wire)."""
+
+    def __init__(self, producer_id: str):
+        self.producer_id, self.epoch, self.messages, self._seq = producer_id, 7, [], 0
+
+    def next_seq(self, request_id: str) -> int:
+        self._seq += 1
+        return self._seq - 1
+
+    def publish(self, msg) -> None:
+        self.messages.append(decode(encode(msg)))
+
+
+def _rank_messages(lose_step):
+    caps = [_Capture(f"rank{r}") for r in range(2)]
+    for r in (0, 1):
+        _publish_rank(caps[r], r, range(5), skip={lose_step} if r == 1 else ())
+    return [c.messages for c in caps]
+
+
+@pytest.mark.parametrize("lose_step", [None, 2])
+def test_a_rank_whose_whole_stream_arrives_after_rank0_ended_is_still_merged(lose_step):
+    """The ranks are separate producers: nothing orders rank 1's stream against rank 0's. Rank 0's whole stream,
+    StreamEnd included, then rank 1's: the request must not end before rank 1 did."""
+    r0, r1 = _rank_messages(lose_step)
+    asm = StreamAssembler()
+    got = []
+    for m in r0:
+        got += asm.feed(m)
+    assert [e.kind for e in got if e.kind in ("end", "gap")] == [] and asm.holding  # waiting for rank 1
+    for m in r1:
+        got += asm.feed(m)
+    deadline = time.monotonic() + 5
+    while asm.holding and time.monotonic() < deadline:  # rank 1's reorder timeout after its lost seq
+        time.sleep(0.05)
+        got += asm.flush()
+    _check_merged(got, range(5), lose_step)
+    assert not asm.holding
+
+
+@pytest.mark.parametrize("how", ["live", "replay"])
+def test_a_rank_that_never_starts_is_waited_for_then_reported_missing(how):
+    r0, _ = _rank_messages(None)
+    asm = StreamAssembler(rank_wait_s=2.0)
+    got = []
+    for m in r0:
+        got += asm.feed(m, 100.0)
+    assert not [e for e in got if e.kind in ("frame", "end")] and asm.holding
+    if how == "live":
+        assert asm.flush(101.9) == []  # still within rank_wait_s
+        got += asm.flush(102.0)
+    else:
+        got += asm.finish()  # a recording ended: nothing more will come
+    assert got[-1].kind == "end" and not asm.holding
+    assert not [e for e in got if e.kind == "frame"]  # never merged partially
+    incomplete = [e for e in got if e.kind == "gap" and e.gap.reason == "incomplete_shards"]
+    assert [e.error.step for e in incomplete] == list(range(5))
+    assert all(e.error.missing_ranks == [1] for e in incomplete)
+    assert asm.counters["ranks_never_started"] == 1

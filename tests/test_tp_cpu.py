@@ -36,6 +36,9 @@ TOL_TP = 1e-5
 TOL_HF = 1e-4
 LIVE_TOKENS = 48
 KILL_TOKENS = 400
+# The engine holds the live request after HOLD_STEPS steps until the steering command reached it, and the kill
+# request until rank 1 was killed: this consumer (3 and 4 frames in) may lag far behind the engine.
+HOLD_STEPS = 12
 LIVE_AFTER_FRAMES = 4
 LIVE_VECTOR_SEED = 3
 L, HEADS, KV, D = (GEOMETRY[k] for k in ("num_hidden_layers", "num_attention_heads", "num_key_value_heads",
@@ -43,10 +46,15 @@ L, HEADS, KV, D = (GEOMETRY[k] for k in ("num_hidden_layers", "num_attention_hea
 
 
 class _Driver:
-    """Consumer-side actions during a run: a live steering command, and (TP=2) killing rank 1's worker."""
+    """Consumer-side actions during a run: a live steering command, and (TP=2) killing rank 1's worker.
 
-    def __init__(self, prefix: str, kill: bool):
+    Neither request can finish before its action, however far this consumer lags behind the engine: the
+    engine holds the live request after HOLD_STEPS steps until the steering command reached it, and the kill
+    request until ``release`` exists, which the kill creates."""
+
+    def __init__(self, prefix: str, kill: bool, release: str | None = None):
         self.live, self.kill = f"{prefix}-live", f"{prefix}-kill" if kill else None
+        self.release = release
         self.live_frames = 0
         self.ack = None
         self.sent_after_step = None
@@ -71,6 +79,8 @@ class _Driver:
             if self.kill_frames == 3 and self.killed_pid is None:
                 self.killed_pid = int(ev.stream.starts[1].producer_id.split(":")[1])
                 os.kill(self.killed_pid, signal.SIGKILL)
+                if self.release:
+                    open(self.release, "w").close()  # the engine steps on, and finds rank 1 dead
 
 
 @pytest.fixture(scope="module")
@@ -85,12 +95,16 @@ def tp_runs(tmp_path_factory):
         # A dead rank is declared lost after 5 s of silence (the default, 30 s, tolerates compile stalls).
         with run_broker_in_thread(address=run_dir, producer_timeout_s=5.0):
             for tp in (1, 2):
-                driver = _Driver(f"tp{tp}", kill=tp == 2)
+                workdir = tmp_path_factory.mktemp(f"tp{tp}")
+                release = str(workdir / "rank-killed")
+                driver = _Driver(f"tp{tp}", kill=tp == 2, release=release)
                 t0 = time.monotonic()
                 out, events, log = run_and_collect(
-                    model, run_dir, tp, standard_plan(f"tp{tp}", live_tokens=LIVE_TOKENS,
-                                                      kill_tokens=KILL_TOKENS if tp == 2 else 0),
-                    tmp_path_factory.mktemp(f"tp{tp}"), on_event=driver)
+                    model, run_dir, tp, standard_plan(
+                        f"tp{tp}", live_tokens=LIVE_TOKENS, kill_tokens=KILL_TOKENS if tp == 2 else 0,
+                        live_hold={"after_steps": HOLD_STEPS, "steering": True},
+                        kill_hold={"after_steps": HOLD_STEPS, "release_file": release}),
+                    workdir, on_event=driver)
                 assert {"batch", "live"} <= set(out["done"]), f"TP={tp} engine failed:\n{log[-6000:]}"
                 runs[tp] = (out, events, driver, time.monotonic() - t0)
                 print(f"TP={tp}: {runs[tp][3]:.1f} s (engine start {out.get('start_s', 0):.1f} s)")

@@ -6,7 +6,8 @@ per process, and two engines in one process would fight over the two cores and t
     python tests/tp_engine_run.py --model DIR --broker RUN_DIR --tp 2 --plan plan.json --out out.json
 
 ``plan.json``: ``[{"name": ..., "requests": [{"prompt": str, "max_tokens": int, "ignore_eos": bool,
-"spec": {... "id": stream id}}]}]``. After each phase ``out.json`` is rewritten with
+"spec": {... "id": stream id}}], "hold": {...}}]`` ("hold" optional: see ``_hold_steps``). After each phase
+``out.json`` is rewritten with
 ``{"phases": {name: {stream id: {"prompt_token_ids": [...], "token_ids": [...], "finish_reason": str}}},
 "done": [phase names]}``, so a phase that kills the engine still leaves the earlier ones.
 """
@@ -37,9 +38,12 @@ def steer_vector(seed: int, hidden: int = 256, norm: float = 1.0) -> list:
     return (v * (norm / np.linalg.norm(v))).tolist()
 
 
-def standard_plan(prefix: str, *, live_tokens: int = 0, kill_tokens: int = 0) -> list:
+def standard_plan(prefix: str, *, live_tokens: int = 0, kill_tokens: int = 0, live_hold: dict | None = None,
+                  kill_hold: dict | None = None) -> list:
     """Phase "batch": the prompts captured, plus one statically steered request; then optional phases
-    "live" (one long request for a live steering command) and "kill" (one long request whose rank dies)."""
+    "live" (one long request for a live steering command) and "kill" (one long request whose rank dies).
+    ``live_hold`` / ``kill_hold``: those phases' "hold" (``_hold_steps``), so that the request cannot finish
+    before a consumer that lags behind the engine did its part (sent the command, killed the rank)."""
     reqs = [{"prompt": p, "max_tokens": 12, "spec": {"capture": CAPTURE, "id": f"{prefix}-cap-{i}"}}
             for i, p in enumerate(PROMPTS)]
     reqs.append({"prompt": PROMPTS[1], "max_tokens": 12, "spec": {
@@ -55,10 +59,55 @@ def standard_plan(prefix: str, *, live_tokens: int = 0, kill_tokens: int = 0) ->
     if live_tokens:
         plan.append({"name": "live", "requests": [{"prompt": PROMPTS[0], "max_tokens": live_tokens, "ignore_eos": True,
                                                    "spec": {"capture": CAPTURE, "id": f"{prefix}-live"}}]})
+        if live_hold:
+            plan[-1]["hold"] = live_hold
     if kill_tokens:
         plan.append({"name": "kill", "requests": [{"prompt": PROMPTS[0], "max_tokens": kill_tokens, "ignore_eos": True,
                                                    "spec": {"capture": CAPTURE, "id": f"{prefix}-kill"}}]})
+        if kill_hold:
+            plan[-1]["hold"] = kill_hold
     return plan
+
+
+def _steering_received() -> int:
+    """Live steering commands this engine core's control channel received so far (each is applied and acked
+    at the engine's next step)."""
+    from mia_stream.producer import _vllm_adapter
+
+    controls = [c for c in (getattr(s, "_mia_control", None) for s in _vllm_adapter._SCHEDULERS) if c is not None]
+    if not controls:
+        raise RuntimeError("hold: no mia_stream engine control in this process (plugin internals changed?)")
+    return sum(c.publisher.counters["steering_commands"] for c in controls)
+
+
+def _hold_steps(llm, after_steps: int, release_file: str | None = None, steering: bool = False,
+                timeout_s: float = 60.0):
+    """A phase's "hold": after ``after_steps`` engine steps, step no further until what the test needed the
+    running request for happened, or ``timeout_s`` passed: ``release_file`` exists (e.g. the test killed a
+    rank, then created it) and/or (``steering``) a live steering command reached the engine core.
+    Only the engine stops: the workers' publishers keep sending what the steps so far captured, and their
+    heartbeats. Returns the function that undoes it."""
+    engine = llm.llm_engine
+    step, steps = engine.step, [0]
+    commands_before = _steering_received() if steering else 0
+
+    def released() -> bool:
+        return ((release_file is None or os.path.exists(release_file))
+                and (not steering or _steering_received() > commands_before))
+
+    def held_step():
+        if steps[0] == after_steps:
+            print(f"hold: {after_steps} steps done, waiting for "
+                  f"{' and '.join(filter(None, [release_file, 'a steering command' if steering else '']))}", flush=True)
+            deadline = time.monotonic() + timeout_s
+            while not released() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            print("hold: " + ("released" if released() else f"timed out after {timeout_s:g} s"), flush=True)
+        steps[0] += 1
+        return step()
+
+    engine.step = held_step  # generate() steps the engine through llm.llm_engine.step()
+    return lambda: engine.__dict__.pop("step", None)
 
 
 def engine_env(broker: str, tp: int) -> dict:
@@ -145,7 +194,12 @@ def main(argv=None) -> int:
         reqs = phase["requests"]
         params = [SamplingParams(max_tokens=r["max_tokens"], temperature=0.0, ignore_eos=r.get("ignore_eos", False),
                                  extra_args={"mia_stream": r["spec"]} if r.get("spec") else None) for r in reqs]
-        outs = llm.generate([r["prompt"] for r in reqs], params, use_tqdm=False)
+        unhold = _hold_steps(llm, **phase["hold"]) if phase.get("hold") else None
+        try:
+            outs = llm.generate([r["prompt"] for r in reqs], params, use_tqdm=False)
+        finally:
+            if unhold is not None:
+                unhold()
         # generate() returns before the step that tells the workers which requests finished (the engine
         # core's own busy loop runs it when it is a process of its own): run it, so the StreamEnds go out now.
         llm.llm_engine.step()

@@ -16,7 +16,15 @@ merged partially: it becomes a "gap" event whose ``gap.reason`` is ``"incomplete
 
 Producer contract this relies on: every rank publishes one TensorFrame per captured step (an empty
 ``tensors`` list if it has nothing for that step); TokenFrames and the request's StreamEnd that counts come
-from rank 0 (other ranks' TokenFrames are ignored; the "end" event waits for every known rank's StreamEnd).
+from rank 0 (other ranks' TokenFrames are ignored).
+
+End of a TP request. The ranks are separate producers: nothing orders one rank's stream against another's,
+so a whole rank's stream may arrive after rank 0's StreamEnd. The "end" event therefore waits for the
+StreamEnd of every rank ``0 .. tp_size-1``, not only of the ranks seen so far. A rank that has started is
+waited for as long as it takes (the broker ends the stream of a producer it lost); a rank whose StreamStart
+has not come when every started rank has ended is waited for ``rank_wait_s`` (from a live source: ``flush``
+decides it; from a recording: ``finish``), then the request ends without it and each of its steps is
+"incomplete_shards" naming that rank.
 """
 
 from __future__ import annotations
@@ -329,24 +337,30 @@ class _Rank:
 class StreamAssembler:
     """Feed decoded messages (live or replayed) in arrival order; get consumer events back."""
 
-    def __init__(self, *, reorder_window: int = 16, reorder_timeout_s: float = 0.2, merge_window: int = 64):
+    def __init__(self, *, reorder_window: int = 16, reorder_timeout_s: float = 0.2, merge_window: int = 64,
+                 rank_wait_s: float = 10.0):
         self.reorder_window = reorder_window
         self.reorder_timeout_s = reorder_timeout_s
         self.merge_window = merge_window
+        self.rank_wait_s = rank_wait_s
         self._seq: dict[tuple, _Sequencer] = {}
         self._ranks: dict[tuple, _Rank] = {}
         self._requests: dict[str, RequestStream] = {}
         self._mergers: dict[str, _Merger] = {}
         self._early: dict[str, list] = {}  # events of a request whose rank-0 start has not come yet
+        # TP requests whose started ranks all ended, waiting for a rank that has not started: rid -> (stream, since)
+        self._waiting: dict[str, tuple[RequestStream, float]] = {}
+        self._now = time.monotonic()
         self._done: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
     def holding(self) -> bool:
-        return any(s.held for s in self._seq.values())
+        """Something waits for time to pass (call ``flush`` periodically while this is true)."""
+        return bool(self._waiting) or any(s.held for s in self._seq.values())
 
     def feed(self, msg: Message, now: float | None = None) -> list[Event]:
-        now = time.monotonic() if now is None else now
+        now = self._now = time.monotonic() if now is None else now
         if not isinstance(msg, (StreamStart, TensorFrame, TokenFrame, StreamEnd, GapNotice)):
             return []
         key = (msg.request_id, msg.producer_id, msg.epoch)
@@ -363,11 +377,15 @@ class StreamAssembler:
         return self._handle(key, sq.push(msg, now))
 
     def flush(self, now: float | None = None) -> list[Event]:
-        """Release messages held too long behind an unexplained seq hole (call when idle)."""
-        now = time.monotonic() if now is None else now
+        """Release messages held too long behind an unexplained seq hole, and end TP requests that waited
+        ``rank_wait_s`` for a rank that never started (call when idle)."""
+        now = self._now = time.monotonic() if now is None else now
         out = []
         for key, sq in list(self._seq.items()):
             out += self._handle(key, sq.flush(now, self.reorder_timeout_s))
+        for rs, since in list(self._waiting.values()):
+            if now - since >= self.rank_wait_s:
+                out += self._try_end(rs, give_up=True)
         return out
 
     def finish(self) -> list[Event]:
@@ -376,6 +394,8 @@ class StreamAssembler:
         for key, sq in list(self._seq.items()):
             if sq.held:
                 out += self._handle(key, sq._release(force=True))
+        for rs, _since in list(self._waiting.values()):  # nothing more will come: not from unstarted ranks
+            out += self._try_end(rs, give_up=True)
         for rid, merger in list(self._mergers.items()):
             rs = self._requests.get(rid)
             if rs is not None:
@@ -481,14 +501,33 @@ class StreamAssembler:
         merger = self._mergers.get(rs.request_id)
         if merger is not None:
             out += self._merge_events(rs, merger.rank_ended(r.rank))
-        if 0 not in rs.ends or any(rank not in rs.ends for rank in rs.starts):
-            return out
+        return out + self._try_end(rs)
+
+    def _try_end(self, rs: RequestStream, give_up: bool = False) -> list[Event]:
+        """The request's "end" event once rank 0 and every rank of ``tp_size`` ended; ``give_up``: stop
+        waiting for ranks that never started (they were waited for ``rank_wait_s``, or the source ended)."""
+        rid = rs.request_id
+        if rs.ended or 0 not in rs.ends or any(rank not in rs.ends for rank in rs.starts):
+            if self._waiting.get(rid, (None,))[0] is rs:
+                del self._waiting[rid]  # a started rank's StreamEnd (or the broker's) will come and call again
+            return []
+        unstarted = [rank for rank in range(rs.tp_size) if rank not in rs.starts]
+        if unstarted and not give_up:  # its stream may still be on its way (another producer, another socket)
+            if rid not in self._waiting:
+                self._waiting[rid] = (rs, self._now)
+            return []
+        if self._waiting.get(rid, (None,))[0] is rs:
+            del self._waiting[rid]
+        if unstarted:
+            self.counters["ranks_never_started"] += len(unstarted)
+        out: list[Event] = []
+        merger = self._mergers.get(rid)
         if merger is not None:
             out += self._merge_events(rs, merger.resolve(everything=True))
-            self._mergers.pop(rs.request_id, None)
+            self._mergers.pop(rid, None)
         rs.ended, rs.end = True, rs.ends[0]
-        if self._requests.get(rs.request_id) is rs:
-            del self._requests[rs.request_id]
+        if self._requests.get(rid) is rs:
+            del self._requests[rid]
         return out + self._emit(rs, [Event("end", rs, end=rs.end)])
 
     def _forget(self, key: tuple) -> None:
