@@ -1,6 +1,6 @@
-"""Run one real vLLM CPU engine (with the mia_stream plugin) through a plan of generate() phases.
+"""Run one real vLLM engine (with the mia_stream plugin, on the CPU or CUDA) through a plan of generate() phases.
 
-Used by tests/test_tp_cpu.py and scripts/tp_cpu_check.py in a subprocess each: vLLM loads its plugins once
+Used by tests/test_tp.py and scripts/tp_check.py in a subprocess each: vLLM loads its plugins once
 per process, and two engines in one process would fight over the two cores and the memory.
 
     python tests/tp_engine_run.py --model DIR --broker RUN_DIR --tp 2 --plan plan.json --out out.json
@@ -110,11 +110,17 @@ def _hold_steps(llm, after_steps: int, release_file: str | None = None, steering
     return lambda: engine.__dict__.pop("step", None)
 
 
-def engine_env(broker: str, tp: int) -> dict:
-    """The environment of an engine subprocess: the plugin on, small KV cache, one OMP core per rank."""
-    env = dict(os.environ, MIA_STREAM_BROKER=broker, VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1",
-               TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_ENABLE_V1_MULTIPROCESSING="0")
+def engine_env(broker: str, tp: int, device: str = "cpu") -> dict:
+    """The environment of an engine subprocess: the plugin on; on the CPU a small KV cache and one OMP core
+    per rank; on CUDA the sampler that the staged vLLM of ../shared/device has (no flashinfer)."""
+    env = dict(os.environ, MIA_STREAM_BROKER=broker, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
+               TOKENIZERS_PARALLELISM="false", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if device == "cuda":
+        env["VLLM_USE_FLASHINFER_SAMPLER"] = "0"
+        for name in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND"):
+            env.pop(name, None)
+        return env
+    env["VLLM_CPU_KVCACHE_SPACE"] = "1"
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"  # measured: TP=2 on this 2-core machine needs one core each
     else:
@@ -123,8 +129,11 @@ def engine_env(broker: str, tp: int) -> dict:
 
 
 def run_and_collect(model: str, broker: str, tp: int, plan: list, workdir: Path, on_event=None,
-                    timeout: float = 200.0) -> tuple[dict, dict, str]:
+                    timeout: float = 200.0, device: str = "cpu", dtype: str = "float32",
+                    graphs: bool = False) -> tuple[dict, dict, str]:
     """Start the engine subprocess on ``plan`` while collecting every planned stream from the broker.
+
+    ``device`` "cpu" (vLLM CPU) or "cuda" (``graphs``: torch.compile + CUDA graphs instead of eager).
 
     ``on_event(event, client)`` sees each consumer event as it arrives (e.g. to send a steering command).
     Returns (the subprocess's out.json, {stream id: [events]}, its log); the subprocess is always killed.
@@ -140,8 +149,9 @@ def run_and_collect(model: str, broker: str, tp: int, plan: list, workdir: Path,
     with open_stream(broker, patterns=sorted(wanted), timeout=None) as stream, open(log_path, "w") as log:
         time.sleep(0.2)  # the subscription reaches the broker before the engine publishes
         proc = subprocess.Popen([sys.executable, __file__, "--model", model, "--broker", broker, "--tp", str(tp),
-                                 "--plan", str(plan_path), "--out", str(out_path)],
-                                env=engine_env(broker, tp), stdout=log, stderr=subprocess.STDOUT,
+                                 "--plan", str(plan_path), "--out", str(out_path), "--device", device, "--dtype", dtype]
+                                + (["--graphs"] if graphs else []),
+                                env=engine_env(broker, tp, device), stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)
         deadline, exited_at = time.monotonic() + timeout, None
         try:
@@ -176,19 +186,23 @@ def main(argv=None) -> int:
     ap.add_argument("--plan", required=True)
     ap.add_argument("--out", required=True)
     ap.add_argument("--max-model-len", type=int, default=512)
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--graphs", action="store_true", help="CUDA: torch.compile and CUDA graphs (default eager)")
     args = ap.parse_args(argv)
     os.environ["MIA_STREAM_BROKER"] = args.broker
     from vllm import LLM, SamplingParams
 
     plan = json.loads(open(args.plan).read())
     t0 = time.monotonic()
-    # enforce_eager: the CPU torch.compile warm-up costs about a minute per engine; capture in eager mode
+    # enforce_eager on the CPU: its torch.compile warm-up costs about a minute per engine; capture in eager mode
     # goes through the same custom ops (test_producer covers compiled mode at TP=1).
     # TP=2: one worker process per rank ("mp"); TP=1: the worker in this process ("uni"). The engine core
     # runs in this process too (VLLM_ENABLE_V1_MULTIPROCESSING=0): every vLLM process costs a ~20 s import here.
-    llm = LLM(args.model, dtype="float32", tensor_parallel_size=args.tp, enforce_eager=True,
+    gpu = {"gpu_memory_utilization": 0.3} if args.device == "cuda" else {}
+    llm = LLM(args.model, dtype=args.dtype, tensor_parallel_size=args.tp, enforce_eager=not args.graphs,
               max_model_len=args.max_model_len, distributed_executor_backend="mp" if args.tp > 1 else "uni",
-              seed=0)
+              seed=0, **gpu)
     result = {"phases": {}, "done": [], "start_s": time.monotonic() - t0}
     for phase in plan:
         reqs = phase["requests"]

@@ -1,6 +1,7 @@
-"""TP=2 vs TP=1 on vLLM CPU: the same prompts through two real engines, merged tensors compared.
+"""TP=2 vs TP=1: the same prompts through two real engines, merged tensors compared.
 
-    .venv/bin/python scripts/tp_cpu_check.py [--tp 1 2] [--verbose]
+    .venv/bin/python scripts/tp_check.py [--tp 1 2] [--verbose]                   # vLLM CPU, float32, eager
+    python3 scripts/tp_check.py --device cuda [--dtype bfloat16] [--eager]        # two GPUs, CUDA graphs
 
 Prints, per stream and tensor, max |TP2 - TP1| / max |TP1| (per layer, worst layer), and whether the
 greedy tokens match. Runs the engines one after the other in subprocesses (tests/tp_engine_run.py) against a
@@ -39,7 +40,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--tp", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", default=None, help="default: float32 on the CPU, bfloat16 on CUDA")
+    ap.add_argument("--eager", action="store_true", help="CUDA: enforce_eager instead of CUDA graphs")
     args = ap.parse_args()
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     from mia_stream.broker import run_broker_in_thread
 
     model = str(tiny_model_dir())
@@ -51,7 +56,8 @@ def main() -> int:
             for tp in args.tp:
                 t0 = time.monotonic()
                 out, events, log = run_and_collect(model, run_dir, tp, standard_plan(f"tp{tp}"),
-                                                   work / f"tp{tp}")
+                                                   work / f"tp{tp}", device=args.device, dtype=dtype,
+                                                   graphs=args.device == "cuda" and not args.eager)
                 print(f"TP={tp}: {time.monotonic() - t0:.1f} s (engine start {out.get('start_s', float('nan')):.1f} s), "
                       f"phases done {out['done']}", flush=True)
                 if "batch" not in out["done"]:
