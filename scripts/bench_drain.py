@@ -117,6 +117,10 @@ def main() -> int:
     cpus = sorted(os.sched_getaffinity(0))
     engine_cpus, bus_cpus = ({cpus[0]}, set(cpus[1:])) if len(cpus) > 1 else (set(cpus), set(cpus))
     os.sched_setaffinity(0, engine_cpus)
+    # One intra-op thread: on one core, OpenMP workers spinning after each host copy would steal the engine
+    # thread's CPU (the GPU engine's copies are CUDA copies, no OpenMP).
+    torch.set_num_threads(1)
+    load_before = os.getloadavg()[0]
     run_dir = tempfile.mkdtemp(prefix="mia-drain-", dir="/tmp")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     broker = subprocess.Popen([sys.executable, "-m", "mia_stream.cli", "broker", "--address", run_dir],
@@ -149,7 +153,7 @@ def main() -> int:
     base = max(r["steps_s"] for r in results["no capture"])
     print(f"{args.requests} decoding requests, Llama-3-8B geometry bf16, emulated step = {args.host_ms} ms Python "
           f"+ {args.forward_ms} ms GIL-free wait; best of {args.rounds} interleaved rounds; "
-          f"load average before: {os.getloadavg()[0]:.1f}")
+          f"load average before: {load_before:.1f}")
     print(f"{'row':<16} {'steps/s':>8} {'ratio':>6} {'frames':>8} {'dropped':>8} {'drain frames/s':>15}  rounds")
     for name, runs in results.items():
         best = max(runs, key=lambda r: r["steps_s"])
