@@ -2,7 +2,9 @@
 
 One thread, one ``zmq.Poller`` over three sockets. Messages are forwarded zero-copy (the received
 ``zmq.Frame`` objects are re-sent to every subscriber); only the header frame is decoded
-(``decode_header``). Every loss is counted and named to the consumer that suffered it as a ``GapNotice``.
+(``decode_header``). A producer's batch is unpacked and each of its messages handled as if it came alone;
+consumers that said they take batches get their ready messages as batches. Every loss is counted and named
+to the consumer that suffered it as a ``GapNotice``.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@
 It subscribes, receives decoded messages with a timeout, grants the broker credit (flow control: at most
 ``window_bytes`` in flight), heartbeats, re-subscribes by itself when the broker restarts (a new broker
 instance, or a heartbeat saying it does not know us) and sends steering commands, waiting for their ack.
+It subscribes with ``batch=True`` and unpacks the broker's batches: ``recv`` returns one message at a time.
 Not thread-safe: use one client per thread.
 """
 

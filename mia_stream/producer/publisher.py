@@ -3,7 +3,8 @@
 Lifecycle: ``FramePublisher(address)`` starts a background sender thread that owns a DEALER socket
 (identity ``producer_id/epoch``) connected to the broker's producers endpoint; ``publish(msg)`` encodes the
 message in the caller's thread and appends it to a bounded in-process queue (a byte budget); the sender
-thread sends it with NOBLOCK. ``close()`` drains for a moment and stops.
+thread sends it with NOBLOCK, several queued messages as one batch when the broker's heartbeats say it
+accepts batches. ``close()`` drains for a moment and stops.
 
 Sequence numbers belong to the caller: stamp each stream message with ``seq=publisher.next_seq(request_id)``
 (StreamStart first, so it gets 0) and ``producer_id``/``epoch`` with ``publisher.producer_id``/``epoch``.
