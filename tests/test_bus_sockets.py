@@ -38,3 +38,58 @@ def test_no_zmtp_heartbeats_on_any_bus_socket_and_tcp_keepalive_on(monkeypatch):
         finally:
             client.close()
             pub.close()
+
+
+_TAIL_PRODUCER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from bus_helpers import publish_stream
+from mia_stream.producer.publisher import FramePublisher
+pub = FramePublisher(sys.argv[1], producer_id="tail")
+time.sleep(1.0)  # connected and handshaken with the broker
+print("connected", flush=True)
+sys.stdin.readline()  # the test has frozen the broker
+publish_stream(pub, "tail-0", frames=60, nbytes=512)
+pub.close(2.0)  # everything is in the kernel's socket buffer now; the process exits
+print("closed", flush=True)
+"""
+
+
+def test_a_producer_that_exits_right_after_its_stream_loses_nothing(tmp_path):
+    # The producer's last messages and its StreamEnd can still be unread in the broker's zmq pipe when the
+    # broker learns that the producer disconnected: with LINGER 0 libzmq then discards them (silently).
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bus_helpers import processes, start_broker, stats
+    from mia_stream.consumers import open_stream
+
+    tests_dir = str(Path(__file__).resolve().parent)
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        with open_stream(d, patterns=("tail-*",), timeout=15) as events:
+            wait_for(lambda: any(c.get("patterns") for c in stats(d)["consumers"].values()), timeout=10)
+            prod = subprocess.Popen([sys.executable, "-c", _TAIL_PRODUCER, d, tests_dir], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, text=True)
+            procs.append(prod)
+            assert prod.stdout.readline().strip() == "connected"
+            broker.send_signal(signal.SIGSTOP)  # the broker reads nothing while the producer sends and exits
+            try:
+                prod.stdin.write("go\n")
+                prod.stdin.flush()
+                assert prod.stdout.readline().strip() == "closed"
+                assert prod.wait(10) == 0
+            finally:
+                broker.send_signal(signal.SIGCONT)
+            got = []
+            for ev in events:
+                got.append(ev)
+                if ev.kind == "end":
+                    break
+    kinds = [e.kind for e in got]
+    assert kinds[0] == "start" and kinds[-1] == "end", kinds[-3:]
+    assert [e.frame.step for e in got if e.kind == "frame"] == list(range(60))
+    assert not [e for e in got if e.kind == "gap"]
