@@ -311,6 +311,20 @@ def recv_parts(sock: zmq.Socket) -> list:
     return parts
 
 
+def send_frame_lists(sock: zmq.Socket, head: list, frame_lists: list) -> None:
+    """``head`` then every frame of every list in ``frame_lists`` as one multipart message, NOBLOCK,
+    zero-copy (a batch: the caller puts its envelope in ``head``). zmq takes or refuses (``zmq.Again``) the
+    whole message at its first part."""
+    more = NOBLOCK | SNDMORE
+    for f in head:
+        zsend(sock, f, more, False)
+    last_list = len(frame_lists) - 1
+    for i, frames in enumerate(frame_lists):
+        last = len(frames) - 1 if i == last_list else -1
+        for j, f in enumerate(frames):
+            zsend(sock, f, NOBLOCK if j == last else more, False)
+
+
 def send_parts(sock: zmq.Socket, identity: bytes, frames: list) -> None:
     """``[identity, *frames]`` NOBLOCK, zero-copy; zmq checks HWM/ROUTER_MANDATORY on the first part only."""
     zsend(sock, identity, NOBLOCK | SNDMORE, False)

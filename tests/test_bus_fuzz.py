@@ -92,18 +92,23 @@ def test_fuzzed_frames_never_take_the_broker_down(broker_dir, data):
             target.send_multipart(frames)
 
 
-def test_after_fuzzing_the_broker_still_serves_a_valid_stream(broker_dir):
-    test_fuzzed_frames_never_take_the_broker_down(broker_dir)  # run the fuzzer first (also standalone)
-    pub = FramePublisher(broker_dir, producer_id="honest")
+def _serve_an_honest_stream(broker_dir, rid: str, frames: int, nbytes: int, timeout: float) -> None:
+    """A valid stream published after the fuzzing arrives whole and exact."""
+    pub = FramePublisher(broker_dir, producer_id=f"{rid}-producer")
     try:
-        with open_stream(broker_dir, patterns=("honest-*",), timeout=10) as events:
-            time.sleep(0.2)
-            publish_stream(pub, "honest-1", 50, 4096, tokens=True)
-            rec = account(events_until(events, 1, 10))["honest-1"]
+        with open_stream(broker_dir, patterns=(rid,), timeout=10) as events:
+            time.sleep(0.3)
+            publish_stream(pub, rid, frames, nbytes, tokens=True)
+            rec = account(events_until(events, 1, timeout))[rid]
     finally:
         pub.close()
     assert_exact(rec)
-    assert rec["gap_seqs"] == [] and rec["steps"] == list(range(50))
+    assert rec["gap_seqs"] == [] and rec["steps"] == list(range(frames))
+
+
+def test_after_fuzzing_the_broker_still_serves_a_valid_stream(broker_dir):
+    test_fuzzed_frames_never_take_the_broker_down(broker_dir)  # run the fuzzer first (also standalone)
+    _serve_an_honest_stream(broker_dir, "honest-1", frames=50, nbytes=4096, timeout=10)
     totals = stats(broker_dir)["totals"]
     assert totals["malformed"] > 0
     assert totals.get("internal_errors", 0) == 0
@@ -135,16 +140,7 @@ def test_fuzzed_batches_never_take_the_broker_down(broker_dir, data):
 def test_after_fuzzing_batches_the_broker_counts_them_and_still_serves(broker_dir):
     test_fuzzed_batches_never_take_the_broker_down(broker_dir)
     before = stats(broker_dir)["totals"]
-    pub = FramePublisher(broker_dir, producer_id="honest-batches")
-    try:
-        with open_stream(broker_dir, patterns=("honest-b-*",), timeout=10) as events:
-            time.sleep(0.3)
-            publish_stream(pub, "honest-b-1", 2000, 256, tokens=True)
-            rec = account(events_until(events, 1, 20))["honest-b-1"]
-    finally:
-        pub.close()
-    assert_exact(rec)
-    assert rec["gap_seqs"] == [] and rec["steps"] == list(range(2000))
+    _serve_an_honest_stream(broker_dir, "honest-b-1", frames=2000, nbytes=256, timeout=20)
     totals = stats(broker_dir)["totals"]
     assert before["malformed_batches"] > 0 and before["batches_in"] > 0
     assert totals["batches_in"] > before["batches_in"] and totals["batches_out"] > before.get("batches_out", 0)

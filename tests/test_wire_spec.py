@@ -364,6 +364,18 @@ def test_oversized_messages():
         decode([b"r\0", msgpack.packb(header), bomb], max_message_bytes=1 << 20)
 
 
+def _corrupt_one_byte(frames: list[bytes], position: int, byte: int) -> list[bytes]:
+    """``frames`` with the byte at ``position`` (counted over all frames, modulo their total) set to ``byte``."""
+    lengths = [len(f) for f in frames]
+    which, offset = 0, position % sum(lengths)
+    while offset >= lengths[which]:
+        offset -= lengths[which]
+        which += 1
+    corrupted = bytearray(frames[which])
+    corrupted[offset] = byte
+    return frames[:which] + [bytes(corrupted)] + frames[which + 1:]
+
+
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 10_000), st.integers(0, 255), st.sampled_from(["none", "lz4"]))
 def test_property_corrupted_bytes_raise_only_wire_errors(position, byte, compression):
@@ -374,14 +386,7 @@ def test_property_corrupted_bytes_raise_only_wire_errors(position, byte, compres
     frames = [bytes(f) for f in encode(TensorFrame("r", "p", 0, 1, 1, positions=[1, 2, 3], token_ids=[4, 5, 6],
                                                    tensors=[Tensor.from_array("hs", arr), q]),
                                        compression=compression, checksum=True)]
-    lengths = [len(f) for f in frames]
-    which, offset = 0, position % sum(lengths)
-    while offset >= lengths[which]:
-        offset -= lengths[which]
-        which += 1
-    corrupted = bytearray(frames[which])
-    corrupted[offset] = byte
-    frames[which] = bytes(corrupted)
+    frames = _corrupt_one_byte(frames, position, byte)
     try:
         decode(frames)
     except WireError:
@@ -468,14 +473,7 @@ def test_batch_of_another_major_is_a_schema_version_error():
 @given(st.integers(0, 10_000), st.integers(0, 255))
 def test_property_corrupted_batches_raise_only_wire_errors(position, byte):
     frames = [bytes(f) for f in encode_batch([encode(SAMPLES[0]), _tensor_frames(), encode(SAMPLES[4])])]
-    lengths = [len(f) for f in frames]
-    which, offset = 0, position % sum(lengths)
-    while offset >= lengths[which]:
-        offset -= lengths[which]
-        which += 1
-    corrupted = bytearray(frames[which])
-    corrupted[offset] = byte
-    frames[which] = bytes(corrupted)
+    frames = _corrupt_one_byte(frames, position, byte)
     try:
         for part in split_batch(frames) or [frames]:
             try:

@@ -51,6 +51,7 @@ _CLOSED_MEMORY = 100_000
 _NOBLOCK, _SNDMORE = _transport.NOBLOCK, _transport.SNDMORE
 _zsend, _zrecv = _transport.zsend, _transport.zrecv
 _recv_parts, _send_parts = _transport.recv_parts, _transport.send_parts
+_send_frame_lists = _transport.send_frame_lists
 
 
 @dataclass
@@ -578,7 +579,8 @@ class Broker:
                 if count == 1:
                     _send_parts(sock, ident, frames)
                 else:
-                    self._send_batch(sock, ident, q, count)
+                    batch = [q[i][0] for i in range(count)]
+                    _send_frame_lists(sock, [ident, b"", batch_header([len(f) for f in batch])], batch)
             except zmq.Again:
                 c.blocked = True
                 break
@@ -601,19 +603,6 @@ class Broker:
         if not q:
             self._ready.discard(ident)
         return True
-
-    @staticmethod
-    def _send_batch(sock: zmq.Socket, ident: bytes, q: collections.deque, count: int) -> None:
-        """The first ``count`` queued messages as one batch, zero-copy (zmq takes or refuses it whole)."""
-        more = _NOBLOCK | _SNDMORE
-        _zsend(sock, ident, more, False)
-        _zsend(sock, b"", more, False)
-        _zsend(sock, batch_header([len(q[i][0]) for i in range(count)]), more, False)
-        for i in range(count):
-            frames = q[i][0]
-            last = len(frames) - 1 if i == count - 1 else -1
-            for j, f in enumerate(frames):
-                _zsend(sock, f, _NOBLOCK if j == last else more, False)
 
     def _forget_consumer(self, c: _Consumer, counter: str) -> None:
         self.counters[counter] += 1

@@ -51,7 +51,6 @@ _SNDHWM = 64
 _ENDED_MEMORY = 10_000
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
-_NOBLOCK, _SNDMORE, _zsend = _transport.NOBLOCK, _transport.SNDMORE, _transport.zsend  # see _transport
 _BATCH_MESSAGES = 64  # queued messages sent as one batch (to a broker that accepts batches) at most ...
 _BATCH_BYTES = 1 << 20  # ... and bytes; a bigger message goes alone
 
@@ -338,7 +337,6 @@ class FramePublisher:
             queue, self._queue = self._queue, collections.deque()
         sent = count = batches = 0
         blocked = False
-        more = _NOBLOCK | _SNDMORE
         max_group = _BATCH_MESSAGES if self.broker_batches else 1
         while queue:
             n = queue[0][1]
@@ -348,15 +346,10 @@ class FramePublisher:
                 while group < limit and total + queue[group][1] <= _BATCH_BYTES:
                     total += queue[group][1]
                     group += 1
-            try:  # zmq accepts or refuses (EAGAIN) a multipart message at its first part
-                if group > 1:
-                    _zsend(sock, b"", more, False)
-                    _zsend(sock, batch_header([len(queue[i][0]) for i in range(group)]), more, False)
-                for i in range(group):
-                    frames = queue[i][0]
-                    last = len(frames) - 1 if i == group - 1 else -1
-                    for j, f in enumerate(frames):
-                        _zsend(sock, f, _NOBLOCK if j == last else more, False)
+            batch = [queue[i][0] for i in range(group)]
+            try:
+                _transport.send_frame_lists(sock, [b"", batch_header([len(f) for f in batch])] if group > 1 else [],
+                                            batch)
             except zmq.Again:
                 blocked = True
                 break
