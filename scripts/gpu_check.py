@@ -1,6 +1,7 @@
 """End-to-end GPU check of the producer on vLLM 0.26 (V2 runner): correctness, then overhead, in one session.
 
     python3 scripts/gpu_check.py --models /tmp/models --out $OUT [--phases correctness,bench] [--tp 1]
+    python3 scripts/gpu_check.py --phases bench --n 32 --prompt-len 2048 --tokens 128   # prefill-heavy rows
 
 ``--models`` holds ``smollm2-random`` (random bf16 safetensors) and ``llama8b-shape`` (config only, run with
 ``load_format=dummy``), as made by ``make-random-models.py``. Every engine runs in its own subprocess
@@ -38,7 +39,6 @@ def _bus_main(address: str, conn, ready) -> None:
     """Broker (thread) + one consumer receiving everything; answers the engine's requests over ``conn``."""
     from mia_stream.broker import run_broker_in_thread
     from mia_stream.consumers import BrokerClient
-    from mia_stream.schemas import GapNotice, StreamEnd, StreamStart, TensorFrame, TokenFrame
 
     with run_broker_in_thread(address=address) as broker:
         client = BrokerClient(address, consumer_id="gpu-check", window_bytes=1 << 30)
@@ -379,7 +379,10 @@ def engine_bench(args) -> dict:
             _expose_entry_point(args.work)
         plugin.register()
     model = str(Path(args.models) / "llama8b-shape")
-    llm = _make_llm(model, eager=False, dummy=True, tp=args.tp, gpu_mem=0.85, max_len=2048, batched=args.batched)
+    # room for the prefill-heavy case too (--n 32 --prompt-len 2048): prompt + generated tokens must fit
+    max_len = max(2048, args.prompt_len + args.tokens + 16)
+    llm = _make_llm(model, eager=False, dummy=True, tp=args.tp, gpu_mem=0.85, max_len=max_len,
+                    batched=max(args.batched, max_len))
     cfg = json.load(open(Path(model) / "config.json"))
     L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
     rng = np.random.default_rng(0)
