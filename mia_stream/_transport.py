@@ -311,6 +311,26 @@ def recv_parts(sock: zmq.Socket) -> list:
     return parts
 
 
+BATCH_MESSAGES = 64  # a sender's batch holds at most this many messages ...
+BATCH_BYTES = 1 << 20  # ... and this many bytes; a message of this size or more goes alone
+
+
+def batch_span(queue, max_messages: int, room: int | None = None) -> tuple[int, int]:
+    """(count, bytes) of the messages at the front of ``queue`` (items ``(frames, nbytes, ...)``) that go as one
+    zmq message: at most ``max_messages`` and ``BATCH_BYTES``; ``room`` (a credit window's free bytes): no
+    further message is added once the ones taken fill it."""
+    total, count = queue[0][1], 1
+    if total < BATCH_BYTES:
+        limit = min(len(queue), max_messages)
+        while count < limit:
+            n = queue[count][1]
+            if total + n > BATCH_BYTES or (room is not None and total >= room):
+                break
+            total += n
+            count += 1
+    return count, total
+
+
 def send_frame_lists(sock: zmq.Socket, head: list, frame_lists: list) -> None:
     """``head`` then every frame of every list in ``frame_lists`` as one multipart message, NOBLOCK,
     zero-copy (a batch: the caller puts its envelope in ``head``). zmq takes or refuses (``zmq.Again``) the

@@ -44,8 +44,6 @@ DEFAULT_STEER_TIMEOUT_S = 30.0
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 _ERRORS_PER_PEER_PER_S = 20  # error replies are rate-limited so garbage cannot amplify
 _RECV_BATCH = 256  # stream messages handled per poll wake-up before consumers are flushed
-_BATCH_MESSAGES = 64  # a batch to a consumer holds at most this many messages ...
-_BATCH_BYTES = 1 << 20  # ... and this many bytes; a bigger message goes alone
 _CLOSED_MEMORY = 100_000
 
 _NOBLOCK, _SNDMORE = _transport.NOBLOCK, _transport.SNDMORE
@@ -382,9 +380,12 @@ class Broker:
         except zmq.ZMQError:
             return False
 
+    def _heartbeat(self, known: bool) -> list:
+        return encode(Heartbeat("broker", "broker", self.instance, time.time_ns(),
+                                {"known": known, "batch": self.config.batch}))
+
     def _heartbeat_to(self, sock: zmq.Socket, identity: bytes, known: bool) -> None:
-        hb = Heartbeat("broker", "broker", self.instance, time.time_ns(), {"known": known, "batch": self.config.batch})
-        self._send_direct(sock, identity, encode(hb))
+        self._send_direct(sock, identity, self._heartbeat(known))
 
     # ------------------------------------------------------------------------------------------ streams
 
@@ -565,19 +566,11 @@ class Broker:
             in_flight = c.in_flight
             if window and in_flight >= window:
                 break
-            frames, n = q[0]
-            count = 1
-            if c.batch and n < _BATCH_BYTES:
-                total, limit = n, min(len(q), _BATCH_MESSAGES)
-                while count < limit:
-                    n_next = q[count][1]
-                    if total + n_next > _BATCH_BYTES or (window and in_flight + total >= window):
-                        break
-                    total += n_next
-                    count += 1
+            count, sent = _transport.batch_span(q, _transport.BATCH_MESSAGES if c.batch else 1,
+                                                 window - in_flight if window else None)
             try:
                 if count == 1:
-                    _send_parts(sock, ident, frames)
+                    _send_parts(sock, ident, q[0][0])
                 else:
                     batch = [q[i][0] for i in range(count)]
                     _send_frame_lists(sock, [ident, b"", batch_header([len(f) for f in batch])], batch)
@@ -589,9 +582,8 @@ class Broker:
                     self._forget_consumer(c, "consumers_lost")
                     return False
                 raise
-            sent = 0
             for _ in range(count):
-                sent += q.popleft()[1]
+                q.popleft()
             c.queue_bytes -= sent
             c.in_flight += sent
             c.delivered += count
@@ -776,8 +768,7 @@ class Broker:
             self._last_heartbeat = now
             for ident in self._producers:
                 self._heartbeat_to(self._prod, ident, known=True)
-            hb = encode(Heartbeat("broker", "broker", self.instance, time.time_ns(),
-                                  {"known": True, "batch": self.config.batch}))
+            hb = self._heartbeat(known=True)
             for c in list(self._consumers.values()):
                 try:
                     self._cons.send_multipart([c.identity, *hb], zmq.NOBLOCK)

@@ -46,13 +46,12 @@ log = logging.getLogger("mia_stream.publisher")
 
 DEFAULT_PUBLISHER_QUEUE_BYTES = 256 << 20
 # zmq messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected). A batch is one
-# zmq message of up to _BATCH_BYTES, so this also bounds what batching moves from the queue into zmq (64 MiB).
+# zmq message of up to _transport.BATCH_BYTES, so this also bounds what batching moves from the queue into zmq
+# (64 MiB).
 _SNDHWM = 64
 _ENDED_MEMORY = 10_000
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
-_BATCH_MESSAGES = 64  # queued messages sent as one batch (to a broker that accepts batches) at most ...
-_BATCH_BYTES = 1 << 20  # ... and bytes; a bigger message goes alone
 
 
 class _PubStream:
@@ -331,21 +330,15 @@ class FramePublisher:
         """Hand queued messages to zmq until it pushes back; True if it did (EAGAIN).
 
         To a broker that accepts batches, consecutive queued messages go as one batch (up to
-        ``_BATCH_MESSAGES`` / ``_BATCH_BYTES``): zmq's per-message cost is then paid once for all of them.
+        ``_transport.BATCH_MESSAGES`` / ``BATCH_BYTES``): zmq's per-message cost is then paid once for all of them.
         """
         with self._lock:
             queue, self._queue = self._queue, collections.deque()
         sent = count = batches = 0
         blocked = False
-        max_group = _BATCH_MESSAGES if self.broker_batches else 1
+        max_group = _transport.BATCH_MESSAGES if self.broker_batches else 1
         while queue:
-            n = queue[0][1]
-            group, total = 1, n
-            if n < _BATCH_BYTES:
-                limit = min(len(queue), max_group)
-                while group < limit and total + queue[group][1] <= _BATCH_BYTES:
-                    total += queue[group][1]
-                    group += 1
+            group, total = _transport.batch_span(queue, max_group)
             batch = [queue[i][0] for i in range(group)]
             try:
                 _transport.send_frame_lists(sock, [b"", batch_header([len(f) for f in batch])] if group > 1 else [],
