@@ -1,6 +1,6 @@
 """Bus benchmark: raw pyzmq PUSH/PULL over ipc vs FramePublisher -> broker -> consumer SDK, side by side.
 
-    .venv/bin/python scripts/bench_bus.py [--quick] [--unbatched]
+    .venv/bin/python scripts/bench_bus.py [--quick] [--unbatched] [--sizes 16K,1M] [--no-paced]
 
 Every leg is its own process (sender, broker, receiver). For each frame size it prints GB/s, frames/s,
 p50/p99 latency from send to the consumer callback, frames lost and the seqs the consumer was told were
@@ -175,7 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer frames per size")
     ap.add_argument("--unbatched", action="store_true",
                     help="also run the bus through a --no-batch broker (batching off on both hops)")
+    ap.add_argument("--sizes", help="comma-separated subset of the frame sizes to run, e.g. 16K,1M (default: all)")
+    ap.add_argument("--no-paced", action="store_true", help="skip the runs paced at ~70%% of saturation")
     args = ap.parse_args(argv)
+    sizes = SIZES
+    if args.sizes:
+        wanted = {w.strip().upper().replace("KIB", "K").replace("MIB", "M") for w in args.sizes.split(",")}
+        sizes = [s for s in SIZES if s[1].upper().replace(" KIB", "K").replace(" MIB", "M") in wanted]
+        if len(sizes) != len(wanted):
+            ap.error(f"--sizes: choose from {', '.join(s[1] for s in SIZES)} (as 1K, 16K, 1M, 8M)")
     run_dir = tempfile.mkdtemp(prefix="mia-bench-", dir="/tmp")
     unbatched_dir = os.path.join(run_dir, "unbatched")
     env = dict(os.environ, PYTHONPATH=str(REPO))
@@ -193,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'bus f/s':>9} {'bus p50':>8} {'bus p99':>8} {'lost':>5} {'gaps':>5} | {'ratio':>5}")
         print(head)
         print("-" * len(head))
-        for size, label, n in SIZES:
+        for size, label, n in sizes:
             n = max(50, n // 4) if args.quick else n
             raw = run_raw(run_dir, size, n)
             bus = run_bus(run_dir, size, n)
@@ -207,11 +215,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{'':>7} | {'unbatched (--no-batch broker):':>37} | {plain['gbps']:8.3f} {plain['fps']:9.0f} "
                       f"{plain['p50_us']:7.0f}u {plain['p99_us']:7.0f}u {plain['lost']:5d} {plain['gaps_reported']:5d} "
                       f"| {plain['gbps'] / raw['gbps']:5.2f}", flush=True)
-        print()
-        print("paced at ~70% of the bus saturation rate measured above (must lose nothing):")
-        for label, size, _raw, bus, _ in rows:
-            if size not in (16 << 10, 1 << 20):
-                continue
+        paced_rows = [] if args.no_paced else [r for r in rows if r[1] in (16 << 10, 1 << 20)]
+        if paced_rows:
+            print()
+            print("paced at ~70% of the bus saturation rate measured above (must lose nothing):")
+        for label, size, _raw, bus, _ in paced_rows:
             rate = 0.7 * bus["fps"]
             n = int(min(rate * 2.0, 20_000))
             paced = run_bus(run_dir, size, n, rate=rate)
@@ -225,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
             b.terminate()
             b.wait(10)
         shutil.rmtree(run_dir, ignore_errors=True)
+    if args.sizes:  # a partial run (for quick comparisons) skips the recorder's benchmark
+        return 0
     try:
         sys.path.insert(0, str(REPO / "scripts"))
         import bench_record  # written by the recorder helper; optional
