@@ -113,13 +113,17 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
     """
     if len(frames) < 2:
         raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {len(frames)}")
-    bufs = [_buffer_of(f) for f in frames]
+    # Sizes by len() where that is the size in bytes, and the header unpacked from the frame itself: a
+    # zmq.Frame's .buffer (a new memoryview and weakref each time) is only taken for the tensor buffers.
     total = 0
-    for b in bufs:
-        total += _len(b)
+    for f in frames:
+        total += len(f) if type(f) in _SIZED else _len(_buffer_of(f))
     if total > max_message_bytes:
         raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
-    header = _unpack_header(bufs[1], _len(bufs[1]))
+    head = frames[1]
+    if type(head) not in _SIZED:
+        head = _buffer_of(head)
+    header = _unpack_header(head, len(head) if type(head) in _SIZED else _len(head))
     kind = header.get("kind")
     cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
@@ -128,7 +132,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
     if missing:
         raise MalformedFrameError(f"{kind} header lacks required field(s) {missing}")
     fields = {n: header[n] for n in _FIELDS[kind] if n in header}
-    buffers = bufs[2:]
+    buffers = [_buffer_of(f) for f in frames[2:]] if len(frames) > 2 else []
     if cls is TensorFrame:
         fields["tensors"] = _decode_tensors(header.get("tensors", []), buffers, verify, max_message_bytes)
     elif buffers:
@@ -392,9 +396,11 @@ def split_batch(frames: Sequence[Any]) -> list[list[Any]] | None:
     """
     if len(frames) < 3 or len(frames[0]):
         return None
-    head = _buffer_of(frames[1])
+    head = frames[1]
+    if type(head) not in _SIZED:
+        head = _buffer_of(head)
     try:
-        header = _unpack_header(head, _len(head))
+        header = _unpack_header(head, len(head) if type(head) in _SIZED else _len(head))
     except WireError:
         return None  # not a valid header of any kind: the single-message path reports it
     if header.get("kind") != BATCH_KIND:
