@@ -1,6 +1,7 @@
 """The broker: routes producers' streams to the consumers subscribed to them (protocol: docs/bus.md).
 
-One thread, one ``zmq.Poller`` over three sockets. Messages are forwarded zero-copy (the received
+One thread, one ``zmq.Poller`` over three sockets (its zmq context has two I/O threads: one moves the
+producers' bytes, the other the consumers'). Messages are forwarded zero-copy (the received
 ``zmq.Frame`` objects are re-sent to every subscriber); only the header frame is decoded
 (``decode_header``). A producer's batch is unpacked and each of its messages handled as if it came alone;
 consumers that said they take batches get their ready messages as batches. Every loss is counted and named
