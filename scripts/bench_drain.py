@@ -11,9 +11,11 @@ sampling bookkeeping), a ``--forward-ms`` wait with the GIL released (the GPU fo
 a CUDA sync), then ``end_step`` (queues the aperture copy for the drain thread). Every request decodes one
 token per step, so each step makes one TensorFrame per capturing request (Llama-3-8B geometry, bf16).
 
-Rows (same process, interleaved rounds): no capture; HS 1 layer; HS all layers. Printed: emulated steps/s,
-the ratio to no capture, frames published, frames dropped (host ring / queue full, counted, never waited
-for), and the drain thread's frames/s.
+Rows (same process, interleaved rounds): no capture; then each capture/steering configuration twice, with
+the drain in a sidecar process (the default) and in a thread of the engine process (the old design, kept for
+embedding with a publisher object). Every streamed request also gets a TokenFrame per step (``on_sampled``),
+as in the engine. Printed: emulated steps/s, the ratio to no capture, frames published, frames dropped (host
+ring / queue full, counted, never waited for), and the drain's frames/s.
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import os
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -37,9 +38,12 @@ from mia_stream.producer.publisher import FramePublisher  # noqa: E402
 from mia_stream.producer.spec import ModelGeometry, parse_spec  # noqa: E402
 
 GEO = ModelGeometry(32, 4096, 32, 8, 128)  # Llama-3-8B: layers, hidden, heads, kv heads, head_dim
+_STEER = [{"layer": 16, "op": "add", "vector": [0.01] * 4096, "scale": 1.0}]
 ROWS = {"no capture": None,
         "HS 1 layer": {"capture": {"hidden_states": {"layers": [16], "positions": "all"}}},
-        "HS all layers": {"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}}
+        "HS all layers": {"capture": {"hidden_states": {"layers": "all", "positions": "all"}}},
+        "steer 1 layer": {"steer": _STEER}}
+DRAINS = ("sidecar", "thread")
 
 _CONSUMER = """
 import sys, time
@@ -72,6 +76,7 @@ def _run(rt: ProducerRuntime, name: str, spec_raw, args, round_no: int) -> dict:
         for i in ids:
             rt.add_request(i, i, spec, list(range(args.prompt_len)))
     frames0, drops0 = rt.stats["frames"], rt.stats["dropped_frames"]
+    sampled = [[7]] * n
     t0 = time.perf_counter()
     for step in range(args.steps):
         batch = StepBatch(step=step, req_ids=ids, query_start=np.arange(n + 1),
@@ -83,13 +88,11 @@ def _run(rt: ProducerRuntime, name: str, spec_raw, args, round_no: int) -> dict:
         time.sleep(args.forward_ms / 1000)  # the GPU forward: the engine thread waits with the GIL released
         if not rt.idle:
             rt.end_step()
+            rt.on_sampled(step, ids, sampled)
     dt = time.perf_counter() - t0
     for i in ids if spec_raw is not None else ():
         rt.finish_request(i, "length")
-    # let the drain finish this row before the next one starts
-    deadline = time.monotonic() + 60
-    while rt._queue.qsize() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    rt.wait_drained(120)  # let the drain finish this row before the next one starts
     drain_s = time.perf_counter() - t0
     frames, drops = rt.stats["frames"] - frames0, rt.stats["dropped_frames"] - drops0
     return {"steps_s": args.steps / dt, "frames": frames, "dropped": drops,
@@ -133,32 +136,38 @@ def main() -> int:
                                     stderr=subprocess.DEVNULL, text=True)
         os.sched_setaffinity(consumer.pid, bus_cpus)
         consumer.stdout.readline()
-        pub = FramePublisher(run_dir, producer_id="bench-drain")
-        rt = ProducerRuntime(geo=GEO, model_name="emulated-8b", tokenizer="t", dtype=torch.bfloat16,
-                             device=torch.device("cpu"), max_tokens=8192, tp_rank=0, tp_size=1, dp_rank=0,
-                             publisher=pub, cfg=RuntimeConfig(aperture_rows=2048, capture_qk=False,
-                                                              steering=False))
-        rows = {n: s for n, s in ROWS.items() if n == "no capture" or n in args.rows.split(",")}
-        results: dict[str, list] = {name: [] for name in rows}
+        pub = FramePublisher(run_dir, producer_id="bench-drain-thread")
+        os.environ["MIA_STREAM_BROKER"] = run_dir  # the sidecar's publisher connects here
+        cfg = dict(aperture_rows=2048, capture_qk=False, steering=True, host_ring_bytes=256 << 20)
+        common = dict(geo=GEO, model_name="emulated-8b", tokenizer="t", dtype=torch.bfloat16,
+                      device=torch.device("cpu"), max_tokens=8192, tp_rank=0, tp_size=1, dp_rank=0)
+        runtimes = {"sidecar": ProducerRuntime(**common, producer_id="bench-drain-sidecar", cfg=RuntimeConfig(**cfg)),
+                    "thread": ProducerRuntime(**common, publisher=pub, cfg=RuntimeConfig(**cfg))}
+        sidecar = runtimes["sidecar"]._sidecar.proc
+        os.sched_setaffinity(sidecar.pid, bus_cpus)
+        rows = [(n, s, d) for n, s in ROWS.items() for d in (DRAINS if s is not None else ("sidecar",))
+                if n == "no capture" or n in args.rows.split(",")]
+        results: dict[tuple, list] = {(name, d): [] for name, _, d in rows}
         for rnd in range(args.rounds):
-            for name, spec in rows.items():
-                results[name].append(_run(rt, name, spec, args, rnd))
-        rt.close()
+            for name, spec, d in rows:
+                results[(name, d)].append(_run(runtimes[d], name, spec, args, rnd))
+        for rt in runtimes.values():
+            rt.close()
         pub.close()
     finally:
         for p in (consumer, broker):
             if p is not None:
                 p.kill()
                 p.wait()
-    base = max(r["steps_s"] for r in results["no capture"])
+    base = max(r["steps_s"] for r in results[("no capture", "sidecar")])
     print(f"{args.requests} decoding requests, Llama-3-8B geometry bf16, emulated step = {args.host_ms} ms Python "
           f"+ {args.forward_ms} ms GIL-free wait; best of {args.rounds} interleaved rounds; "
           f"load average before: {load_before:.1f}")
-    print(f"{'row':<16} {'steps/s':>8} {'ratio':>6} {'frames':>8} {'dropped':>8} {'drain frames/s':>15}  rounds")
-    for name, runs in results.items():
+    print(f"{'row':<16} {'drain':<8} {'steps/s':>8} {'ratio':>6} {'frames':>8} {'dropped':>8} {'drain frames/s':>15}  rounds")
+    for (name, d), runs in results.items():
         best = max(runs, key=lambda r: r["steps_s"])
-        print(f"{name:<16} {best['steps_s']:8.1f} {best['steps_s'] / base:6.3f} {best['frames']:8d} "
-              f"{best['dropped']:8d} {best['drain_fps']:15.0f}  {[round(r['steps_s'], 1) for r in runs]}")
+        print(f"{name:<16} {d if name != 'no capture' else '-':<8} {best['steps_s']:8.1f} {best['steps_s'] / base:6.3f} "
+              f"{best['frames']:8d} {best['dropped']:8d} {best['drain_fps']:15.0f}  {[round(r['steps_s'], 1) for r in runs]}")
     return 0
 
 

@@ -128,6 +128,8 @@ def test_json_string_spec_as_sent_by_vllm_xargs(engine, broker_address):
     ({"capture": {"hidden_states": {"positions": "middle"}}}, "must be one of"),
     ({"steer": [{"layer": 3, "op": "add", "vector": [1.0, 2.0]}]}, "hidden size is 576"),
     ({"steer": [{"layer": 3, "op": "add", "vector": {"name": "no-such-vector"}}]}, "no registered vector"),
+    ({"steer": [{"layer": 3, "op": "add", "vector": {"f32": b"\0" * 8}}]}, "must hold 576 float32 values"),
+    ({"steer": [{"layer": 3, "op": "add", "vector": [True] * 576}]}, "must be a list of numbers"),
 ])
 def test_invalid_spec_is_rejected_and_engine_keeps_serving(engine, spec, words):
     with pytest.raises(ValueError, match=words):
@@ -213,3 +215,39 @@ def test_plugin_loaded_but_idle_generates_what_hf_generates(engine, hf_model, to
         got = list(out.outputs[0].token_ids)
         n = min(len(got), len(ref))  # either may stop at EOS first
         assert n >= 3 and got[:n] == ref[:n], (prompt, got, ref)
+
+
+def _sidecars() -> dict[int, int]:
+    """Running drain sidecars: pid -> the engine process (``--parent``) it publishes for."""
+    import os
+
+    out = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            argv = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+        except OSError:
+            continue
+        if b"mia_stream.producer._sidecar" in argv:
+            out[int(pid)] = int(argv[argv.index(b"--parent") + 1])
+    return out
+
+
+def test_frames_are_built_in_a_sidecar_process_not_in_the_engine(engine, broker_address):
+    """The per-request frame building runs in a child of the engine process (it would hold the engine's GIL
+    otherwise): the stream's producer is the engine worker, and a sidecar whose parent is that process is
+    what publishes for it."""
+    import os
+    import socket
+
+    spec = {"capture": {"hidden_states": {"layers": [2], "positions": "all"}}, "id": "sidecar-1"}
+    with collecting(broker_address, ["sidecar-1"]) as col:
+        engine.generate(["The capital of France is"], _params(3, spec))
+        col.wait_ended(["sidecar-1"])
+    start = col.events["sidecar-1"][0].stream.start
+    host, engine_pid, rank = start.producer_id.split(":")
+    assert host == socket.gethostname() and rank == "tp0" and int(engine_pid) != os.getpid()
+    sidecars = _sidecars()
+    assert int(engine_pid) in sidecars.values(), f"no drain sidecar for engine process {engine_pid}: {sidecars}"
+    pid = next(p for p, parent in sidecars.items() if parent == int(engine_pid))
+    assert int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == int(engine_pid)  # its ppid
+    assert len(col.frames("sidecar-1")) == 3 and col.kinds("sidecar-1", "end")

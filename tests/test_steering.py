@@ -158,3 +158,26 @@ def test_steering_command_for_unknown_request_gets_an_error(broker_address):
     with open_stream(broker_address, patterns=["nobody"]) as stream:
         ack = stream.client.send_steering(SteeringCommand(uuid.uuid4().hex, "no-such-request", "clear"), 10.0)
     assert not ack.ok and "unknown" in ack.error
+
+
+def test_vector_forms_steer_identically_and_leave_the_callers_params_alone(engine, broker_address):
+    """A list, a numpy array and float32 bytes are one vector: the steered rows are bit-identical. The frontend
+    hands vLLM the normalized spec (vectors as bytes, so vLLM's deepcopy of the params stays cheap) without
+    touching the caller's SamplingParams, which may be shared by several prompts."""
+    v = (_direction(3) * 6).astype(np.float32)
+    forms = {"list": v.tolist(), "array": v, "f32": {"f32": v.astype("<f4").tobytes()}}
+    params = {name: _params(4, {"capture": {"hidden_states": {"layers": [LAYER], "positions": "all"}},
+                                "steer": [{"layer": LAYER, "op": "add", "vector": vec}], "id": f"form-{name}"})
+              for name, vec in forms.items()}
+    before = {name: dict(p.extra_args["mia_stream"]) for name, p in params.items()}
+    with collecting(broker_address, ["form-*"]) as col:
+        for p in params.values():  # one request per batch: equal batch shapes, so equal vectors give equal bits
+            engine.generate(["The sea is"], p)
+        col.wait_ended([f"form-{n}" for n in forms])
+    for name, p in params.items():
+        spec = p.extra_args["mia_stream"]
+        assert spec.keys() == before[name].keys() and spec["steer"][0]["vector"] is forms[name]
+    stacks = {name: col.stacked(f"form-{name}", "hs")[2] for name in forms}
+    assert np.array_equal(stacks["list"], stacks["array"]) and np.array_equal(stacks["list"], stacks["f32"])
+    start = col.events["form-f32"][0].stream.start
+    np.testing.assert_array_equal(np.asarray(start.steering[0]["vector"], np.float32), v)  # the wire: a list

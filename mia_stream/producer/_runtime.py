@@ -2,27 +2,32 @@
 
 Per engine step: ``begin_step`` turns the batch layout into routing slabs (token row -> aperture row, token
 row -> steering slots) and copies them to the device; the forward pass writes the aperture in-graph;
-``end_step`` queues an async copy of the used aperture rows into a bounded pinned host ring and hands the
-step to the drain thread, which cuts it into per-request frames and publishes them. The engine thread never
-waits on the bus: when the ring is full the step's frames are dropped, counted, and announced as gaps.
+``end_step`` queues an async copy of the used aperture rows into a chunk of the shared host ring and hands a
+columnar step descriptor to the forwarder thread, which waits for the copy (with the GIL released) and passes
+the descriptor to the drain (``_drain``): a sidecar process by default, so the per-request frame building never
+competes with the engine loop for the GIL. The engine thread never waits on the bus: when the ring is full
+the step's frames are dropped, counted, and announced as gaps.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
 
+from mia_stream.producer._drain import DrainConfig, Segments, StepDrain, StepItem
+from mia_stream.producer._host_ring import HostRing
+from mia_stream.producer._sidecar import DrainSidecar, SidecarError
 from mia_stream.producer.spec import ModelGeometry, RequestSpec, SteerOp
-from mia_stream.schemas import (GapNotice, Shard, StreamEnd, StreamStart, Tensor, TensorFrame,
-                                TokenFrame)
+from mia_stream.schemas import StreamStart
 
 logger = logging.getLogger("mia_stream.producer")
 
@@ -39,35 +44,6 @@ def _locked(method):
         with self._lock:
             return method(self, *args, **kwargs)
     return wrapper
-
-
-def _host_bytes(t: torch.Tensor) -> np.ndarray:
-    """A drained step buffer as uint8 numpy ``[layers, rows, width * itemsize]``: numpy slicing is ~50x
-    cheaper per frame than torch's, and numpy has no bfloat16 (the wire carries raw bits anyway)."""
-    return t.view(torch.uint8).numpy() if t.dim() else t.numpy()
-
-
-def _rows(host: np.ndarray, index: dict, layers: tuple, row0: int, n: int) -> np.ndarray:
-    """``[len(layers), n, ...]`` rows of a drained step buffer (``host`` holds the step's captured layers).
-
-    Slice the rows first, then pick layers: indexing layers of the whole buffer would copy every row.
-    """
-    rows = host[:, row0:row0 + n]
-    js = [index[layer] for layer in layers]
-    if js == list(range(js[0], js[0] + len(js))):
-        return np.ascontiguousarray(rows[js[0]:js[0] + len(js)])
-    return np.ascontiguousarray(rows[js])
-
-
-def _frame_entry(seg: "_Segment", part: int) -> dict:
-    """What one TensorFrame of a request's step is built from (part 1: Q/K at other positions than hs)."""
-    return {"engine_id": seg.engine_id, "part": part, "positions": seg.positions, "token_ids": seg.token_ids,
-            "tensors": [], "steer_version": seg.steer_version}
-
-
-def _tensor(name: str, raw: np.ndarray, dtype: str, item: int, layers, **kw) -> Tensor:
-    shape = raw.shape[:-1] + (raw.shape[-1] // item,)
-    return Tensor(name, dtype, tuple(int(x) for x in shape), memoryview(raw).cast("B"), tuple(layers), **kw)
 
 
 def _env_int(name: str, default: int) -> int:
@@ -102,19 +78,6 @@ class StepBatch:
 
 
 @dataclass
-class _Segment:
-    """Rows ``[row0, row0 + n)`` of the aperture hold positions ``positions`` of one request this step."""
-
-    engine_id: str
-    row0: int
-    positions: np.ndarray
-    token_ids: np.ndarray | None  # None: resolved at drain time from the step's device token-id copy
-    token_rows: np.ndarray | None = None  # the token rows of this step the positions came from
-    steer_version: int = 0  # the steering config this step was computed with
-    layers: tuple = ()  # the layers this request captures for this kind
-
-
-@dataclass
 class _Request:
     engine_id: str
     stream_id: str
@@ -130,7 +93,6 @@ class _Request:
     pending_steer: tuple | None = None  # (ops, version) taking effect at the next step
     slots_by_layer: dict = field(default_factory=dict)  # layer -> [(slot, positions-mode)]
     steer_rows: tuple | None = None  # cached (layers, op index, slots, applies-in-prompt, applies-generated)
-    generated: int = 0
     frames_dropped: int = 0
     drops: dict = field(default_factory=dict)
     uncaptured: list = field(default_factory=list)
@@ -139,29 +101,58 @@ class _Request:
 
 class _KindRouting:
     """One captured kind's routing for a step (hidden states, or Q/K): aperture rows handed out in request
-    order, and the route entries grouped by layer set so each group is one numpy write."""
+    order, the route entries grouped by layer set so each group is one numpy write, and the step's segments
+    in columnar form (what crosses to the drain: one list entry per request, no per-request objects)."""
 
     def __init__(self):
         self.next_row = 0
         self.groups: dict[tuple, tuple[list, list, list, list]] = {}  # ints (decode) and arrays
-        self.segments: list[_Segment] = []
+        self.seg = Segments()
+        self._layer_set_index: dict[tuple, int] = {}
+        self._positions: list = []  # by aperture row: ints (decode) or arrays (prefill)
+        self._token_rows: list = []
+        self._scalar = True
 
-    def claim(self, eid: str, layers: tuple, token_rows: np.ndarray, positions: np.ndarray, tokens: tuple,
-              capacity: int) -> bool:
-        """Give ``token_rows`` aperture rows at ``layers``; False (nothing taken) when the aperture is full."""
-        count = len(token_rows)
+    def claim(self, eid: str, layers: tuple, token_rows: np.ndarray | int, positions: np.ndarray | int,
+              steer_version: int, capacity: int) -> bool:
+        """Give ``token_rows`` aperture rows at ``layers``; False (nothing taken) when the aperture is full.
+        A decode step passes ints (one row)."""
+        count = 1 if isinstance(token_rows, int) else len(token_rows)
         if self.next_row + count > capacity:
             return False
         group = self.groups.setdefault(layers, ([], [], [], []))
-        if count == 1:  # decode: plain ints, one numpy write per layer set at the end
-            group[0].append(token_rows.item())
+        if count == 1 and isinstance(token_rows, int):  # decode: plain ints, one numpy write per layer set
+            group[0].append(token_rows)
             group[1].append(self.next_row)
         else:
             group[2].append(token_rows)
             group[3].append(np.arange(self.next_row, self.next_row + count, dtype=np.int32))
-        self.segments.append(_Segment(eid, self.next_row, positions, *tokens, layers=layers))
+            self._scalar = False
+        seg = self.seg
+        ls = self._layer_set_index.get(layers)
+        if ls is None:
+            ls = self._layer_set_index[layers] = len(seg.layer_sets)
+            seg.layer_sets.append(layers)
+        seg.eids.append(eid)
+        seg.row0.append(self.next_row)
+        seg.count.append(count)
+        seg.layer_set.append(ls)
+        seg.steer_version.append(steer_version)
+        self._positions.append(positions)
+        self._token_rows.append(token_rows)
         self.next_row += count
         return True
+
+    def segments(self) -> Segments:
+        """The step's segments with ``positions`` / ``token_rows`` as arrays indexed by aperture row."""
+        seg = self.seg
+        if self._scalar:
+            seg.positions = np.asarray(self._positions, np.int64)
+            seg.token_rows = np.asarray(self._token_rows, np.int64)
+        else:
+            seg.positions = np.concatenate([np.atleast_1d(p) for p in self._positions]).astype(np.int64)
+            seg.token_rows = np.concatenate([np.atleast_1d(t) for t in self._token_rows]).astype(np.int64)
+        return seg
 
     def host_route(self, num_layers: int, width: int, sentinel: int) -> np.ndarray | None:
         if not self.groups:
@@ -192,7 +183,8 @@ class _SteeringTable:
                 return None
             slot = self._free.pop()
             self._by_key[key] = slot
-            self.vectors[slot].copy_(torch.tensor(op.vector, dtype=torch.float32))
+            # non-blocking: a blocking host-to-device copy would wait for the step in flight
+            self.vectors[slot].copy_(torch.from_numpy(op.array.copy()), non_blocking=True)
             self.op_codes[slot] = OP_CODES[op.op]
             self.scales[slot] = op.scale
             self.thresholds[slot] = op.threshold
@@ -204,29 +196,6 @@ class _SteeringTable:
         if self._refs[slot] == 0:
             self._by_key.pop(op.key(), None)
             self._free.append(slot)
-
-
-class _HostRing:
-    """A bounded FIFO of host buffers (pinned on CUDA) for drained steps; ``alloc`` never blocks."""
-
-    def __init__(self, capacity: int, pinned: bool):
-        self.capacity = capacity
-        self.pinned = pinned
-        self._used = 0
-        self._lock = threading.Lock()
-
-    def alloc(self, shape: tuple, dtype: torch.dtype) -> torch.Tensor | None:
-        nbytes = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-        with self._lock:
-            if self._used + nbytes > self.capacity:
-                return None
-            self._used += nbytes
-        # The caching host allocator makes repeated pinned allocations of similar sizes cheap.
-        return torch.empty(shape, dtype=dtype, pin_memory=self.pinned)
-
-    def free(self, t: torch.Tensor) -> None:
-        with self._lock:
-            self._used -= t.numel() * t.element_size()
 
 
 def _hits(mode: str, position: int, prompt_len: int) -> bool:
@@ -301,17 +270,22 @@ class DeviceState(torch.nn.Module):
 
 
 class ProducerRuntime:
-    """Owns the device buffers, per-request bookkeeping, the drain thread and the publisher."""
+    """Owns the device buffers, per-request bookkeeping, the host ring, the forwarder thread and the drain.
+
+    ``publisher=None`` (the plugin): the drain is a sidecar process publishing as ``producer_id`` to the broker
+    named by ``MIA_STREAM_BROKER``. ``publisher=<FramePublisher>``: the drain runs in the forwarder thread and
+    publishes through that object (tests; embedding without a broker env).
+    """
 
     def __init__(self, *, geo: ModelGeometry, model_name: str, tokenizer: str, dtype: torch.dtype,
                  device: torch.device, max_tokens: int, tp_rank: int, tp_size: int, dp_rank: int,
-                 publisher: Any, cfg: RuntimeConfig | None = None, control_id: str = ""):
+                 publisher: Any = None, producer_id: str = "", cfg: RuntimeConfig | None = None,
+                 control_id: str = ""):
         self.cfg = cfg or RuntimeConfig()
         self.geo, self.model_name, self.tokenizer = geo, model_name, tokenizer
         self.dtype, self.device, self.max_tokens = dtype, device, max_tokens
         self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
-        # Streams are stamped with the publisher's identity and epoch (a restarted producer = a new epoch).
-        self.producer_id, self.epoch, self.control_id = publisher.producer_id, publisher.epoch, control_id
+        self.control_id = control_id
         if geo.num_heads % tp_size or (self.cfg.capture_qk and geo.num_kv_heads % tp_size):
             raise ValueError(f"Q/K capture needs heads divisible by TP={tp_size} "
                              f"(heads {geo.num_heads}, kv heads {geo.num_kv_heads}); set MIA_STREAM_CAPTURE_QK=0")
@@ -321,26 +295,64 @@ class ProducerRuntime:
                                  max_tokens, self.cfg, dtype, device)
         self.steering = _SteeringTable(self.state, self.cfg.steer_slots) if self.cfg.steering else None
         self.requests: dict[str, _Request] = {}
-        self._publisher = publisher
-        self._ring = _HostRing(self.cfg.host_ring_bytes, pinned=device.type == "cuda")
+        self._ring = HostRing.create(self.cfg.host_ring_bytes)
+        self._ring_bytes = torch.from_numpy(self._ring.data)  # the data area as a uint8 tensor
+        self.ring_pinned = self._pin_ring() if device.type == "cuda" else False
         self._queue: queue.Queue = queue.Queue(maxsize=self.cfg.max_queued_messages)
-        self._seq: dict[str, int] = {}
         self._dirty_rows = 0  # route rows written last step that must be reset to the sentinel
         self._dirty_rows_qk = 0
         self._dirty_steer_rows = 0
+        self._uploaded: dict[str, np.ndarray] = {}  # the route last copied to the device, per route
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_copy_done = None
         self._step_tokens = None
         self._staging = _PinnedStaging(device) if device.type == "cuda" else None
-        self.stats = {"steps": 0, "frames": 0, "dropped_frames": 0, "bytes": 0}
+        self._stats = {"steps": 0, "dropped_frames": 0, "items_lost": 0}
         self._step_segments: tuple | None = None
-        # Under async scheduling a request may run one step past its stop token: hold each stream's newest
-        # step until the next one (or the end, which says the final length) so that step can be trimmed.
-        self.hold_last_step = False
-        self._held: dict[str, list] = {}
+        self._hold_last_step = False
         self._lock = threading.RLock()
-        self._drain = threading.Thread(target=self._drain_loop, name="mia-stream-drain", daemon=True)
-        self._drain.start()
+        drain_cfg = DrainConfig(tp_rank=tp_rank, tp_size=tp_size, num_heads=geo.num_heads,
+                                num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, local_heads=self.local_heads,
+                                local_kv_heads=self.local_kv_heads, wire_dtype=str(dtype).removeprefix("torch."),
+                                itemsize=torch.empty((), dtype=dtype).element_size())
+        self._sidecar: DrainSidecar | None = None
+        self._drain: StepDrain | None = None
+        if publisher is None:
+            self._sidecar = DrainSidecar.start(self._ring, drain_cfg, producer_id)
+            self._sink = self._sidecar.send
+            atexit.register(self.close)  # flush what the engine queued: the sidecar publishes it after we exit
+        else:
+            self._drain = StepDrain(drain_cfg, publisher, self._ring)
+            self._sink = self._drain.handle
+        self._items_sent = 0
+        self._forwarder = threading.Thread(target=self._forward_loop, name="mia-stream-forward", daemon=True)
+        self._forwarder.start()
+
+    def _pin_ring(self) -> bool:
+        """Register the ring with the CUDA driver: device-to-host copies into it then run asynchronously."""
+        t = self._ring_bytes
+        err = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel(), 0)
+        if int(err) != 0 or not t.is_pinned():
+            logger.warning("mia_stream: cudaHostRegister of the %d MiB host ring failed (%s); host copies will "
+                           "be synchronous", t.numel() >> 20, err)
+            return False
+        return True
+
+    @property
+    def stats(self) -> dict:
+        """Engine-side counters plus the drain's (frames and bytes published, items handled)."""
+        return {**self._stats, **self._ring.counters(), "ring_in_use": self._ring.in_use()}
+
+    @property
+    def hold_last_step(self) -> bool:
+        """Under async scheduling a request may run one step past its stop token: the drain holds each
+        stream's newest step until the next one (or the end, which says the final length) to trim it."""
+        return self._hold_last_step
+
+    @hold_last_step.setter
+    def hold_last_step(self, value: bool) -> None:
+        self._hold_last_step = bool(value)
+        self._enqueue(("config", {"hold_last_step": self._hold_last_step}))
 
     # ---------------------------------------------------------------- request lifecycle (engine thread)
     @_locked
@@ -354,16 +366,17 @@ class ProducerRuntime:
         self.requests[engine_id] = req
         if spec.steer:
             self._set_steering(req, spec.steer, 1 if spec.steer else 0)
+        # producer id and epoch are the publisher's: the drain stamps them
         start = StreamStart(
-            request_id=stream_id, producer_id=self.producer_id, epoch=self.epoch, engine_request_id=engine_id,
+            request_id=stream_id, producer_id="", epoch=0, engine_request_id=engine_id,
             model=self.model_name, tokenizer=self.tokenizer, tp_rank=self.tp_rank, tp_size=self.tp_size,
             dp_rank=self.dp_rank, num_layers=self.geo.num_layers, hidden_size=self.geo.hidden_size,
             num_heads=self.geo.num_heads, num_kv_heads=self.geo.num_kv_heads, head_dim=self.geo.head_dim,
             dtype=str(self.dtype).removeprefix("torch."), capture=spec.capture_wire(),
-            steering=[o.to_wire() for o in spec.steer], capture_after_steering=True,
+            steering=[o.to_wire(compact=True) for o in spec.steer], capture_after_steering=True,
             prompt_token_ids=list(prompt_token_ids), tags=spec.tags, time_ns=time.time_ns(),
             control_id=self.control_id)
-        self._enqueue(("msg", engine_id, start, req))
+        self._enqueue(("start", engine_id, start, {"prompt_len": req.prompt_len, "qk_heads": spec.qk_heads}))
 
     @_locked
     def finish_request(self, engine_id: str, reason: str, num_tokens: int | None = None) -> None:
@@ -375,7 +388,8 @@ class ProducerRuntime:
             return
         if self.steering is not None:
             self._release_steering(req)
-        self._enqueue(("end", engine_id, req, reason, num_tokens))
+        self._enqueue(("end", engine_id, reason, num_tokens,
+                       {"frames_dropped": req.frames_dropped, "drops": dict(req.drops), "uncaptured": req.uncaptured}))
 
     @_locked
     def update_steering(self, engine_id: str, ops: tuple, version: int) -> None:
@@ -420,23 +434,26 @@ class ProducerRuntime:
         n = batch.num_tokens
         hs, qk = _KindRouting(), _KindRouting()  # kinds 0 and 1 of _Request.capture_kinds
         host_steer = None
-        fast_steer: list = []
+        fast_rows: list = []  # decode steering: each request's token row and its cached (layers, ops, slots)
+        fast_ops: list = []
+        qs, computed = batch.query_start.tolist(), batch.num_computed.tolist()  # Python ints: cheap to index
+        requests, steering = self.requests, self.steering is not None
         for i, eid in enumerate(batch.req_ids):
-            req = self.requests.get(eid)
+            req = requests.get(eid)
             if req is None:
                 continue
-            if req.pending_steer is not None and self.steering is not None:
+            if req.pending_steer is not None and steering:
                 ops, version = req.pending_steer
                 req.pending_steer = None
                 self._set_steering(req, ops, version)
-            a, b = int(batch.query_start[i]), int(batch.query_start[i + 1])
+            a, b = qs[i], qs[i + 1]
             if b <= a:
                 continue
-            first = int(batch.num_computed[i])
+            first = computed[i]
             spec, plen = req.spec, req.prompt_len
             decode = b - a == 1 and req.first_computed is not None
             if decode:  # one token: scalar tests (the numpy path costs ~25 us per request)
-                positions, one_row, one_pos = None, np.array((a,)), np.array((first,))
+                positions = None
             else:
                 positions = np.arange(first, first + (b - a))
                 if req.first_computed is None:
@@ -449,24 +466,24 @@ class ProducerRuntime:
                 if decode:
                     if first < next_pos or not _hits(mode, first, plen):
                         continue
-                    token_rows, picked = one_row, one_pos
+                    token_rows, picked, last = a, first, first
                 else:
                     sel = self._select(positions, mode, plen, next_pos)
                     if not sel.size:
                         continue
                     token_rows, picked = a + sel, positions[sel]
-                if routing.claim(eid, layers, token_rows, picked, self._tokens(batch, token_rows),
-                                 self.cfg.aperture_rows):
-                    req.next_pos[kind] = int(picked[-1]) + 1
+                    last = int(picked[-1])
+                if routing.claim(eid, layers, token_rows, picked, req.steer_version, self.cfg.aperture_rows):
+                    req.next_pos[kind] = last + 1
                 else:
                     self._drop_now(req, batch.step, "aperture_full")
             if not req.slots_by_layer:
                 continue
             if decode:
-                layers, ms, slots, in_prompt, in_gen = self._steer_rows(req)
-                keep = in_prompt if first < plen else in_gen
-                if keep.any():
-                    fast_steer.append((layers[keep], np.full(int(keep.sum()), a), ms[keep], slots[keep]))
+                ops = self._steer_rows(req)[0 if first < plen else 1]
+                if ops is not None:
+                    fast_rows.append(a)
+                    fast_ops.append(ops)
                 continue
             if host_steer is None:
                 host_steer = np.full((self.geo.num_layers, max(n, self._dirty_steer_rows),
@@ -475,11 +492,12 @@ class ProducerRuntime:
                 for m, (slot, op) in enumerate(entries[: self.cfg.max_ops_per_layer]):
                     sel = self._select(positions, op.positions, plen, 0)
                     host_steer[layer, a + sel, m] = slot
-        if fast_steer:
+        if fast_ops:
             if host_steer is None:
                 host_steer = np.full((self.geo.num_layers, max(n, self._dirty_steer_rows),
                                       self.cfg.max_ops_per_layer), -1, np.int32)
-            layers, token_rows, ms, slots = (np.concatenate(x) for x in zip(*fast_steer))
+            layers, ms, slots = (np.concatenate(x) for x in zip(*fast_ops))
+            token_rows = np.repeat(np.asarray(fast_rows, np.int64), [len(o[0]) for o in fast_ops])
             host_steer[layers, token_rows, ms] = slots
         self._write_route(st.hs_route, hs.host_route(self.geo.num_layers, max(n, self._dirty_rows), st.sentinel),
                           "_dirty_rows", n)
@@ -488,32 +506,24 @@ class ProducerRuntime:
                                                          st.sentinel), "_dirty_rows_qk", n)
         if self.steering is not None:
             self._write_route(st.steer_slots, host_steer, "_dirty_steer_rows", n)
-        hs_segments, qk_segments, hs_next_row, qk_next_row = hs.segments, qk.segments, hs.next_row, qk.next_row
-        for seg in hs_segments + qk_segments:  # recorded now: the drain thread runs behind the engine
-            seg.steer_version = self.requests[seg.engine_id].steer_version
-        self._step_segments = (batch.step, hs_segments, hs_next_row, qk_segments, qk_next_row)
-        self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else None
+        self._step_segments = (batch.step, hs, qk) if hs.next_row or qk.next_row else None
+        self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else batch.token_ids[:n]
 
     def _steer_rows(self, req: _Request) -> tuple:
-        """The request's routed steering ops as arrays (cached until its ops change)."""
+        """The request's routed steering ops as ``(layers, op index, slots)`` arrays for a decode step in the
+        prompt and in the generated part (None: no op applies there); cached until its ops change."""
         if req.steer_rows is None:
-            layers, ms, slots, in_prompt, in_gen = [], [], [], [], []
-            for layer, entries in req.slots_by_layer.items():
-                for m, (slot, op) in enumerate(entries[: self.cfg.max_ops_per_layer]):
-                    layers.append(layer)
-                    ms.append(m)
-                    slots.append(slot)
-                    in_prompt.append(op.positions in ("all", "prompt"))
-                    in_gen.append(op.positions in ("all", "generated"))
-            req.steer_rows = (np.asarray(layers, np.int64), np.asarray(ms, np.int64), np.asarray(slots, np.int32),
-                              np.asarray(in_prompt, bool), np.asarray(in_gen, bool))
-        return req.steer_rows
+            entries = [(layer, m, slot, op.positions) for layer, es in req.slots_by_layer.items()
+                       for m, (slot, op) in enumerate(es[: self.cfg.max_ops_per_layer])]
 
-    @staticmethod
-    def _tokens(batch: StepBatch, token_rows: np.ndarray) -> tuple:
-        if batch.token_ids is None:
-            return None, token_rows
-        return batch.token_ids[token_rows], None
+            def arrays(modes):
+                picked = [e for e in entries if e[3] in modes]
+                if not picked:
+                    return None
+                return (np.asarray([e[0] for e in picked], np.int64), np.asarray([e[1] for e in picked], np.int64),
+                        np.asarray([e[2] for e in picked], np.int32))
+            req.steer_rows = (arrays(("all", "prompt")), arrays(("all", "generated")))
+        return req.steer_rows
 
     def reset_routes(self) -> None:
         """Route every token row to the sentinel again (before a dummy/profile forward)."""
@@ -546,7 +556,12 @@ class ProducerRuntime:
             if dirty:
                 route[:, :dirty].fill_(fill)
                 setattr(self, dirty_attr, 0)
+            self._uploaded.pop(dirty_attr, None)
             return
+        last = self._uploaded.get(dirty_attr)
+        if last is not None and last.shape == host.shape and np.array_equal(last, host):
+            return  # steady decode: the device already holds exactly this route (only kernels read it)
+        self._uploaded[dirty_attr] = host
         width = host.shape[1]
         if self.device.type == "cuda":
             src = self._staging.stage(dirty_attr, host)
@@ -558,255 +573,139 @@ class ProducerRuntime:
         setattr(self, dirty_attr, width)
 
     def end_step(self) -> None:
-        """Queue the copy of this step's used aperture rows to host memory; never waits for it."""
+        """Queue the copy of this step's used aperture rows into the host ring; never waits for it."""
         seg = self._step_segments
         self._step_segments = None
+        step_tokens, self._step_tokens = self._step_tokens, None
         if seg is None:
             return
-        step, hs_segments, hs_rows, qk_segments, qk_rows = seg
-        step_tokens, self._step_tokens = self._step_tokens, None
-        if not hs_segments and not qk_segments:
-            return
-        self.stats["steps"] += 1
+        step, hs, qk = seg
+        self._stats["steps"] += 1
         st = self.state
-        parts = []
         # Only the layers someone captured this step travel to the host (one layer of 32 = 1/32 the bytes).
-        hs_layers = sorted(set().union(*(sg.layers for sg in hs_segments)))
-        qk_layers = sorted(set().union(*(sg.layers for sg in qk_segments)))
-        layer_index = {"hs": {l: j for j, l in enumerate(hs_layers)},
-                       "q": {l: j for j, l in enumerate(qk_layers)}, "k": {l: j for j, l in enumerate(qk_layers)}}
-        if hs_rows:
-            parts.append(("hs", st.hs_aperture, hs_rows, hs_layers))
-        if qk_rows:
-            parts.append(("q", st.q_aperture, qk_rows, qk_layers))
-            parts.append(("k", st.k_aperture, qk_rows, qk_layers))
-        host: dict[str, torch.Tensor] = {}
-        for name, ap, rows, layers in parts:
-            buf = self._ring.alloc((len(layers), rows, ap.shape[2]), ap.dtype)
-            if buf is None:
-                for t in host.values():
-                    self._ring.free(t)
-                for s in hs_segments + qk_segments:
-                    req = self.requests.get(s.engine_id)
-                    if req is not None:
-                        self._drop_now(req, step, "host_ring_full")
-                return
-            host[name] = buf
-        if step_tokens is not None and step_tokens[0] is not None and step_tokens[1]:
-            tok_src, ntok = step_tokens
-            buf = self._ring.alloc((ntok,), tok_src.dtype)
-            if buf is not None:
-                host["tok"] = buf
-                parts.append(("tok", tok_src, ntok, None))
+        hs_seg, qk_seg = hs.segments(), qk.segments()
+        hs_layers = tuple(sorted(set().union(*hs_seg.layer_sets)))
+        qk_layers = tuple(sorted(set().union(*qk_seg.layer_sets)))
+        parts = []  # (name, aperture, rows, layers): all of one step go in one ring chunk
+        if hs.next_row and self.tp_rank == 0:  # hidden states are replicated: rank 0 carries them
+            parts.append(("hs", st.hs_aperture, hs.next_row, hs_layers))
+        if qk.next_row:
+            parts.append(("q", st.q_aperture, qk.next_row, qk_layers))
+            parts.append(("k", st.k_aperture, qk.next_row, qk_layers))
+        device_tokens = isinstance(step_tokens, tuple) and step_tokens[0] is not None and step_tokens[1]
+        if device_tokens:
+            parts.append(("tok", step_tokens[0], step_tokens[1], None))
+        sizes = [rows * (len(layers) * ap.shape[2] if layers is not None else 1) * ap.element_size()
+                 for _, ap, rows, layers in parts]
+        aligned = [-(-s // 64) * 64 for s in sizes]
+        got = self._ring.alloc(sum(aligned))
+        if got is None:
+            for eid in dict.fromkeys(hs_seg.eids + qk_seg.eids):
+                req = self.requests.get(eid)
+                if req is not None:
+                    self._drop_now(req, step, "host_ring_full")
+            return
+        offset, mark = got
+        host, meta = [], {}
+        token_ids = step_tokens if isinstance(step_tokens, np.ndarray) else None
+        for (name, ap, rows, layers), size, room in zip(parts, sizes, aligned):
+            view = self._ring_bytes[offset:offset + size].view(ap.dtype)
+            if layers is None:  # the step's input token ids (V2 keeps them on the device)
+                token_ids = ("ring", offset, rows, str(ap.dtype).removeprefix("torch."))
+                host.append((view, ap[:rows]))
+            else:
+                view = view.view(len(layers), rows, ap.shape[2])
+                meta[name] = (offset, layers, rows, ap.shape[2] * ap.element_size())
+                if len(layers) == ap.shape[0]:  # every layer: one strided copy
+                    host.append((view, ap[:, :rows]))
+                else:
+                    host.extend((view[j], ap[layer, :rows]) for j, layer in enumerate(layers))
+            offset += room
         event = None
         if self._copy_stream is not None:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
-                self._copy_parts(parts, host, non_blocking=True)
+                for dst, src in host:
+                    dst.copy_(src, non_blocking=True)
                 event = torch.cuda.Event()
                 event.record(self._copy_stream)
             self._last_copy_done = event  # the next begin_step orders the next forward after it
         else:
-            self._copy_parts(parts, host, non_blocking=False)
+            for dst, src in host:
+                dst.copy_(src)
         # time_ns of the step's frames = when the step's forward was enqueued (step end on the engine thread)
-        self._enqueue(("step", step, hs_segments, qk_segments, host, event, time.time_ns(), layer_index))
-
-    @staticmethod
-    def _copy_parts(parts, host, non_blocking: bool) -> None:
-        for name, ap, rows, layers in parts:
-            if layers is None:  # token ids
-                host[name].copy_(ap[:rows], non_blocking=non_blocking)
-            elif len(layers) == ap.shape[0]:  # every layer: one strided copy
-                host[name].copy_(ap[:, :rows], non_blocking=non_blocking)
-            else:
-                for j, layer in enumerate(layers):
-                    host[name][j].copy_(ap[layer, :rows], non_blocking=non_blocking)
+        item = StepItem(step=step, time_ns=time.time_ns(), mark=mark, parts=meta, hs=hs_seg, qk=qk_seg,
+                        token_ids=token_ids)
+        self._enqueue(("step", item), event)
 
     def on_sampled(self, step: int, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """One item per step: the drain turns it into a TokenFrame per streamed request."""
         if self.tp_rank != 0:
             return
-        for eid, toks in zip(req_ids, sampled):
-            req = self.requests.get(eid)
-            if req is None or not toks:
-                continue
-            first = req.prompt_len + req.generated
-            req.generated += len(toks)
-            self._enqueue(("tokens", eid, step, list(map(int, toks)), list(range(first, first + len(toks)))))
+        reqs = self.requests
+        eids, toks = [], []
+        for eid, t in zip(req_ids, sampled):
+            if eid in reqs and len(t):
+                eids.append(eid)
+                toks.append(t if type(t) is list else [int(x) for x in t])
+        if eids:
+            self._enqueue(("tokens", step, eids, toks))
 
     def _drop_now(self, req: _Request, step: int, reason: str) -> None:
         req.frames_dropped += 1
         req.drops[reason] = req.drops.get(reason, 0) + 1
-        self.stats["dropped_frames"] += 1
-        self._enqueue(("gap", req.engine_id, req.stream_id, reason, step))
+        self._stats["dropped_frames"] += 1
+        self._enqueue(("gap", req.engine_id, reason, step))
 
-    def _enqueue(self, item: tuple) -> None:
+    def _enqueue(self, item: tuple, event=None) -> None:
         try:
-            self._queue.put_nowait(item)
+            self._queue.put_nowait((item, event))
         except queue.Full:
-            self.stats["dropped_frames"] += 1
-            logger.warning("mia_stream: publish queue full; dropped a %s message", item[0])
+            self._stats["dropped_frames"] += 1
+            # a dropped step's ring chunk is released with the next step the drain handles (marks only grow)
+            logger.warning("mia_stream: drain queue full; dropped a %s item", item[0])
 
-    # ---------------------------------------------------------------- drain thread
-    def _next_seq(self, stream_id: str) -> int:
-        self._seq[stream_id] = self._seq.get(stream_id, 0) + 1
-        return self._publisher.next_seq(stream_id)
-
-    def _publish(self, msg) -> None:
-        try:
-            self._publisher.publish(msg)
-        except Exception:  # the bus must never take the engine down
-            logger.exception("mia_stream: publish failed")
-
-    def _emit(self, eid: str, msg, step: int) -> None:
-        """Publish a stream message now, or (async scheduling) hold it until its step is known to be valid.
-
-        Seqs are stamped at publication, so trimming a held message never leaves a hole in the stream.
-        """
-        if not self.hold_last_step:
-            self._stamp_and_publish(msg)
-            return
-        held = self._held.setdefault(eid, [])
-        if held and held[-1][0] != step:
-            for _, m in held:
-                self._stamp_and_publish(m)
-            held.clear()
-        held.append((step, msg))
-
-    def _stamp_and_publish(self, msg) -> None:
-        if isinstance(msg, GapNotice):
-            s = self._next_seq(msg.request_id)
-            msg.missing = [[s, s]]
-        else:
-            msg.seq = self._next_seq(msg.request_id)
-        self._publish(msg)
-
-    def _flush_held(self, eid: str, num_tokens: int | None) -> None:
-        for _, m in self._held.pop(eid, []):
-            if num_tokens is not None:
-                if isinstance(m, TensorFrame) and m.positions and m.positions[0] >= num_tokens - 1:
-                    continue  # computed one step past the stop token (async scheduling): never valid
-                if isinstance(m, TokenFrame) and m.positions and m.positions[0] >= num_tokens:
-                    continue  # a token sampled after the request had already stopped
-            self._stamp_and_publish(m)
-
-    def _drain_loop(self) -> None:
-        streams: dict[str, _Request] = {}
+    # ---------------------------------------------------------------- forwarder thread
+    def _forward_loop(self) -> None:
+        """Hand items to the drain in engine order, each step once its host copy has landed."""
+        broken = False
         while True:
-            item = self._queue.get()
-            if item is None:
+            got = self._queue.get()
+            if got is None:
                 return
-            kind = item[0]
+            item, event = got
+            if event is not None:
+                event.synchronize()  # releases the GIL; only this thread waits
+            if broken:
+                self._stats["items_lost"] += 1
+                continue
             try:
-                if kind == "msg":
-                    # The request object travels with its start: by the time this thread gets here the engine
-                    # may have finished it already (the drain runs behind), and its frames must still go out.
-                    _, eid, msg, req = item
-                    streams[eid] = req
-                    self._stamp_and_publish(msg)
-                elif kind == "step":
-                    self._drain_step(streams, *item[1:])
-                elif kind == "tokens":
-                    _, eid, step, toks, positions = item
-                    req = streams.get(eid)
-                    if req is not None:
-                        self._emit(eid, TokenFrame(request_id=req.stream_id, producer_id=self.producer_id,
-                                                   epoch=self.epoch, seq=0, step=step, token_ids=toks,
-                                                   positions=positions, time_ns=time.time_ns()), step)
-                elif kind == "gap":
-                    _, eid, sid, reason, step = item
-                    self._emit(eid, GapNotice(request_id=sid, producer_id=self.producer_id, epoch=self.epoch,
-                                              missing=[], reason=reason, origin="producer",
-                                              time_ns=time.time_ns()), step)
-                elif kind == "end":
-                    _, eid, req, reason, num_tokens = item
-                    self._flush_held(eid, num_tokens)
-                    streams.pop(eid, None)
-                    sid = req.stream_id
-                    generated = req.generated if num_tokens is None else min(req.generated, num_tokens - req.prompt_len)
-                    self._publish(StreamEnd(
-                        request_id=sid, producer_id=self.producer_id, epoch=self.epoch, seq=self._next_seq(sid),
-                        finish_reason=reason, num_prompt_tokens=req.prompt_len,
-                        num_generated_tokens=generated, frames_sent=self._seq.get(sid, 0),
-                        frames_dropped=req.frames_dropped, drops=dict(req.drops),
-                        uncaptured_positions=req.uncaptured, time_ns=time.time_ns()))
-                    self._seq.pop(sid, None)
+                self._sink(item)
+                self._items_sent += 1
+            except SidecarError as e:
+                broken = True
+                self._stats["items_lost"] += 1
+                logger.error("mia_stream: %s; nothing more is published from this producer "
+                             "(the broker ends its streams as producer_lost)", e)
             except Exception:
-                logger.exception("mia_stream: drain failed on a %s item", kind)
+                self._stats["items_lost"] += 1
+                logger.exception("mia_stream: forwarding a %s item failed", item[0])
 
-    def _drain_step(self, streams, step, hs_segments, qk_segments, host, event, step_end_ns=None,
-                    layer_index=None) -> None:
-        if event is not None:
-            event.synchronize()  # only this thread waits; the engine has moved on
-        tok = host.get("tok")
-        if tok is not None or any(s.token_ids is None for s in hs_segments + qk_segments):
-            ids = tok.numpy() if tok is not None else None
-            for s in hs_segments + qk_segments:
-                if s.token_ids is None:
-                    s.token_ids = ids[s.token_rows] if ids is not None else np.full(len(s.positions), -1)
-        try:
-            per_req: dict[str, dict] = {}
-            # Every rank publishes a frame for every captured step (the SDK merges per step over all
-            # ranks); hidden states are replicated across TP ranks, so only rank 0 carries them.
-            wire = str(self.dtype).removeprefix("torch.")
-            item = torch.empty((), dtype=self.dtype).element_size()
-            hs = _host_bytes(host["hs"]) if "hs" in host else None
-            for s in hs_segments:
-                req = streams.get(s.engine_id)
-                if req is None:
-                    continue
-                entry = per_req.setdefault(s.engine_id, _frame_entry(s, part=0))
-                if self.tp_rank == 0:
-                    rows = _rows(hs, layer_index["hs"], s.layers, s.row0, len(s.positions))
-                    entry["tensors"].append(_tensor("hs", rows, wire, item, s.layers))
-            qk_host = {n: _host_bytes(host[n]) for n in ("q", "k") if n in host}
-            for s in qk_segments:
-                req = streams.get(s.engine_id)
-                if req is None:
-                    continue
-                entry = per_req.setdefault(s.engine_id, _frame_entry(s, part=0))
-                if not np.array_equal(entry["positions"], s.positions):
-                    # hs and q/k cover different positions: q/k go in a frame of their own
-                    entry = per_req.setdefault(s.engine_id + "\x00qk", _frame_entry(s, part=1))
-                entry["tensors"].extend(self._qk_tensors(req, qk_host, s, layer_index, wire, item))
-            for key, entry in per_req.items():
-                req = streams.get(entry["engine_id"])
-                if req is None:
-                    continue
-                frame = TensorFrame(request_id=req.stream_id, producer_id=self.producer_id, epoch=self.epoch,
-                                    seq=0, step=step,
-                                    positions=[int(p) for p in entry["positions"]],
-                                    token_ids=[int(t) for t in entry["token_ids"]], tensors=entry["tensors"],
-                                    steering_version=entry["steer_version"], time_ns=step_end_ns or time.time_ns(),
-                                    part=entry["part"])
-                self.stats["frames"] += 1
-                self.stats["bytes"] += sum(t.nbytes for t in frame.tensors)
-                self._emit(entry["engine_id"], frame, step)
-        finally:
-            for t in host.values():
-                self._ring.free(t)
+    def wait_drained(self, timeout: float = 10.0) -> bool:
+        """Wait until the drain has handled everything queued so far (tests and benchmarks)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._queue.empty() and self._ring.counters()["handled"] >= self._items_sent:
+                return True
+            time.sleep(0.005)
+        return False
 
-    def _qk_tensors(self, req: _Request, host: dict, s: _Segment, layer_index: dict, wire: str,
-                    item: int) -> list[Tensor]:
-        geo, D = self.geo, self.geo.head_dim
-        layers = list(s.layers)
-        n = len(s.positions)
-        out = []
-        heads = np.asarray(req.spec.qk_heads)
-        group = geo.num_heads // geo.num_kv_heads
-        kv_heads = np.unique(heads // group)
-        for name, wanted, local in (("q", heads, self.local_heads), ("k", kv_heads, self.local_kv_heads)):
-            lo, hi = self.tp_rank * local, (self.tp_rank + 1) * local
-            mine = np.nonzero((wanted >= lo) & (wanted < hi))[0]
-            rows = _rows(host[name], layer_index[name], s.layers, s.row0, n).reshape(len(layers), n, local, D * item)
-            data = rows if mine.size == local else np.ascontiguousarray(rows[:, :, wanted[mine] - lo])
-            shard = None
-            if self.tp_size > 1:
-                start = int(mine[0]) if mine.size else int(np.searchsorted(wanted, lo))
-                shard = Shard(self.tp_rank, self.tp_size, 2, start, start + int(mine.size), int(wanted.size))
-            out.append(_tensor(name, data, wire, item, layers, shard=shard,
-                               meta={"heads": [int(h) for h in wanted[mine]]}))
-        return out
-
-    def close(self) -> None:
+    def close(self, timeout: float = 10.0) -> None:
+        """Forward what is queued, then stop the drain (the sidecar publishes the rest and exits)."""
+        if self._forwarder is None:
+            return
         self._queue.put(None)
-        self._drain.join(timeout=5)
+        self._forwarder.join(timeout)
+        self._forwarder = None
+        if self._sidecar is not None:
+            self._sidecar.close(timeout)

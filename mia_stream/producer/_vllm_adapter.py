@@ -15,6 +15,7 @@ API-server process never imports runner code it would not import anyway. Three p
 
 from __future__ import annotations
 
+import copy
 import importlib.abc
 import importlib.util
 import logging
@@ -134,10 +135,15 @@ def _patch_input_processor(module) -> None:
             spec = parse_spec(raw, geometry_of(self.model_config))
         except SpecError as e:
             raise ValueError(f"mia_stream: {e}") from e
+        # vLLM deep-copies the params: hand it the normalized spec (vectors as float32 bytes), not the caller's
+        # float lists (a deepcopy of 32 ops x 4096 floats took tens of ms per request), and never touch the
+        # caller's object (it may be shared by several prompts)
+        wire = spec.to_wire()
+        params = copy.copy(params)
+        params.extra_args = dict(params.extra_args or {}, **{SPEC_KEY: wire})
         request = orig(self, request_id, prompt, params, *args, **kwargs)
         sp = request.sampling_params
-        wire = spec.to_wire()
-        wire["id"] = spec.stream_id or str(request_id)
+        wire = dict(wire, id=spec.stream_id or str(request_id))
         sp.extra_args = dict(sp.extra_args or {}, **{SPEC_KEY: wire})
         if spec.needs_every_prompt_token:
             sp.skip_reading_prefix_cache = True
@@ -165,7 +171,7 @@ class _EngineControl:
         self._commands: list = []
         self.streams: dict[str, str] = {}  # stream id -> engine request id
         self.ops: dict[str, tuple] = {}  # engine request id -> (ops, version)
-        self.aborts: set[str] = set()
+        self.aborts = _ABORTING  # engine request ids to stop at their next step (one set per process)
         self.publisher = make_publisher(self.control_id, on_command=self._on_command)
 
     def _on_command(self, cmd) -> None:
@@ -206,7 +212,7 @@ class _EngineControl:
                     if err is None:
                         version += 1
                         self.ops[eid] = (ops, version)
-                        updates.append((eid, [o.to_wire() for o in ops], version))
+                        updates.append((eid, [o.to_wire(compact=True) for o in ops], version))
             self.publisher.ack(SteeringAck(
                 command_id=cmd.command_id, request_id=cmd.request_id, ok=err is None,
                 applied_step=None if err else step, steering_version=version, error=err,
@@ -270,14 +276,12 @@ def _patch_scheduler(module) -> None:
         out._mia_control = ctl.take(self, step) if ctl is not None else []
         return out
 
-    def check_stop(request, *args, **kwargs):
-        for sched in _SCHEDULERS:
-            ctl = getattr(sched, "_mia_control", None)
-            if ctl is not None and request.request_id in ctl.aborts:
-                from vllm.v1.request import RequestStatus
+    def check_stop(request, *args, **kwargs):  # called per request per step: one set lookup at most
+        if _ABORTING and request.request_id in _ABORTING:
+            from vllm.v1.request import RequestStatus
 
-                request.status = RequestStatus.FINISHED_ABORTED
-                return True
+            request.status = RequestStatus.FINISHED_ABORTED
+            return True
         return orig_check_stop(request, *args, **kwargs)
 
     orig_init = cls.__init__
@@ -293,6 +297,7 @@ def _patch_scheduler(module) -> None:
 
 
 _SCHEDULERS: list = []
+_ABORTING: set = set()
 _LOCAL_RUNTIMES: list = []  # the producer runtimes of the workers living in this process
 
 
@@ -377,7 +382,6 @@ def _attach(runner, model) -> None:
 
     from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
     from mia_stream.producer._runtime import ProducerRuntime
-    from mia_stream.producer.plugin import make_publisher
 
     vcfg = runner.vllm_config
     if vcfg.parallel_config.pipeline_parallel_size > 1:
@@ -391,7 +395,7 @@ def _attach(runner, model) -> None:
         dtype=vcfg.model_config.dtype, device=torch.device(runner.device),
         max_tokens=int(getattr(runner, "max_num_tokens", vcfg.scheduler_config.max_num_batched_tokens)),
         tp_rank=tp_rank, tp_size=tp_size, dp_rank=dp_rank,
-        publisher=make_publisher(producer_id), control_id=_engine_control_id(vcfg))
+        producer_id=producer_id, control_id=_engine_control_id(vcfg))
     state = runtime.state
     state.has_steering = runtime.steering is not None
     layers = _find_decoder_layers(model, geo.num_layers)

@@ -16,6 +16,7 @@ never fed back) and ``last_prompt`` is the row whose logits chose the first gene
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import math
@@ -50,20 +51,32 @@ class ModelGeometry:
 class SteerOp:
     layer: int
     op: str
-    vector: tuple[float, ...]  # float32 values; unit-normalized for cap/ablate
+    vector: bytes  # float32 little-endian, hidden_size values; unit-normalized for cap/ablate
     scale: float = 1.0
     threshold: float = 0.0
     positions: str = "all"
 
-    def key(self) -> str:
-        """Content hash: requests with equal ops share a steering-table slot (and a cache salt)."""
+    @property
+    def array(self) -> np.ndarray:
+        """The vector as a read-only float32 array (a view of ``vector``)."""
+        return np.frombuffer(self.vector, dtype="<f4")
+
+    @functools.cached_property
+    def _key(self) -> str:
         h = hashlib.blake2b(digest_size=12)
         h.update(f"{self.layer}|{self.op}|{self.scale!r}|{self.threshold!r}|{self.positions}".encode())
-        h.update(np.asarray(self.vector, dtype=np.float32).tobytes())
+        h.update(self.vector)
         return h.hexdigest()
 
-    def to_wire(self) -> dict:
-        return {"layer": self.layer, "op": self.op, "vector": list(self.vector), "scale": self.scale,
+    def key(self) -> str:
+        """Content hash: requests with equal ops share a steering-table slot (and a cache salt)."""
+        return self._key
+
+    def to_wire(self, compact: bool = False) -> dict:
+        """The op in steering-spec format; ``compact`` carries the vector as ``{"f32": bytes}`` (what the
+        frontend hands the engine: parsing 4096 floats per op per request was the engine's bottleneck)."""
+        vector = {"f32": self.vector} if compact else self.array.tolist()
+        return {"layer": self.layer, "op": self.op, "vector": vector, "scale": self.scale,
                 "threshold": self.threshold, "positions": self.positions}
 
 
@@ -106,9 +119,10 @@ class RequestSpec:
                          "positions": self.qk_positions}
         return out
 
-    def to_wire(self) -> dict:
-        """The normalized spec as plain data (what the frontend puts back into extra_args)."""
-        return {"capture": self.capture_wire(), "steer": [o.to_wire() for o in self.steer],
+    def to_wire(self, compact: bool = True) -> dict:
+        """The normalized spec as plain data (what the frontend puts back into extra_args; steering vectors as
+        float32 bytes unless ``compact=False``)."""
+        return {"capture": self.capture_wire(), "steer": [o.to_wire(compact) for o in self.steer],
                 "tags": self.tags, "id": self.stream_id, "_normalized": True}
 
 
@@ -210,7 +224,12 @@ def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> SteerOp
     if kind not in STEER_OPS:
         _fail(SteeringSpecError, path + "['op']", f"must be one of {list(STEER_OPS)}, got {kind!r}")
     vec = op.get("vector")
-    if isinstance(vec, dict):
+    if isinstance(vec, dict) and set(vec) == {"f32"}:  # the normalized form: float32 little-endian bytes
+        if not isinstance(vec["f32"], (bytes, bytearray, memoryview)) or len(vec["f32"]) != 4 * geo.hidden_size:
+            _fail(SteeringSpecError, path + "['vector']",
+                  f"{{'f32': bytes}} must hold {geo.hidden_size} float32 values ({4 * geo.hidden_size} bytes)")
+        arr = np.frombuffer(bytes(vec["f32"]), dtype="<f4").astype(np.float64)
+    elif isinstance(vec, dict):
         if set(vec) != {"name"} or not isinstance(vec["name"], str):
             _fail(SteeringSpecError, path + "['vector']", "a named vector is {'name': NAME}")
         if resolve_vector is None:
@@ -220,13 +239,19 @@ def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> SteerOp
         except KeyError:
             _fail(SteeringSpecError, path + "['vector']",
                   f"no registered vector named {vec['name']!r} (register it with `mia-stream vectors add`)")
-    elif isinstance(vec, (list, tuple)):
-        if not all(isinstance(x, (int, float)) and not isinstance(x, bool) for x in vec):
+    elif isinstance(vec, (list, tuple, np.ndarray)):
+        try:
+            raw = np.asarray(vec)
+        except (ValueError, TypeError):
+            raw = np.asarray([None])
+        if raw.dtype.kind not in "iuf":  # bools, strings, nested or mixed lists
             _fail(SteeringSpecError, path + "['vector']", "must be a list of numbers")
-        arr = np.asarray(vec, dtype=np.float64)
+        arr = raw.astype(np.float64)
     else:
         _fail(SteeringSpecError, path + "['vector']", f"must be a list of floats or {{'name': NAME}}, got {vec!r}")
-    if arr.ndim != 1 or arr.shape[0] != geo.hidden_size:
+    if arr.ndim != 1:
+        _fail(SteeringSpecError, path + "['vector']", "must be a flat list of numbers")
+    if arr.shape[0] != geo.hidden_size:
         _fail(SteeringSpecError, path + "['vector']",
               f"has length {arr.size}; the model's hidden size is {geo.hidden_size}")
     if not np.all(np.isfinite(arr)):
@@ -241,5 +266,5 @@ def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> SteerOp
             _fail(SteeringSpecError, path + "['vector']", f"a '{kind}' direction must be non-zero")
         arr = arr / norm
     positions = _positions(op.get("positions", "all"), path + "['positions']", STEER_POSITIONS, SteeringSpecError)
-    return SteerOp(layer, kind, tuple(float(x) for x in arr.astype(np.float32)), float(scale),
+    return SteerOp(layer, kind, arr.astype("<f4").tobytes(), float(scale),
                    float(threshold), positions)

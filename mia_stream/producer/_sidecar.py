@@ -1,0 +1,131 @@
+"""The drain sidecar: one process per producer (worker rank) that builds and publishes its stream messages.
+
+Why a process: building and encoding a frame per request per step is Python; in the engine process it holds
+the GIL that vLLM's own engine loop needs (on the H200, 256 decoding requests with one captured layer ran at
+0.22-0.37 of plain vLLM). Here the engine process sends one pickled item per step (columnar, see
+``_drain``) through a pipe, and the captured rows stay in the shared host ring.
+
+Lifecycle: ``DrainSidecar.start(ring, config, producer_id)`` spawns ``python -m mia_stream.producer._sidecar``
+(a fresh interpreter: no re-import of the user's main module, no torch) with the ring's and the pipe's
+descriptors; ``send(item)`` writes one item; ``close()`` closes the pipe, which the sidecar takes as "flush
+what you have and exit". The sidecar also exits when the engine process dies (its parent changes).
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import logging
+import os
+import pickle
+import subprocess
+import sys
+import time
+from multiprocessing.connection import Connection
+
+logger = logging.getLogger("mia_stream.producer")
+
+_F_SETPIPE_SZ = 1031
+_PIPE_BYTES = 1 << 20
+
+
+class SidecarError(RuntimeError):
+    pass
+
+
+class DrainSidecar:
+    """Engine side of the sidecar: the process handle and the write end of its pipe."""
+
+    def __init__(self, proc: subprocess.Popen, conn: Connection):
+        self.proc, self._conn = proc, conn
+        self.broken = False
+
+    @classmethod
+    def start(cls, ring, config, producer_id: str) -> "DrainSidecar":
+        read_fd, write_fd = os.pipe()
+        try:
+            fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_BYTES)  # a burst of steps never blocks the writer
+        except OSError:
+            pass
+        cmd = [sys.executable, "-m", "mia_stream.producer._sidecar", "--pipe-fd", str(read_fd),
+               "--ring-fd", str(ring.fd), "--ring-size", str(ring.size), "--parent", str(os.getpid())]
+        try:
+            proc = subprocess.Popen(cmd, pass_fds=(read_fd, ring.fd), stdin=subprocess.DEVNULL)
+        finally:
+            os.close(read_fd)
+        side = cls(proc, Connection(write_fd, readable=False))
+        side.send(("init", config, producer_id))
+        return side
+
+    def send(self, item: tuple) -> None:
+        """Write one item (blocks only while the pipe is full: call it from the forwarder thread)."""
+        if self.broken:
+            raise SidecarError("the drain sidecar is gone")
+        try:
+            self._conn.send_bytes(pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
+        except (BrokenPipeError, OSError) as e:
+            self.broken = True
+            raise SidecarError(f"the drain sidecar (pid {self.proc.pid}) is gone: exit {self.proc.poll()}") from e
+
+    def close(self, timeout: float = 10.0) -> None:
+        try:
+            self._conn.close()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            logger.warning("mia_stream: drain sidecar %d did not finish in %.0f s; killing it", self.proc.pid, timeout)
+            self.proc.kill()
+            self.proc.wait()
+
+
+# ------------------------------------------------------------------------------------------ the process
+def _serve(conn: Connection, ring, parent: int) -> None:
+    from mia_stream.producer._drain import StepDrain
+    from mia_stream.producer.plugin import make_publisher
+
+    kind, config, producer_id = pickle.loads(conn.recv_bytes())
+    if kind != "init":
+        raise SidecarError(f"the first item must be init, not {kind!r}")
+    publisher = make_publisher(producer_id)
+    drain = StepDrain(config, publisher, ring)
+    try:
+        while True:
+            if not conn.poll(1.0):
+                if os.getppid() != parent:  # the engine died without closing the pipe
+                    logger.warning("mia_stream: engine process %d is gone; drain sidecar exiting", parent)
+                    return
+                continue
+            try:
+                data = conn.recv_bytes()
+            except EOFError:  # the engine closed the pipe: everything it sent has been handled
+                return
+            drain.handle(pickle.loads(data))
+    finally:
+        publisher.close(timeout=5.0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="mia_stream producer drain sidecar (started by the vLLM plugin)")
+    ap.add_argument("--pipe-fd", type=int, required=True)
+    ap.add_argument("--ring-fd", type=int, required=True)
+    ap.add_argument("--ring-size", type=int, required=True)
+    ap.add_argument("--parent", type=int, required=True)
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s mia_stream sidecar %(levelname)s %(message)s")
+    from mia_stream.producer._host_ring import HostRing
+
+    ring = HostRing(args.ring_fd, args.ring_size)
+    conn = Connection(args.pipe_fd, writable=False)
+    t0 = time.monotonic()
+    try:
+        _serve(conn, ring, args.parent)
+    except Exception:
+        logger.exception("mia_stream: drain sidecar failed after %.1f s", time.monotonic() - t0)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
