@@ -186,7 +186,26 @@ def _worker_probe(self):
             "capability": list(torch.cuda.get_device_capability()),
             "backend_calls": {f"{k[0]}:{k[1]}": v for k, v in _dispatch.backend_calls().items()},
             "triton_targets": sorted(set(arch))[:6],
-            "runtime_stats": dict(rt.stats) if rt is not None else None}
+            "runtime_stats": dict(rt.stats) if rt is not None else None,
+            "drain": ("sidecar" if rt._sidecar is not None else "thread") if rt is not None else None,
+            "host_ring_pinned": getattr(rt, "ring_pinned", None)}
+
+
+def _start_pyspy(args, tag: str):
+    """Sample this engine process's Python stacks (every thread) while one config generates: raw collapsed
+    stacks in ``--out/pyspy-TAG.txt`` (``--pyspy`` names the py-spy binary; it travels with the checkout)."""
+    if not args.pyspy or not Path(args.pyspy).exists():
+        return None
+    import ctypes
+
+    # Yama ptrace_scope 1 lets a process trace only its descendants: allow any tracer for this process
+    ctypes.CDLL(None).prctl(0x59616D61, ctypes.c_ulong(-1), 0, 0, 0)  # PR_SET_PTRACER, PR_SET_PTRACER_ANY
+    out = Path(args.out) / f"pyspy-{tag}.txt"
+    spy = subprocess.Popen([args.pyspy, "record", "--pid", str(os.getpid()), "--duration", str(max(1, round(args.pyspy_s))),
+                            "--rate", "250", "--format", "raw", "--nonblocking", "--threads", "--idle", "-o", str(out)],
+                           stdout=subprocess.DEVNULL, stderr=open(Path(args.out) / f"pyspy-{tag}.err", "w"))
+    time.sleep(1.0)  # attach before the generation starts
+    return spy
 
 
 def _expose_entry_point(work: str) -> None:
@@ -231,6 +250,54 @@ def _gen(llm, prompts, params):
     # next SchedulerOutput), so the last streams' StreamEnd waits for one more step: run a 1-token request.
     llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=1), use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
+
+
+_REQ_COUNTER = [0]
+
+
+def _gen_timed(llm, prompts, params) -> tuple[list, float, float]:
+    """Like ``_gen``, but admission (adding every request: spec parsing, params copies) and the engine run
+    (steps until the batch is done) are timed apart: the run is what per-step overhead targets are about."""
+    from vllm import SamplingParams
+
+    eng = llm.llm_engine
+    ids = []
+    t0 = time.perf_counter()
+    for i, p in enumerate(prompts):
+        _REQ_COUNTER[0] += 1
+        rid = f"bench-{_REQ_COUNTER[0]}"
+        eng.add_request(rid, {"prompt_token_ids": p}, params[i] if isinstance(params, list) else params)
+        ids.append(rid)
+    t1 = time.perf_counter()
+    done = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    t2 = time.perf_counter()
+    llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=1), use_tqdm=False)  # see _gen
+    return [list(done[r].outputs[0].token_ids) for r in ids], t1 - t0, t2 - t1
+
+
+_HOST_MS: dict = {}
+
+
+def _time_runtime_methods() -> None:
+    """Accumulate the engine-thread time of the runtime's per-step methods (bench only: wraps the class)."""
+    from mia_stream.producer._runtime import ProducerRuntime
+
+    for name in ("begin_step", "end_step", "on_sampled", "add_request", "finish_request"):
+        orig = getattr(ProducerRuntime, name)
+
+        def timed(self, *a, _orig=orig, _name=name, **k):
+            t = time.perf_counter()
+            try:
+                return _orig(self, *a, **k)
+            finally:
+                acc = _HOST_MS.setdefault(_name, [0.0, 0])
+                acc[0] += (time.perf_counter() - t) * 1e3
+                acc[1] += 1
+        setattr(ProducerRuntime, name, timed)
 
 
 def _stack_hs(stream: dict, name: str = "hs"):
@@ -378,6 +445,7 @@ def engine_bench(args) -> dict:
         if args.tp > 1:
             _expose_entry_point(args.work)
         plugin.register()
+        _time_runtime_methods()
     model = str(Path(args.models) / "llama8b-shape")
     # room for the prefill-heavy case too (--n 32 --prompt-len 2048): prompt + generated tokens must fit
     max_len = max(2048, args.prompt_len + args.tokens + 16)
@@ -388,7 +456,8 @@ def engine_bench(args) -> dict:
     rng = np.random.default_rng(0)
     prompts = _prompts(rng, args.n, args.prompt_len, args.prompt_len, vocab=cfg["vocab_size"])
     base = dict(max_tokens=args.tokens, temperature=1.0, ignore_eos=True)
-    _gen(llm, prompts[:32], SamplingParams(max_tokens=16, ignore_eos=True))  # warm-up
+    # warm-up at full size: the first full batch pays one-time costs (allocations, lazy init) in any engine
+    _gen(llm, prompts, SamplingParams(**dict(max_tokens=args.tokens, temperature=1.0, ignore_eos=True)))
     res = {"mode": args.engine, "runs": {}}
     vec = rng.standard_normal(H).astype(np.float32)
     vec = (vec / np.linalg.norm(vec)).tolist()
@@ -423,11 +492,23 @@ def engine_bench(args) -> dict:
                 ps = [SamplingParams(**base, extra_args={"mia_stream": dict(spec, id=f"{name}{rnd}_{i}")})
                       for i in range(args.n)]
             torch.cuda.synchronize()
+            profiled = name in args.profile.split(",") and rnd == rounds - 1  # the last round: earlier ones stay clean
+            spy = _start_pyspy(args, name) if profiled else None
+            host0 = {k: list(v) for k, v in _HOST_MS.items()}
             t0 = time.perf_counter()
-            toks = _gen(llm, prompts, ps)
-            dt = time.perf_counter() - t0
+            try:
+                toks, admit_s, dt = _gen_timed(llm, prompts, ps)
+            except Exception as e:  # noqa: BLE001  (engine API drift: fall back to timing generate())
+                print(f"[bench] _gen_timed failed ({e!r}); timing llm.generate instead", flush=True)
+                toks, admit_s = _gen(llm, prompts, ps), None
+                dt = time.perf_counter() - t0
+            if spy is not None:
+                spy.wait(60)
             gen = sum(len(t) for t in toks)
-            row = {"gen_tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1)}
+            row = {"gen_tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1),
+                   "admit_s": None if admit_s is None else round(admit_s, 3),
+                   "host_ms": {k: round(v[0] - host0.get(k, [0, 0])[0], 1) for k, v in _HOST_MS.items()},
+                   "host_calls": {k: v[1] - host0.get(k, [0, 0])[1] for k, v in _HOST_MS.items()}}
             if bus is not None:
                 got = bus.collect(0 if spec is None else args.n, timeout=15)
                 lat = np.asarray(got["latency_ms"]) if got["latency_ms"] else None
@@ -441,6 +522,7 @@ def engine_bench(args) -> dict:
                             "lat_p99_ms": round(float(np.percentile(lat, 99)), 2) if lat is not None else None,
                             "broker_drops": {k: v for k, v in (got["broker"] or {}).items()
                                              if "drop" in str(k)} if isinstance(got["broker"], dict) else None})
+            row["profiled"] = profiled
             res["runs"].setdefault(name, []).append(row)
             print(f"[bench] round {rnd} {name} {row}", flush=True)
     # pinned D2H bandwidth on this host (the ceiling for drained bytes/s)
@@ -501,7 +583,9 @@ def _run_engine(mode: str, args, timeout: int) -> dict:
     env.pop("MIA_STREAM_BROKER", None)
     cmd = [sys.executable, __file__, "--engine", mode, "--models", args.models, "--out", args.out,
            "--tp", str(args.tp), "--work", args.work, "--n", str(args.n), "--tokens", str(args.tokens),
-           "--prompt-len", str(args.prompt_len), "--batched", str(args.batched), "--rounds", str(args.rounds)] + (["--only", args.only] if args.only else [])
+           "--prompt-len", str(args.prompt_len), "--batched", str(args.batched), "--rounds", str(args.rounds),
+           "--profile", args.profile, "--pyspy", args.pyspy, "--pyspy-s", str(args.pyspy_s)] + (
+               ["--only", args.only] if args.only else [])
     t0 = time.time()
     with open(log, "w") as fh:
         try:
@@ -579,6 +663,10 @@ def main() -> int:
     ap.add_argument("--batched", type=int, default=8192)
     ap.add_argument("--rounds", type=int, default=2, help="bench: passes over the configs (plain: twice that)")
     ap.add_argument("--only", default="", help="bench: comma-separated configs to run")
+    ap.add_argument("--profile", default="", help="bench: comma-separated configs to sample with py-spy")
+    ap.add_argument("--pyspy", default="", help="path of a py-spy binary for --profile")
+    ap.add_argument("--pyspy-s", type=int, default=3, help="seconds each --profile sample lasts")
+    ap.add_argument("--skip-plain", action="store_true", help="bench: only the plugin engine (profiling runs)")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -603,8 +691,9 @@ def main() -> int:
         results["hf_ref"] = _run_engine("hf_ref", args, 120)
         results["compare"] = compare_correctness(Path(args.out), results)
     if "bench" in phases:
-        results["bench_plain"] = _run_engine("bench_plain", args, 150)
-        results["bench_plugin"] = _run_engine("bench_plugin", args, 220)
+        if not args.skip_plain:
+            results["bench_plain"] = _run_engine("bench_plain", args, 200)
+        results["bench_plugin"] = _run_engine("bench_plugin", args, 420)
     (Path(args.out) / "results.json").write_text(json.dumps(_jsonable(results), indent=1))
     print_table(results)
     print(json.dumps({k: v for k, v in results.get("compare", {}).items()}), flush=True)
@@ -640,21 +729,29 @@ def print_table(results: dict) -> None:
     for k, v in (results.get("compare") or {}).items():
         print(f"{k}: {v}")
     print("hf reference rel err (vLLM bf16 vs HF fp32, per request):", results.get("hf_ref"))
-    if "bench_plain" in results:
+    if "bench_plugin" in results:
         print("\n==== overhead, 8B shape dummy weights ====")
-        plain = [r["tok_s"] for r in results["bench_plain"].get("runs", {}).get("plain", [])]
+        plain = [r["tok_s"] for r in results.get("bench_plain", {}).get("runs", {}).get("plain", [])]
         base = float(np.median(plain)) if plain else None
         bw = results["bench_plugin"].get("pinned_d2h_GBps")
         print(f"plain vLLM tok/s: {plain}  pinned D2H {bw} GB/s")
-        print(f"{'config':22} {'tok/s':>9} {'ratio':>6} {'GB/s':>6} {'frames':>7} {'dropped':>7} {'p50ms':>7} {'p99ms':>7}")
+        print("tok/s: engine run only (admission timed apart: 'admit s'); median over unprofiled rounds; "
+              "'host ms/step': the runtime's begin_step + end_step + on_sampled on the engine thread")
+        print(f"{'config':22} {'tok/s':>9} {'ratio':>6} {'GB/s':>6} {'frames':>7} {'dropped':>7} {'p50ms':>7} "
+              f"{'p99ms':>7} {'admit s':>7} {'host ms/step':>12}")
         for name, runs in results["bench_plugin"].get("runs", {}).items():
-            r = dict(runs[-1], tok_s=float(np.median([x["tok_s"] for x in runs])))
+            clean = [x for x in runs if not x.get("profiled")] or runs
+            r = dict(clean[-1], tok_s=float(np.median([x["tok_s"] for x in clean])))
             ratio = r["tok_s"] / base if base else float("nan")
+            host, calls = r.get("host_ms") or {}, r.get("host_calls") or {}
+            steps = calls.get("begin_step") or 0
+            per_step = sum(host.get(k, 0) for k in ("begin_step", "end_step", "on_sampled")) / steps if steps else None
             print(f"{name:22} {r['tok_s']:9.0f} {ratio:6.3f} {r.get('bytes_per_s', 0) / 1e9:6.2f} "
                   f"{r.get('frames', 0):7d} {r.get('frames_dropped', 0) + r.get('gaps', 0):7d} "
-                  f"{r.get('lat_p50_ms')!s:>7} {r.get('lat_p99_ms')!s:>7}")
+                  f"{r.get('lat_p50_ms')!s:>7} {r.get('lat_p99_ms')!s:>7} {r.get('admit_s')!s:>7} "
+                  f"{'-' if per_step is None else f'{per_step:.3f}':>12}")
         for m in ("bench_plain", "bench_plugin"):
-            if results[m].get("error") or results[m].get("rc") not in (0, None):
+            if m in results and (results[m].get("error") or results[m].get("rc") not in (0, None)):
                 print(m, "rc", results[m].get("rc"), (results[m].get("error") or "")[-600:])
 
 
