@@ -138,3 +138,78 @@ def test_a_request_that_ends_before_the_drain_reaches_its_start_keeps_its_frames
     rt.close()
     assert [e.frame.positions for e in events if e.kind == "frame"] == [[0, 1, 2], [3]]
     assert events[-1].stream.generated_token_ids == [4, 5]
+
+
+def test_steady_decode_steps_route_exactly_like_the_full_path(bus):
+    """Steady decode replays the last step's routing (no per-request Python). Against a runtime that always takes
+    the full path, on a run of decode steps broken by every event that must end the replay (a new request, a
+    finish, a live steering change, a request leaving the batch and coming back with a prefill), the device
+    routes, the steering slots and every segment are equal at every step."""
+    pub, _ = bus
+    geo = ModelGeometry(num_layers=3, hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4)
+    cfg = dict(aperture_rows=64, host_ring_bytes=1 << 20, steer_slots=16, max_ops_per_layer=2, capture_qk=True,
+               steering=True)
+    rts = [ProducerRuntime(geo=geo, model_name="toy", tokenizer="toy", dtype=torch.float32,
+                           device=torch.device("cpu"), max_tokens=32, tp_rank=0, tp_size=1, dp_rank=0,
+                           publisher=pub, cfg=RuntimeConfig(**cfg)) for _ in range(2)]
+    replayed, full = rts
+    steer = [{"layer": 1, "op": "add", "vector": [1.0] * 8, "positions": "generated"}]
+    specs = {"a": {"capture": {"hidden_states": {"layers": [0, 2], "positions": "all"}}},
+             "b": {"capture": {"qk": {"layers": [1], "heads": [1], "positions": "generated"}}, "steer": steer},
+             "c": {"capture": {"hidden_states": {"layers": "all", "positions": "last_prompt"}}},
+             "d": {"steer": steer}}
+    prompt = {"a": 3, "b": 4, "c": 2, "d": 5}
+    length = dict(prompt)
+
+    def add(eid):
+        for rt in rts:
+            rt.add_request(eid, f"rt-steady-{eid}", parse_spec(specs[eid], geo), list(range(prompt[eid])))
+
+    def step(k, ids, prefill=()):
+        counts = [length[e] if e in prefill else 1 for e in ids]
+        qs = np.concatenate([[0], np.cumsum(counts)])
+        computed = np.array([0 if e in prefill else length[e] - 1 for e in ids])
+        out = []
+        for rt in rts:
+            if rt is full:
+                rt._drop_decode_cache()
+            rt.begin_step(StepBatch(step=k, req_ids=list(ids), query_start=qs, num_computed=computed,
+                                    num_tokens=int(qs[-1]), token_ids=np.arange(int(qs[-1]))))
+            _, hs, qk = rt._step_segments
+            rt._step_segments = None  # routing only: nothing is drained
+            segs = [(s.eids, s.row0, s.count, [s.layer_sets[j] for j in s.layer_set], s.steer_version,
+                     s.positions.tolist(), s.token_rows.tolist()) for s in (hs.segments(), qk.segments())]
+            n = int(qs[-1])
+            st = rt.state
+            out.append((segs, st.hs_route[:, :n].clone(), st.qk_route[:, :n].clone(), st.steer_slots[:, :n].clone()))
+        for e in ids:
+            length[e] += 1
+        (sa, *ra), (sb, *rb) = out
+        assert sa == sb, f"step {k}: segments differ"
+        for x, y in zip(ra, rb):
+            assert torch.equal(x, y), f"step {k}: routes differ"
+        return replayed._decode_cache is not None
+
+    for eid in "abc":
+        add(eid)
+    k = 0
+    step(k := k + 1, "abc", prefill="abc")
+    cached = [step(k := k + 1, "abc") for _ in range(4)]
+    assert cached[1:] == [True] * 3  # the replay is really taken
+    add("d")
+    step(k := k + 1, "abcd", prefill="d")
+    cached = [step(k := k + 1, "abcd") for _ in range(3)]
+    for rt in rts:  # a live steering change on "b"
+        rt.update_steering("b", parse_spec({"steer": [dict(steer[0], vector=[2.0] * 8)]}, geo).steer, 2)
+    cached += [step(k := k + 1, "abcd") for _ in range(3)]
+    # "a" is preempted: it leaves the batch, then recomputes its prompt and output (positions already
+    # published must not be captured again: the replay must not have skipped "a"'s next position)
+    cached += [step(k := k + 1, "bcd") for _ in range(2)]
+    step(k := k + 1, "bcda", prefill="a")
+    cached += [step(k := k + 1, "bcda") for _ in range(3)]
+    for rt in rts:
+        rt.finish_request("c", "length")
+    cached += [step(k := k + 1, "bda") for _ in range(3)]
+    assert sum(cached) >= 8
+    for rt in rts:
+        rt.close()

@@ -146,6 +146,8 @@ class _KindRouting:
     def segments(self) -> Segments:
         """The step's segments with ``positions`` / ``token_rows`` as arrays indexed by aperture row."""
         seg = self.seg
+        if seg.positions is not None:  # built already (or replayed from a _DecodeCache)
+            return seg
         if self._scalar:
             seg.positions = np.asarray(self._positions, np.int64)
             seg.token_rows = np.asarray(self._token_rows, np.int64)
@@ -163,6 +165,25 @@ class _KindRouting:
             dst = np.concatenate([np.asarray(one_rows, np.int32), *rows])
             host[np.asarray(layers)[:, None], tok[None, :]] = dst[None, :]
         return host
+
+
+class _DecodeCache:
+    """A steady-decode step's routing, replayed while the batch does not change (see ``_repeat_decode_step``)."""
+
+    def __init__(self, req_ids: list, epoch: int, plens: np.ndarray, hs: Segments, qk: Segments, claimed: list):
+        self.req_ids, self.epoch, self.plens, self.claimed = req_ids, epoch, plens, claimed
+        self.kinds = (hs, qk)
+        self.last_computed: np.ndarray | None = None
+
+    def step_routing(self, kind: int, computed: np.ndarray) -> _KindRouting:
+        """This step's routing of ``kind``: the cached segments with each row at its request's new position
+        (every segment is one row: the row's token row is the request's batch index)."""
+        seg = self.kinds[kind]
+        routing = _KindRouting()
+        routing.next_row = len(seg.eids)
+        routing.seg = Segments(seg.eids, seg.row0, seg.count, seg.layer_set, seg.steer_version, seg.layer_sets,
+                               computed[seg.token_rows], seg.token_rows)
+        return routing
 
 
 class _SteeringTable:
@@ -303,6 +324,8 @@ class ProducerRuntime:
         self._dirty_rows_qk = 0
         self._dirty_steer_rows = 0
         self._uploaded: dict[str, np.ndarray] = {}  # the route last copied to the device, per route
+        self._decode_cache: _DecodeCache | None = None
+        self._config_epoch = 0  # bumped by every request/steering change: a cached decode step is then stale
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_copy_done = None
         self._step_tokens = None
@@ -357,6 +380,7 @@ class ProducerRuntime:
     # ---------------------------------------------------------------- request lifecycle (engine thread)
     @_locked
     def add_request(self, engine_id: str, stream_id: str, spec: RequestSpec, prompt_token_ids: list) -> None:
+        self._config_epoch += 1
         if engine_id in self.requests:
             return  # resumed after preemption: keep its stream (positions dedupe by next_pos)
         req = _Request(engine_id, stream_id, spec, len(prompt_token_ids), list(prompt_token_ids))
@@ -383,6 +407,7 @@ class ProducerRuntime:
         """End a request's stream. ``num_tokens`` (prompt + output, as the scheduler finished it) trims what
         async scheduling computed past the stop token: frames at positions >= num_tokens - 1 and tokens at
         positions >= num_tokens are never published."""
+        self._config_epoch += 1
         req = self.requests.pop(engine_id, None)
         if req is None:
             return
@@ -394,6 +419,7 @@ class ProducerRuntime:
     @_locked
     def update_steering(self, engine_id: str, ops: tuple, version: int) -> None:
         """Takes effect in the next ``begin_step`` (the scheduler attached it to that step)."""
+        self._config_epoch += 1
         req = self.requests.get(engine_id)
         if req is not None:
             req.pending_steer = (tuple(ops), version)
@@ -432,7 +458,12 @@ class ProducerRuntime:
             torch.cuda.current_stream(self.device).wait_event(self._last_copy_done)
             self._last_copy_done = None
         n = batch.num_tokens
+        if self._decode_cache is not None:
+            if self._repeat_decode_step(batch):
+                return
+            self._drop_decode_cache()
         hs, qk = _KindRouting(), _KindRouting()  # kinds 0 and 1 of _Request.capture_kinds
+        all_decode, plens, claimed, drops_before = True, [0] * len(batch.req_ids), [], self._stats["dropped_frames"]
         host_steer = None
         fast_rows: list = []  # decode steering: each request's token row and its cached (layers, ops, slots)
         fast_ops: list = []
@@ -452,6 +483,8 @@ class ProducerRuntime:
             first = computed[i]
             spec, plen = req.spec, req.prompt_len
             decode = b - a == 1 and req.first_computed is not None
+            plens[i] = plen
+            all_decode = all_decode and decode and first >= plen
             if decode:  # one token: scalar tests (the numpy path costs ~25 us per request)
                 positions = None
             else:
@@ -475,6 +508,7 @@ class ProducerRuntime:
                     last = int(picked[-1])
                 if routing.claim(eid, layers, token_rows, picked, req.steer_version, self.cfg.aperture_rows):
                     req.next_pos[kind] = last + 1
+                    claimed.append((req, kind, i))
                 else:
                     self._drop_now(req, batch.step, "aperture_full")
             if not req.slots_by_layer:
@@ -508,6 +542,32 @@ class ProducerRuntime:
             self._write_route(st.steer_slots, host_steer, "_dirty_steer_rows", n)
         self._step_segments = (batch.step, hs, qk) if hs.next_row or qk.next_row else None
         self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else batch.token_ids[:n]
+        if all_decode and n == len(batch.req_ids) and self._stats["dropped_frames"] == drops_before:
+            self._decode_cache = _DecodeCache(list(batch.req_ids), self._config_epoch, np.asarray(plens),
+                                              hs.segments(), qk.segments(), claimed)
+
+    def _repeat_decode_step(self, batch: StepBatch) -> bool:
+        """Steady decode: the same requests in the same order, one token each, all past their prompts, nothing
+        reconfigured since the last step. Then routes and steering slots on the device are still right (nothing
+        to upload) and the segments are last step's with positions advanced: no per-request Python."""
+        c, n = self._decode_cache, batch.num_tokens
+        if c.epoch != self._config_epoch or n != len(c.req_ids) or batch.req_ids != c.req_ids:
+            return False
+        if not np.array_equal(batch.query_start, np.arange(n + 1)) or not (batch.num_computed >= c.plens).all():
+            return False
+        computed = np.asarray(batch.num_computed, np.int64)
+        kinds = [c.step_routing(k, computed) for k in (0, 1)]
+        c.last_computed = computed
+        self._step_segments = (batch.step, *kinds) if kinds[0].next_row or kinds[1].next_row else None
+        self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else batch.token_ids[:n]
+        return True
+
+    def _drop_decode_cache(self) -> None:
+        """Leave the steady-decode path: the skipped per-request bookkeeping (next position) catches up."""
+        c, self._decode_cache = self._decode_cache, None
+        if c is not None and c.last_computed is not None:
+            for req, kind, i in c.claimed:
+                req.next_pos[kind] = max(req.next_pos[kind], int(c.last_computed[i]) + 1)
 
     def _steer_rows(self, req: _Request) -> tuple:
         """The request's routed steering ops as ``(layers, op index, slots)`` arrays for a decode step in the
@@ -528,6 +588,7 @@ class ProducerRuntime:
     def reset_routes(self) -> None:
         """Route every token row to the sentinel again (before a dummy/profile forward)."""
         st = self.state
+        self._drop_decode_cache()  # the device routes change under it
         self._write_route(st.hs_route, None, "_dirty_rows", 0)
         if self.cfg.capture_qk:
             self._write_route(st.qk_route, None, "_dirty_rows_qk", 0)
