@@ -251,3 +251,33 @@ def test_frames_are_built_in_a_sidecar_process_not_in_the_engine(engine, broker_
     pid = next(p for p, parent in sidecars.items() if parent == int(engine_pid))
     assert int(open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[1]) == int(engine_pid)  # its ppid
     assert len(col.frames("sidecar-1")) == 3 and col.kinds("sidecar-1", "end")
+
+
+def test_a_killed_sidecar_is_replaced_and_the_engine_keeps_streaming(engine, broker_address):
+    """kill -9 of the drain sidecar: the engine keeps serving, the next stream finds a new sidecar (a new epoch)
+    and arrives complete."""
+    import os
+    import signal
+    import time
+
+    spec = {"capture": {"hidden_states": {"layers": [1], "positions": "all"}}, "id": "respawn-0"}
+    with collecting(broker_address, ["respawn-0"]) as col:
+        engine.generate(["The capital of France is"], _params(2, spec))
+        col.wait_ended(["respawn-0"])
+    start = col.events["respawn-0"][0].stream.start
+    engine_pid = int(start.producer_id.split(":")[1])
+    old = [p for p, parent in _sidecars().items() if parent == engine_pid]
+    assert len(old) == 1
+    os.kill(old[0], signal.SIGKILL)
+    time.sleep(0.5)
+    spec = dict(spec, id="respawn-1")
+    with collecting(broker_address, ["respawn-1"]) as col:
+        out = engine.generate(["The capital of France is"], _params(3, spec))
+        col.wait_ended(["respawn-1"])
+    assert out[0].outputs[0].text  # the engine answered
+    new = [p for p, parent in _sidecars().items() if parent == engine_pid]
+    assert new and old[0] not in new, f"no new sidecar for engine {engine_pid}: {new}"
+    restarted = col.events["respawn-1"][0].stream.start
+    assert restarted.epoch != start.epoch  # a new publisher: the broker tells the two lives apart
+    assert len(col.frames("respawn-1")) == 3 and col.kinds("respawn-1", "end")[0].end.finish_reason == "length"
+    assert not col.kinds("respawn-1", "gap")

@@ -46,6 +46,9 @@ def _locked(method):
     return wrapper
 
 
+_SIDECAR_RESTART_S = 5.0
+
+
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value else default
@@ -330,7 +333,7 @@ class ProducerRuntime:
         self._last_copy_done = None
         self._step_tokens = None
         self._staging = _PinnedStaging(device) if device.type == "cuda" else None
-        self._stats = {"steps": 0, "dropped_frames": 0, "items_lost": 0}
+        self._stats = {"steps": 0, "dropped_frames": 0, "items_lost": 0, "sidecar_restarts": 0}
         self._step_segments: tuple | None = None
         self._hold_last_step = False
         self._lock = threading.RLock()
@@ -342,6 +345,7 @@ class ProducerRuntime:
         self._drain: StepDrain | None = None
         if publisher is None:
             self._sidecar = DrainSidecar.start(self._ring, drain_cfg, producer_id)
+            self._drain_cfg, self._producer_id, self._sidecar_restarted_at = drain_cfg, producer_id, 0.0
             self._sink = self._sidecar.send
             atexit.register(self.close)  # flush what the engine queued: the sidecar publishes it after we exit
         else:
@@ -729,7 +733,6 @@ class ProducerRuntime:
     # ---------------------------------------------------------------- forwarder thread
     def _forward_loop(self) -> None:
         """Hand items to the drain in engine order, each step once its host copy has landed."""
-        broken = False
         while True:
             got = self._queue.get()
             if got is None:
@@ -737,20 +740,36 @@ class ProducerRuntime:
             item, event = got
             if event is not None:
                 event.synchronize()  # releases the GIL; only this thread waits
-            if broken:
-                self._stats["items_lost"] += 1
-                continue
             try:
                 self._sink(item)
                 self._items_sent += 1
             except SidecarError as e:
-                broken = True
                 self._stats["items_lost"] += 1
-                logger.error("mia_stream: %s; nothing more is published from this producer "
-                             "(the broker ends its streams as producer_lost)", e)
+                self._restart_sidecar(e, item)
             except Exception:
                 self._stats["items_lost"] += 1
                 logger.exception("mia_stream: forwarding a %s item failed", item[0])
+
+    def _restart_sidecar(self, error: Exception, item: tuple) -> None:
+        """A dead sidecar is replaced (at most every ``_SIDECAR_RESTART_S``): the new one publishes under a new
+        epoch, so the broker ends the old epoch's streams as ``producer_lost`` (reported, not silent) and
+        requests started from here on stream normally. Items meanwhile are counted in ``items_lost``."""
+        now = time.monotonic()
+        if now - self._sidecar_restarted_at < _SIDECAR_RESTART_S:
+            return
+        self._sidecar_restarted_at = now
+        self._stats["sidecar_restarts"] += 1
+        logger.error("mia_stream: %s; starting a new drain sidecar (streams in flight end as producer_lost)", error)
+        try:
+            self._sidecar.close(timeout=1.0)
+            self._sidecar = DrainSidecar.start(self._ring, self._drain_cfg, self._producer_id)
+            self._sink = self._sidecar.send
+            self._sink(("config", {"hold_last_step": self._hold_last_step}))
+            self._sink(item)  # the item that found the old one dead (a stream start, most likely)
+            self._stats["items_lost"] -= 1
+            self._items_sent += 1
+        except Exception:
+            logger.exception("mia_stream: could not start a new drain sidecar")
 
     def wait_drained(self, timeout: float = 10.0) -> bool:
         """Wait until the drain has handled everything queued so far (tests and benchmarks)."""
