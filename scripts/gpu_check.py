@@ -191,6 +191,23 @@ def _worker_probe(self):
             "host_ring_pinned": getattr(rt, "ring_pinned", None)}
 
 
+def _split_cores(bus) -> None:
+    """Engine process on the first half of the cores; the bus process and the drain sidecar(s) on the other
+    half (tests whether the streaming processes slow the engine thread by sharing its cores)."""
+    from mia_stream.producer import _vllm_adapter
+
+    cpus = sorted(os.sched_getaffinity(0))
+    half = len(cpus) // 2
+    engine, bus_cpus = set(cpus[:half]), set(cpus[half:])
+    for tid in os.listdir("/proc/self/task"):  # every thread of this process, not just the calling one
+        os.sched_setaffinity(int(tid), engine)
+    pids = [bus.proc.pid] + [rt._sidecar.proc.pid for rt in _vllm_adapter._LOCAL_RUNTIMES if rt._sidecar]
+    for pid in pids:
+        os.sched_setaffinity(pid, bus_cpus)
+    print(f"[bench] split cores: engine {sorted(engine)}, bus + sidecar pids {pids} on {sorted(bus_cpus)}",
+          flush=True)
+
+
 def _start_pyspy(args, tag: str):
     """Sample this engine process's Python stacks (every thread) while one config generates: raw collapsed
     stacks in ``--out/pyspy-TAG.txt`` (``--pyspy`` names the py-spy binary; it travels with the checkout)."""
@@ -451,6 +468,8 @@ def engine_bench(args) -> dict:
     max_len = max(2048, args.prompt_len + args.tokens + 16)
     llm = _make_llm(model, eager=False, dummy=True, tp=args.tp, gpu_mem=0.85, max_len=max_len,
                     batched=max(args.batched, max_len))
+    if args.split_cores and bus is not None:
+        _split_cores(bus)
     cfg = json.load(open(Path(model) / "config.json"))
     L, H = cfg["num_hidden_layers"], cfg["hidden_size"]
     rng = np.random.default_rng(0)
@@ -585,7 +604,7 @@ def _run_engine(mode: str, args, timeout: int) -> dict:
            "--tp", str(args.tp), "--work", args.work, "--n", str(args.n), "--tokens", str(args.tokens),
            "--prompt-len", str(args.prompt_len), "--batched", str(args.batched), "--rounds", str(args.rounds),
            "--profile", args.profile, "--pyspy", args.pyspy, "--pyspy-s", str(args.pyspy_s)] + (
-               ["--only", args.only] if args.only else [])
+               ["--only", args.only] if args.only else []) + (["--split-cores"] if args.split_cores else [])
     t0 = time.time()
     with open(log, "w") as fh:
         try:
@@ -667,6 +686,8 @@ def main() -> int:
     ap.add_argument("--pyspy", default="", help="path of a py-spy binary for --profile")
     ap.add_argument("--pyspy-s", type=int, default=3, help="seconds each --profile sample lasts")
     ap.add_argument("--skip-plain", action="store_true", help="bench: only the plugin engine (profiling runs)")
+    ap.add_argument("--split-cores", action="store_true",
+                    help="bench: engine on half the cores, bus process and drain sidecar on the other half")
     ap.add_argument("--engine", help=argparse.SUPPRESS)
     args = ap.parse_args()
     Path(args.out).mkdir(parents=True, exist_ok=True)
