@@ -130,6 +130,7 @@ def test_json_string_spec_as_sent_by_vllm_xargs(engine, broker_address):
     ({"steer": [{"layer": 3, "op": "add", "vector": {"name": "no-such-vector"}}]}, "no registered vector"),
     ({"steer": [{"layer": 3, "op": "add", "vector": {"f32": b"\0" * 8}}]}, "must hold 576 float32 values"),
     ({"steer": [{"layer": 3, "op": "add", "vector": [True] * 576}]}, "must be a list of numbers"),
+    ({"steer": [{"layer": 3, "op": "add", "vector": [0.5] * 575 + [True]}]}, "must be a list of numbers"),
 ])
 def test_invalid_spec_is_rejected_and_engine_keeps_serving(engine, spec, words):
     with pytest.raises(ValueError, match=words):
