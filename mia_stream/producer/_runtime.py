@@ -95,7 +95,7 @@ class _Request:
     steer_version: int = 0
     pending_steer: tuple | None = None  # (ops, version) taking effect at the next step
     slots_by_layer: dict = field(default_factory=dict)  # layer -> [(slot, positions-mode)]
-    steer_rows: tuple | None = None  # cached (layers, op index, slots, applies-in-prompt, applies-generated)
+    steer_rows: tuple | None = None  # cached decode-step ops for (prompt, generated): see _steer_rows
     frames_dropped: int = 0
     drops: dict = field(default_factory=dict)
     uncaptured: list = field(default_factory=list)
@@ -124,7 +124,7 @@ class _KindRouting:
         if self.next_row + count > capacity:
             return False
         group = self.groups.setdefault(layers, ([], [], [], []))
-        if count == 1 and isinstance(token_rows, int):  # decode: plain ints, one numpy write per layer set
+        if isinstance(token_rows, int):  # decode: plain ints, one numpy write per layer set at the end
             group[0].append(token_rows)
             group[1].append(self.next_row)
         else:
@@ -341,11 +341,11 @@ class ProducerRuntime:
                                 num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, local_heads=self.local_heads,
                                 local_kv_heads=self.local_kv_heads, wire_dtype=str(dtype).removeprefix("torch."),
                                 itemsize=torch.empty((), dtype=dtype).element_size())
+        self._drain_cfg, self._producer_id, self._sidecar_restarted_at = drain_cfg, producer_id, 0.0  # restarts
         self._sidecar: DrainSidecar | None = None
         self._drain: StepDrain | None = None
         if publisher is None:
             self._sidecar = DrainSidecar.start(self._ring, drain_cfg, producer_id)
-            self._drain_cfg, self._producer_id, self._sidecar_restarted_at = drain_cfg, producer_id, 0.0
             self._sink = self._sidecar.send
             atexit.register(self.close)  # flush what the engine queued: the sidecar publishes it after we exit
         else:
@@ -462,10 +462,12 @@ class ProducerRuntime:
             torch.cuda.current_stream(self.device).wait_event(self._last_copy_done)
             self._last_copy_done = None
         n = batch.num_tokens
-        if self._decode_cache is not None:
-            if self._repeat_decode_step(batch):
-                return
-            self._drop_decode_cache()
+        self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else batch.token_ids[:n]
+        replayed = self._repeat_decode_step(batch) if self._decode_cache is not None else None
+        if replayed is not None:
+            self._set_step_segments(batch.step, *replayed)
+            return
+        self._drop_decode_cache()
         hs, qk = _KindRouting(), _KindRouting()  # kinds 0 and 1 of _Request.capture_kinds
         all_decode, plens, claimed, drops_before = True, [0] * len(batch.req_ids), [], self._stats["dropped_frames"]
         host_steer = None
@@ -544,27 +546,27 @@ class ProducerRuntime:
                                                          st.sentinel), "_dirty_rows_qk", n)
         if self.steering is not None:
             self._write_route(st.steer_slots, host_steer, "_dirty_steer_rows", n)
-        self._step_segments = (batch.step, hs, qk) if hs.next_row or qk.next_row else None
-        self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else batch.token_ids[:n]
+        self._set_step_segments(batch.step, hs, qk)
         if all_decode and n == len(batch.req_ids) and self._stats["dropped_frames"] == drops_before:
             self._decode_cache = _DecodeCache(list(batch.req_ids), self._config_epoch, np.asarray(plens),
                                               hs.segments(), qk.segments(), claimed)
 
-    def _repeat_decode_step(self, batch: StepBatch) -> bool:
+    def _set_step_segments(self, step: int, hs: _KindRouting, qk: _KindRouting) -> None:
+        self._step_segments = (step, hs, qk) if hs.next_row or qk.next_row else None
+
+    def _repeat_decode_step(self, batch: StepBatch) -> tuple[_KindRouting, _KindRouting] | None:
         """Steady decode: the same requests in the same order, one token each, all past their prompts, nothing
         reconfigured since the last step. Then routes and steering slots on the device are still right (nothing
-        to upload) and the segments are last step's with positions advanced: no per-request Python."""
+        to upload) and the routing is last step's with positions advanced: no per-request Python. None: the
+        full path must run."""
         c, n = self._decode_cache, batch.num_tokens
         if c.epoch != self._config_epoch or n != len(c.req_ids) or batch.req_ids != c.req_ids:
-            return False
+            return None
         if not np.array_equal(batch.query_start, np.arange(n + 1)) or not (batch.num_computed >= c.plens).all():
-            return False
+            return None
         computed = np.asarray(batch.num_computed, np.int64)
-        kinds = [c.step_routing(k, computed) for k in (0, 1)]
         c.last_computed = computed
-        self._step_segments = (batch.step, *kinds) if kinds[0].next_row or kinds[1].next_row else None
-        self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else batch.token_ids[:n]
-        return True
+        return c.step_routing(0, computed), c.step_routing(1, computed)
 
     def _drop_decode_cache(self) -> None:
         """Leave the steady-decode path: the skipped per-request bookkeeping (next position) catches up."""
