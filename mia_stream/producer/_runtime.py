@@ -347,7 +347,9 @@ class ProducerRuntime:
         if publisher is None:
             self._sidecar = DrainSidecar.start(self._ring, drain_cfg, producer_id)
             self._sink = self._sidecar.send
-            atexit.register(self.close)  # flush what the engine queued: the sidecar publishes it after we exit
+            # at exit, hand the sidecar what the engine queued and go: it publishes the rest on its own, and an
+            # engine process that waited for it could outlast vLLM's shutdown grace and be killed
+            atexit.register(self.close, 2.0, False)
         else:
             self._drain = StepDrain(drain_cfg, publisher, self._ring)
             self._sink = self._drain.handle
@@ -782,12 +784,13 @@ class ProducerRuntime:
             time.sleep(0.005)
         return False
 
-    def close(self, timeout: float = 10.0) -> None:
-        """Forward what is queued, then stop the drain (the sidecar publishes the rest and exits)."""
+    def close(self, timeout: float = 10.0, wait: bool = True) -> None:
+        """Forward what is queued, then stop the drain (the sidecar publishes the rest and exits; ``wait``: for
+        that too)."""
         if self._forwarder is None:
             return
         self._queue.put(None)
         self._forwarder.join(timeout)
         self._forwarder = None
         if self._sidecar is not None:
-            self._sidecar.close(timeout)
+            self._sidecar.close(timeout, wait)

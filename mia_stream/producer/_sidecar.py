@@ -20,6 +20,7 @@ import os
 import pickle
 import subprocess
 import sys
+import tempfile
 import time
 from multiprocessing.connection import Connection
 
@@ -39,6 +40,7 @@ class DrainSidecar:
     def __init__(self, proc: subprocess.Popen, conn: Connection):
         self.proc, self._conn = proc, conn
         self.broken = False
+        self.log_path = ""
 
     @classmethod
     def start(cls, ring, config, producer_id: str) -> "DrainSidecar":
@@ -49,11 +51,20 @@ class DrainSidecar:
             pass
         cmd = [sys.executable, "-m", "mia_stream.producer._sidecar", "--pipe-fd", str(read_fd),
                "--ring-fd", str(ring.fd), "--ring-size", str(ring.size), "--parent", str(os.getpid())]
+        # Its own log file, not the engine's stdout/stderr: vLLM's shutdown waits for the engine's output pipes
+        # to close, and a sidecar still flushing held them open until vLLM killed the engine process.
+        rank = producer_id.split(":")[-1]
+        log_path = os.path.join(tempfile.gettempdir(), f"mia-stream-sidecar-{os.getpid()}-{rank}.log")
+        log = open(log_path, "ab")
         try:
-            proc = subprocess.Popen(cmd, pass_fds=(read_fd, ring.fd), stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(cmd, pass_fds=(read_fd, ring.fd), stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=log)
         finally:
             os.close(read_fd)
+            log.close()
+        logger.info("mia_stream: drain sidecar %d started; its log: %s", proc.pid, log_path)
         side = cls(proc, Connection(write_fd, readable=False))
+        side.log_path = log_path
         side.send(("init", config, producer_id))
         return side
 
@@ -65,13 +76,17 @@ class DrainSidecar:
             self._conn.send_bytes(pickle.dumps(item, protocol=pickle.HIGHEST_PROTOCOL))
         except (BrokenPipeError, OSError) as e:
             self.broken = True
-            raise SidecarError(f"the drain sidecar (pid {self.proc.pid}) is gone: exit {self.proc.poll()}") from e
+            raise SidecarError(f"the drain sidecar (pid {self.proc.pid}) is gone: exit {self.proc.poll()}; "
+                               f"its log: {self.log_path}") from e
 
-    def close(self, timeout: float = 10.0) -> None:
+    def close(self, timeout: float = 10.0, wait: bool = True) -> None:
+        """Close the pipe (the sidecar publishes what it has, then exits); ``wait`` for that up to ``timeout``."""
         try:
             self._conn.close()
         except OSError:
             pass
+        if not wait:
+            return
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
