@@ -46,8 +46,10 @@ sys.path.insert(0, sys.argv[2])
 from bus_helpers import publish_stream
 from mia_stream.producer.publisher import FramePublisher
 pub = FramePublisher(sys.argv[1], producer_id="tail")
-time.sleep(1.0)  # connected and handshaken with the broker
-print("connected", flush=True)
+deadline = time.monotonic() + 20
+while not pub.broker_batches and time.monotonic() < deadline:  # handshaken, and the broker's heartbeat is in
+    time.sleep(0.01)
+print("connected" if pub.broker_batches else "no broker heartbeat", flush=True)
 sys.stdin.readline()  # the test has frozen the broker
 publish_stream(pub, "tail-0", frames=60, nbytes=512)
 pub.close(2.0)  # everything is in the kernel's socket buffer now; the process exits
@@ -93,3 +95,77 @@ def test_a_producer_that_exits_right_after_its_stream_loses_nothing(tmp_path):
     assert kinds[0] == "start" and kinds[-1] == "end", kinds[-3:]
     assert [e.frame.step for e in got if e.kind == "frame"] == list(range(60))
     assert not [e for e in got if e.kind == "gap"]
+
+
+_FLOOD_PRODUCER = """
+import sys, time
+sys.path.insert(0, sys.argv[2])
+from bus_helpers import payload
+from mia_stream.producer.publisher import FramePublisher
+from mia_stream.schemas import StreamEnd, StreamStart, Tensor, TensorFrame
+pub = FramePublisher(sys.argv[1], producer_id="flood")
+deadline = time.monotonic() + 20
+while not pub.broker_batches and time.monotonic() < deadline:
+    time.sleep(0.01)
+rid = "flood-0"
+
+def frame(step, nbytes):
+    seq = pub.next_seq(rid)
+    return TensorFrame(rid, pub.producer_id, pub.epoch, seq, step, positions=[step], token_ids=[step],
+                       tensors=[Tensor.from_array("hs", payload(seq, nbytes), layers=(0,))])
+
+pub.publish(StreamStart(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), prompt_token_ids=[1, 2, 3]))
+for step in range(4):
+    pub.publish(frame(step, 512))
+pub.flush(5)
+time.sleep(0.5)  # the broker has these
+print("connected", flush=True)
+sys.stdin.readline()  # the test has frozen the broker
+for step in range(4, 64):  # 15 MiB: far more than the kernel's socket buffer holds for a reader that is stopped
+    pub.publish(frame(step, 256 << 10))
+pub.publish(StreamEnd(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), num_generated_tokens=64))
+pub.close(0.5)
+print(pub.counters["close_linger_expired"], flush=True)
+"""
+
+
+def test_a_producer_that_exits_before_a_frozen_broker_read_its_stream_is_reported_not_silent():
+    # What zmq still held when close()'s linger ran out is gone with the process: the publisher says so (a
+    # counter and a warning), and the broker ends the stream as producer_lost after what it did receive.
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from bus_helpers import processes, start_broker, stats
+    from mia_stream.consumers import open_stream
+
+    tests_dir = str(Path(__file__).resolve().parent)
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d, "--producer-timeout", "2")
+        procs.append(broker)
+        with open_stream(d, patterns=("flood-*",), timeout=15) as events:
+            wait_for(lambda: any(c.get("patterns") for c in stats(d)["consumers"].values()), timeout=10)
+            prod = subprocess.Popen([sys.executable, "-c", _FLOOD_PRODUCER, d, tests_dir], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            procs.append(prod)
+            assert prod.stdout.readline().strip() == "connected"
+            broker.send_signal(signal.SIGSTOP)
+            try:
+                prod.stdin.write("go\n")
+                prod.stdin.flush()
+                expired = prod.stdout.readline().strip()
+                assert prod.wait(10) == 0
+            finally:
+                broker.send_signal(signal.SIGCONT)
+            got = []
+            for ev in events:
+                got.append(ev)
+                if ev.kind == "end":
+                    break
+    assert expired == "1"
+    assert "did not take all sent messages" in prod.stderr.read()
+    steps = [e.frame.step for e in got if e.kind == "frame"]
+    assert got[0].kind == "start" and got[-1].kind == "end", [e.kind for e in got[-3:]]
+    assert got[-1].end.finish_reason == "producer_lost"
+    assert len(steps) < 64 and steps == list(range(len(steps)))  # what arrived is a prefix, in order

@@ -215,7 +215,14 @@ class FramePublisher:
                 os.close(fd)
             except OSError:
                 pass
-        self._ctx.term()
+        t0 = time.monotonic()
+        self._ctx.term()  # returns early once zmq wrote all it held; at the linger's end it discards the rest
+        linger_s = self._linger_ms / 1000
+        if linger_s and time.monotonic() - t0 >= 0.95 * linger_s:
+            self.counters["close_linger_expired"] += 1
+            log.warning("mia_stream publisher %s: the broker did not take all sent messages within %.1f s of close(); "
+                        "zmq discarded what it still held (the broker ends those streams as producer_lost)",
+                        self.producer_id, linger_s)
 
     def __enter__(self) -> "FramePublisher":
         return self
