@@ -5,7 +5,10 @@
     │   ├── MalformedFrameError    wrong framing, missing or mistyped header fields, bad buffers
     │   ├── SchemaVersionError     a header whose major schema version this decoder does not know
     │   ├── OversizedMessageError  a message larger than the configured limit
-    │   └── ChecksumError          a tensor whose bytes do not match the checksum sent with it
+    │   ├── ChecksumError          a tensor whose bytes do not match the checksum sent with it
+    │   └── SharedBufferError      a tensor carried in a producer's shared-memory ring that cannot be read
+    │       ├── ShmOverrunError    the ring was overwritten before this reader got to it (a loss, reported)
+    │       └── ShmUnavailableError  the ring cannot be opened here (another host, user or a gone producer)
     ├── SpecError (ValueError)     an invalid capture or steering spec
     │   ├── CaptureSpecError
     │   └── SteeringSpecError
@@ -42,6 +45,18 @@ class OversizedMessageError(WireError):
 
 
 class ChecksumError(WireError):
+    pass
+
+
+class SharedBufferError(WireError):
+    """A tensor whose bytes travel in the producer's shared-memory ring could not be read from it."""
+
+
+class ShmOverrunError(SharedBufferError):
+    pass
+
+
+class ShmUnavailableError(SharedBufferError):
     pass
 
 

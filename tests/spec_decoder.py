@@ -61,7 +61,7 @@ KINDS: dict[str, dict[str, tuple[str, bool, Any]]] = {
                   "error": (_SN, False, None), "producer_id": (_S, False, ""), "tp_rank": (_I, False, 0),
                   "time_ns": (_I, False, 0)},
     "subscribe": {"patterns": (_A, False, []), "from_start": (_B, False, False), "consumer_id": (_S, False, ""),
-                  "window_bytes": (_I, False, 0), "batch": (_B, False, False)},
+                  "window_bytes": (_I, False, 0), "batch": (_B, False, False), "shm": (_B, False, False)},
     "unsubscribe": {"patterns": (_A, False, [])},
     "credit": {"nbytes": (_I, True, None)},
     "error": {"code": (_S, True, None), "message": (_S, True, None), "request_id": (_SN, False, None),
@@ -134,6 +134,37 @@ FP8_E4M3FN = _fp8_table(4, 3, 7, has_inf=False)
 FP8_E5M2 = _fp8_table(5, 2, 15, has_inf=True)
 
 
+def read_ring(name: Any, pos: Any, nbytes: int, directory: str = "/dev/shm") -> bytes:
+    """Section 9: ``nbytes`` at position ``pos`` of the ring file ``name``."""
+    import mmap
+    import os
+    import re
+    import struct
+
+    if not isinstance(name, str) or not re.fullmatch(r"mia-stream-ring-\d+-[0-9a-f]{12}", name):
+        raise SpecDecodeError(f"bad ring name {name!r}")
+    if not isinstance(pos, int) or isinstance(pos, bool) or pos < 0:
+        raise SpecDecodeError("bad shm position")
+    with open(os.path.join(directory, name), "rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    try:
+        magic, size, _reserved = struct.unpack_from("<8sQQ", mm, 0)
+        if magic != b"MIASHM01" or len(mm) != 4096 + size:
+            raise SpecDecodeError("not a ring")
+        off = pos % size
+        if off + nbytes > size:
+            raise SpecDecodeError("reference crosses the ring's end")
+        data = mm[4096 + off:4096 + off + nbytes]
+        (reserved,) = struct.unpack_from("<Q", mm, 16)  # after the copy
+    finally:
+        mm.close()
+    if reserved < pos + nbytes:
+        raise SpecDecodeError("reference past what was written")
+    if reserved > pos + size:
+        raise SpecDecodeError("shm_overrun")
+    return data
+
+
 def decode(frames: list, max_message_bytes: int = 1 << 30) -> SpecMessage:
     """Section 6, step by step."""
     frames = [bytes(f) for f in frames]
@@ -171,10 +202,13 @@ def decode(frames: list, max_message_bytes: int = 1 << 30) -> SpecMessage:
         dtype, method = e["dtype"], e.get("compression", "none")
         if dtype not in DTYPES or method not in ("none", "lz4"):  # a
             raise SpecDecodeError("bad dtype or compression")
-        if i >= len(frames):  # b
-            raise SpecDecodeError("missing payload")
-        payload = frames[i]
-        i += 1
+        if "shm" in e:  # b (section 9)
+            payload = read_ring(header.get("shm_ring"), e["shm"], e["nbytes"])
+        else:
+            if i >= len(frames):
+                raise SpecDecodeError("missing payload")
+            payload = frames[i]
+            i += 1
         if len(payload) != e["nbytes"]:
             raise SpecDecodeError("payload length != nbytes")
         if method == "lz4":  # c

@@ -19,7 +19,7 @@ from mia_stream import _transport
 from mia_stream.consumers import BrokerClient, open_stream
 from mia_stream.producer.publisher import FramePublisher
 from mia_stream.schemas import (Heartbeat, SteeringAck, SteeringCommand, StreamEnd, StreamStart, Tensor, TensorFrame,
-                                decode, encode, encode_batch, split_batch)
+                                TokenFrame, decode, encode, encode_batch, split_batch)
 
 
 @pytest.fixture
@@ -141,6 +141,27 @@ def test_a_broker_without_batches_gets_single_messages(broker_dir):
     assert not any(k.startswith(("batch", "malformed", "internal")) for k in st["totals"]), st["totals"]
 
 
+def _publish_burst_then_paced(pub, rid: str, frames: int, nbytes: int) -> None:
+    """Half the frames as fast as possible (the publisher's small queue overflows: producer drops), the other
+    half at 2500 frames/s (all reach the broker, faster than the slow consumer reads: broker drops). Without
+    the paced half, how many frames get past the publisher depends on scheduling, and so would the test."""
+    from bus_helpers import payload
+
+    pub.publish(StreamStart(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), prompt_token_ids=[1, 2, 3]))
+    t0 = None
+    for step in range(frames):
+        if step >= frames // 2:
+            t0 = t0 or time.monotonic()
+            delay = t0 + (step - frames // 2) / 2500 - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
+        seq = pub.next_seq(rid)
+        pub.publish(TensorFrame(rid, pub.producer_id, pub.epoch, seq, step, positions=[step], token_ids=[step],
+                                tensors=[Tensor.from_array("hs", payload(seq, nbytes), layers=(0,))]))
+        pub.publish(TokenFrame(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), step, token_ids=[step]))
+    pub.publish(StreamEnd(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), num_generated_tokens=frames))
+
+
 def test_gap_accounting_through_batches_is_exact(broker_dir, tmp_path):
     """Publisher drops (its GapNotices travel in batches) and broker drops for a slow consumer: every seq is
     delivered or named once, and the gaps add up to exactly what the publisher and the broker dropped."""
@@ -156,7 +177,7 @@ def test_gap_accounting_through_batches_is_exact(broker_dir, tmp_path):
         pub = FramePublisher(broker_dir, producer_id="lossy", queue_bytes=256 << 10)
         try:
             wait_for(lambda: pub.broker_batches)
-            publish_stream(pub, "lossy", frames, nbytes, tokens=True)
+            _publish_burst_then_paced(pub, "lossy", frames, nbytes)
             for p in procs[1:]:
                 assert p.wait(90) == 0, p.stderr.read()
             st = stats(broker_dir)

@@ -103,7 +103,7 @@ sys.path.insert(0, sys.argv[2])
 from bus_helpers import payload
 from mia_stream.producer.publisher import FramePublisher
 from mia_stream.schemas import StreamEnd, StreamStart, Tensor, TensorFrame
-pub = FramePublisher(sys.argv[1], producer_id="flood")
+pub = FramePublisher(sys.argv[1], producer_id="flood", shm_bytes=0)  # every byte through the socket
 deadline = time.monotonic() + 20
 while not pub.broker_batches and time.monotonic() < deadline:
     time.sleep(0.01)

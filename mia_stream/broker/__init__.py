@@ -59,6 +59,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-steering", action="store_true", help="refuse every steering command")
     ap.add_argument("--no-batch", action="store_true",
                     help="neither accept nor send batch messages (behave as a schema 1.1 broker)")
+    ap.add_argument("--no-shm", action="store_true",
+                    help="do not let producers put large tensors in shared memory (every byte through the broker)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     import logging
@@ -71,7 +73,7 @@ def main(argv: list[str]) -> int:
                               args.late_join_total_bytes, args.late_join_linger, args.producer_timeout,
                               args.consumer_timeout, max_message_bytes=args.max_message_bytes,
                               heartbeat_s=args.heartbeat, steering=not args.no_steering,
-                              batch=not args.no_batch)
+                              batch=not args.no_batch, shm=not args.no_shm)
         broker = Broker(config)
     except MiaStreamError as e:
         print(f"mia-stream broker: {e}", file=sys.stderr)

@@ -27,14 +27,20 @@ import zmq
 
 from mia_stream import _transport
 from mia_stream._transport import BrokerEndpoints, ServerKeys
-from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
-from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, SteeringAck,
-                                SteeringCommand, StreamEnd, Subscribe, Unsubscribe, decode, encode, split_batch)
+from mia_stream.errors import (MalformedFrameError, OversizedMessageError, SchemaVersionError, ShmOverrunError,
+                               WireError)
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, ShmRingReader,
+                                SteeringAck, SteeringCommand, StreamEnd, Subscribe, Unsubscribe, decode, encode,
+                                inline_shm, shm_nbytes, split_batch, sweep_stale_rings)
+from mia_stream.schemas._codec import shm_oldest
+from mia_stream.schemas._codec import SHM_RING_KEY as _SHM_RING_KEY
 from mia_stream.schemas._codec import batch_header, decode_header
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.broker")
 
+_RING_SWEEP_S = 30.0
+_SHM_STALE_LAG = 0.75  # ring sizes: a queued frame further behind its ring's writer is dropped, not sent
 DEFAULT_CONSUMER_QUEUE_BYTES = 256 << 20  # per consumer, beyond what its credit window has in flight
 DEFAULT_LATE_JOIN_BYTES = 64 << 20  # per stream
 DEFAULT_LATE_JOIN_TOTAL_BYTES = 1 << 30  # all streams together
@@ -70,6 +76,7 @@ class BrokerConfig:
     heartbeat_s: float = _transport.HEARTBEAT_S
     steering: bool = True
     batch: bool = True  # accept and send batches (off: behaves as a 1.1 broker, for comparisons and fallback)
+    shm: bool = True  # tell producers to put large tensors in shared memory (off: every byte through the broker)
 
     @property
     def token_reserve_bytes(self) -> int:
@@ -79,10 +86,14 @@ class BrokerConfig:
 class _Entry:
     """One stream message as received: its frames are shared by the late-join buffer and every queue."""
 
-    __slots__ = ("kind", "order", "seq", "frames", "nbytes")
+    __slots__ = ("kind", "order", "seq", "frames", "nbytes", "shm", "inline")
 
-    def __init__(self, kind: str, order: int, seq: int, frames: list, nbytes: int):
+    def __init__(self, kind: str, order: int, seq: int, frames: list, nbytes: int, shm: tuple | None = None):
         self.kind, self.order, self.seq, self.frames, self.nbytes = kind, order, seq, frames, nbytes
+        # (ring, oldest position, stream key, seq) when tensor bytes are in the producer's shared-memory ring
+        # (nbytes counts them)
+        self.shm = shm
+        self.inline: tuple | None = None  # (frames, nbytes) with those bytes inline, made on first need
 
     def __lt__(self, other: "_Entry") -> bool:
         return self.order < other.order
@@ -111,7 +122,7 @@ class _Stream:
 class _Consumer:
     __slots__ = ("identity", "name", "patterns", "match_cache", "queue", "queue_bytes", "window", "in_flight",
                  "drops", "delivered", "delivered_bytes", "dropped", "gaps_sent", "last_seen", "blocked",
-                 "errors_this_s", "batch", "batches")
+                 "errors_this_s", "batch", "batches", "shm")
 
     def __init__(self, identity: bytes):
         self.identity = identity
@@ -128,6 +139,7 @@ class _Consumer:
         self.blocked = False
         self.errors_this_s = 0
         self.batch = False  # it said (Subscribe.batch) that it unpacks batches
+        self.shm = False  # it said (Subscribe.shm) that it reads producers' shared-memory rings itself
         self.batches = 0
 
     def matches(self, request_id: str) -> bool:
@@ -230,8 +242,10 @@ class Broker:
         self.counters: collections.Counter[str] = collections.Counter()
         self._last_heartbeat = 0.0
         self._last_housekeeping = 0.0
+        self._last_ring_sweep = self._last_ring_prune = 0.0
         self._now = time.monotonic()  # taken once per batch of received messages
         self._messages_in = self._bytes_in = 0  # folded into counters after each batch
+        self._shm = ShmRingReader()  # for consumers that cannot read producers' rings themselves
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -338,6 +352,10 @@ class Broker:
         if header is None:
             return
         kind = header["kind"]
+        if _SHM_RING_KEY in header:  # what the ring holds counts against budgets and windows like inline bytes
+            ring_bytes = shm_nbytes(header)
+            nbytes += ring_bytes
+            self.counters["shm_bytes_in"] += ring_bytes
         if kind in _STREAM_KINDS:
             self._on_stream_message(p, header, body, nbytes)
         elif kind == "gap":
@@ -391,7 +409,7 @@ class Broker:
 
     def _heartbeat(self, known: bool) -> list:
         return encode(Heartbeat("broker", "broker", self.instance, time.time_ns(),
-                                {"known": known, "batch": self.config.batch}))
+                                {"known": known, "batch": self.config.batch, "shm": self.config.shm}))
 
     def _heartbeat_to(self, sock: zmq.Socket, identity: bytes, known: bool) -> None:
         self._send_direct(sock, identity, self._heartbeat(known))
@@ -415,7 +433,8 @@ class Broker:
         s.messages += 1
         s.bytes += nbytes
         self._order += 1
-        entry = _Entry(kind, seq * 2, seq, body, nbytes)
+        oldest = shm_oldest(h) if _SHM_RING_KEY in h else None
+        entry = _Entry(kind, seq * 2, seq, body, nbytes, (*oldest, key, seq) if oldest else None)
         if kind == "start":
             if s.start is not None:
                 self.counters["duplicate_starts"] += 1  # a re-announce to a broker that already knew it
@@ -523,6 +542,17 @@ class Broker:
 
     def _deliver(self, c: _Consumer, s: _Stream, entry: _Entry) -> None:
         kind, n = entry.kind, entry.nbytes
+        frames = entry.frames
+        if entry.shm and not c.shm:  # a consumer that cannot read the ring (another host): bytes inline
+            inline = entry.inline
+            if inline is None:
+                inline = self._inline(s, entry)
+                if inline[0] is not None:
+                    entry.inline = inline
+            frames, n = inline
+            if frames is None:  # the ring no longer holds them: n is why
+                self._enqueue_gap(c, s, [[entry.seq, entry.seq]], n)
+                return
         if c.queue_bytes and kind in ("tensors", "tokens"):
             limit = self.config.consumer_queue_bytes
             if kind == "tokens":
@@ -539,9 +569,50 @@ class Broker:
             pending = c.drops.pop(s.key, None)
             if pending:
                 self._enqueue_gap(c, s, pending, "consumer_queue_full")
-        c.queue.append((entry.frames, n))
+        c.queue.append((frames, n, entry.shm if frames is entry.frames else None))
         c.queue_bytes += n
         self._ready.add(c.identity)
+
+    def _drop_stale_head(self, c: _Consumer) -> None:
+        """Drop the ring-held frames at the head of ``c``'s queue whose bytes the producer is about to
+        overwrite (more than 3/4 of a ring behind its writer), with one gap per stream put in their place.
+
+        A consumer that falls behind then gets the newest frames the ring still holds, and its loss is the
+        fraction it cannot keep up with; without this it would receive only frames already overwritten."""
+        q, lag = c.queue, self._shm.lag
+        dropped: dict[tuple, list[list[int]]] = {}
+        while q:
+            ref = q[0][2] if len(q[0]) > 2 else None
+            if ref is None or lag(ref[0], ref[1]) <= _SHM_STALE_LAG:
+                break
+            _, n, _ = q.popleft()
+            c.queue_bytes -= n
+            _add_seq(dropped.setdefault(ref[2], []), ref[3])
+        for key, missing in dropped.items():
+            rid, pid, epoch = key
+            frames = encode(GapNotice(rid, pid, epoch, missing, "shm_overrun", "broker", time.time_ns()))
+            count = sum(b - a + 1 for a, b in missing)
+            n = _transport.frames_nbytes(frames)
+            q.appendleft((frames, n))
+            c.queue_bytes += n
+            c.gaps_sent += count
+            c.dropped += count
+            self.counters["dropped_for_consumers"] += count
+            self.counters["shm_stale_dropped"] += count
+
+    def _inline(self, s: _Stream, entry: _Entry) -> tuple:
+        """``(frames, nbytes)`` of ``entry`` with its ring-held bytes inline, or ``(None, reason)``."""
+        try:
+            frames = inline_shm(entry.frames, self._shm)
+        except WireError as e:
+            reason = "shm_overrun" if isinstance(e, ShmOverrunError) else "shm_unavailable"
+            self.counters[reason] += 1
+            if self.counters[reason] <= 10:
+                log.warning("broker: could not inline %s seq %d from its producer's ring: %s", s.request_id,
+                            entry.seq, e)
+            return None, reason
+        self.counters["shm_inlined"] += 1
+        return frames, _transport.frames_nbytes(frames)
 
     def _enqueue_gap(self, c: _Consumer, s: _Stream, missing: list, reason: str) -> None:
         rid, pid, epoch = s.key
@@ -572,6 +643,8 @@ class Broker:
         sock, ident, q, window = self._cons, c.identity, c.queue, c.window
         c.blocked = False
         while q:
+            if c.shm:
+                self._drop_stale_head(c)
             in_flight = c.in_flight
             if window and in_flight >= window:
                 break
@@ -674,6 +747,7 @@ class Broker:
             c.name = msg.consumer_id
         c.window = max(0, msg.window_bytes)
         c.batch = self.config.batch and msg.batch is True
+        c.shm = self.config.shm and msg.shm is True
         c.patterns = sorted(set(c.patterns) | set(patterns))
         c.match_cache.clear()
         for s in list(self._streams.values()):
@@ -773,6 +847,12 @@ class Broker:
     def _housekeeping(self, now: float) -> None:
         self._last_housekeeping = now
         cfg = self.config
+        if now - self._last_ring_prune >= 1.0:
+            self._last_ring_prune = now
+            self._shm.prune()  # mappings of rings whose producer is gone would keep their memory alive
+        if now - self._last_ring_sweep >= _RING_SWEEP_S:  # rings of producers that died without closing
+            self._last_ring_sweep = now
+            self.counters["shm_rings_swept"] += sweep_stale_rings()
         if now - self._last_heartbeat >= cfg.heartbeat_s:
             self._last_heartbeat = now
             for ident in self._producers:
@@ -852,7 +932,7 @@ class Broker:
             "broker": {"instance": self.instance, "pid": os.getpid(), "uptime_s": now - self._started,
                        "endpoints": {"producers": eps.producers, "consumers": eps.consumers, "stats": eps.stats},
                        "curve": self.config.keys is not None, "steering": self.config.steering,
-                       "batch": self.config.batch,
+                       "batch": self.config.batch, "shm": self.config.shm,
                        "late_join_buffer_bytes": self._buffered_total, "time_ns": time.time_ns()},
             "totals": dict(self.counters),
             "producers": {p.name: {"frames_per_s": p.rate[0], "bytes_per_s": p.rate[1], "messages": p.messages,

@@ -51,12 +51,13 @@ class _Source:
     """Events from a live broker or a recording; ``client`` is the BrokerClient when live."""
 
     def __init__(self, source: Any, patterns=("*",), from_start: bool = False, *, consumer_id: str | None = None,
-                 keys: Any = None, window_bytes: int = DEFAULT_WINDOW_BYTES):
+                 keys: Any = None, window_bytes: int = DEFAULT_WINDOW_BYTES, shm: bool | None = None):
         self.source, self.patterns, self.from_start = source, tuple(patterns), from_start
         self.assembler = StreamAssembler()
         self.client: BrokerClient | None = None
         if not _is_recording(source):
-            self.client = BrokerClient(source, consumer_id=consumer_id, keys=keys, window_bytes=window_bytes)
+            self.client = BrokerClient(source, consumer_id=consumer_id, keys=keys, window_bytes=window_bytes,
+                                       shm=shm)
             self.client.subscribe(self.patterns, from_start)
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:

@@ -20,9 +20,11 @@ from typing import Any
 import zmq
 
 from mia_stream import _transport
-from mia_stream.errors import BrokerTimeoutError, WireError
-from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, Heartbeat, Message, SteeringAck,
-                                SteeringCommand, Subscribe, Unsubscribe, decode, encode, split_batch)
+from mia_stream.errors import BrokerTimeoutError, SharedBufferError, ShmOverrunError, WireError
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
+                                ShmRingReader, SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode,
+                                decode_header, encode, inline_shm, references_shm, shm_available, shm_nbytes,
+                                split_batch)
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.consumers")
@@ -30,6 +32,7 @@ log = logging.getLogger("mia_stream.consumers")
 DEFAULT_WINDOW_BYTES = 64 << 20
 
 _NOBLOCK, _zrecv, _recv_parts = _transport.NOBLOCK, _transport.zrecv, _transport.recv_parts
+_references_shm = references_shm
 
 
 def _nbytes(frames: list) -> int:
@@ -44,7 +47,8 @@ class BrokerClient:
 
     def __init__(self, address: str | None = None, *, consumer_id: str | None = None, keys: Any = None,
                  window_bytes: int = DEFAULT_WINDOW_BYTES, heartbeat_s: float = _transport.HEARTBEAT_S,
-                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None):
+                 max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
+                 shm: bool | None = None):
         self.endpoint = _transport.endpoints_for(address).consumers
         self.consumer_id = consumer_id or f"consumer-{os.getpid()}"
         self.window_bytes = max(0, int(window_bytes))
@@ -61,6 +65,9 @@ class BrokerClient:
         # the rest of the last batch received; not part of the stash, which send_steering swaps out
         self._unbatched: collections.deque[tuple[list, Message]] = collections.deque()
         self._next_heartbeat = 0.0
+        self._shm = ShmRingReader()  # producers' rings (large tensors skip the broker on one host)
+        # None: read producers' rings when on the broker's host (ipc); False: the broker sends every byte
+        self._reads_shm = (self.endpoint.startswith("ipc://") and shm_available()) if shm is None else bool(shm)
         self._ctx = context or zmq.Context.instance()
         keys = _transport.resolve_client_keys(keys, "consumer")
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -79,7 +86,8 @@ class BrokerClient:
         patterns = [str(p) for p in patterns]
         self._patterns = sorted(set(self._patterns) | set(patterns))
         self._subscribed = True
-        self._send(Subscribe(patterns, from_start, self.consumer_id, self.window_bytes, batch=True))
+        self._send(Subscribe(patterns, from_start, self.consumer_id, self.window_bytes, batch=True,
+                             shm=self._reads_shm))
 
     def unsubscribe(self, patterns) -> None:
         patterns = [str(p) for p in patterns]
@@ -141,6 +149,7 @@ class BrokerClient:
 
     def close(self) -> None:
         self._sock.close(0)
+        self._shm.close()
 
     def __enter__(self) -> "BrokerClient":
         return self
@@ -183,23 +192,47 @@ class BrokerClient:
         return first
 
     def _accept_one(self, frames: list):
+        weight = None
         try:
+            if _references_shm(frames):
+                weight, frames = self._inline_shm(frames)
+                if weight is None:  # its bytes were lost in the ring: frames is the gap notice that says so
+                    return frames, decode(frames)
             msg = decode(frames, max_message_bytes=self.max_message_bytes)
         except WireError as e:
             self.counters["malformed"] += 1
-            self._credit(_nbytes(frames))
+            self._credit(weight if weight is not None else _nbytes(frames))
             log.warning("mia_stream consumer: skipped an undecodable message: %s", e)
             return None
         if isinstance(msg, Heartbeat):
             self._on_heartbeat(msg)
             return None
-        self._credit(_nbytes(frames))
+        self._credit(weight if weight is not None else _nbytes(frames))
         self.counters["messages"] += 1
         if isinstance(msg, ErrorNotice):
             self.errors.append(msg)
             self.counters[f"error_{msg.code}"] += 1
             log.warning("mia_stream consumer: broker says %s: %s", msg.code, msg.message)
         return frames, msg
+
+    def _inline_shm(self, frames: list) -> tuple[int | None, list]:
+        """``(weight, frames with the ring's bytes inline)``; ``(None, gap notice frames)`` when the producer's
+        ring no longer holds them (overwritten) or cannot be opened here. The weight (wire bytes plus ring
+        bytes) is what the broker counted against this consumer's window, so it is what gets credited."""
+        header = decode_header(frames, max_message_bytes=self.max_message_bytes)
+        weight = _nbytes(frames) + shm_nbytes(header)
+        try:
+            return weight, inline_shm(frames, self._shm)
+        except SharedBufferError as e:
+            reason = "shm_overrun" if isinstance(e, ShmOverrunError) else "shm_unavailable"
+            self.counters[reason] += 1
+            self._credit(weight)
+            if self.counters[reason] <= 10:
+                log.warning("mia_stream consumer: lost a message's tensors: %s", e)
+            seq = header.get("seq", 0)
+            gap = GapNotice(header["request_id"], header["producer_id"], header["epoch"], [[seq, seq]], reason,
+                            "consumer", time.time_ns())
+            return None, encode(gap)
 
     def _credit(self, n: int) -> None:
         if not self.window_bytes:
@@ -211,6 +244,7 @@ class BrokerClient:
 
     def _heartbeat(self, now: float) -> None:
         self._next_heartbeat = now + self.heartbeat_s
+        self._shm.prune()  # rings of producers gone for a while
         self._send(Heartbeat(self.consumer_id, "consumer", self.instance, time.time_ns()))
 
     def _on_heartbeat(self, hb: Heartbeat) -> None:
@@ -224,7 +258,8 @@ class BrokerClient:
             # that reached it before we did are not lost (duplicates are dropped by seq).
             self._unacked = 0
             self.counters["resubscribed"] += 1
-            self._send(Subscribe(list(self._patterns), True, self.consumer_id, self.window_bytes, batch=True))
+            self._send(Subscribe(list(self._patterns), True, self.consumer_id, self.window_bytes, batch=True,
+                                 shm=self._reads_shm))
 
     def _send(self, msg: Message) -> None:
         try:

@@ -28,8 +28,9 @@ import msgpack
 
 from mia_stream.consumers.recording import (BUS_TOPIC, MESSAGE_ENCODING, METADATA_NAME, PART_GLOB, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
-from mia_stream.errors import WireError
-from mia_stream.schemas import MESSAGE_TYPES, SCHEMA_VERSION
+from mia_stream.errors import ShmOverrunError, WireError
+from mia_stream.schemas import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, ShmRingReader, encode, inline_shm
+from mia_stream.schemas._codec import SHM_RING_KEY
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class RecorderStats:
     parts: int = 0
     channels: int = 0
     rejected: int = 0  # messages whose header is not a mia_stream header: counted and logged, not recorded
+    shm_lost: int = 0  # messages whose shared-memory tensors were gone: recorded as a gap instead
 
 
 def _mia_stream_version() -> str:
@@ -87,6 +89,7 @@ class Recorder:
         self._last_flush = time.monotonic()
         self._last_log_time = 0
         self._closed = False
+        self._shm: ShmRingReader | None = None
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -102,6 +105,8 @@ class Recorder:
             return
         self._closed = True
         self._finish_part()
+        if self._shm is not None:
+            self._shm.close()
 
     @property
     def current_part(self) -> Path | None:
@@ -117,6 +122,8 @@ class Recorder:
         if header is None:
             self.stats.rejected += 1
             return False
+        if SHM_RING_KEY in header:  # a recording keeps the bytes, not a producer's ring position
+            frames, header = self._inline_shm(frames, header)
         topic = self._topic_of(frames, header)
         now = time.time_ns() if recv_time_ns is None else recv_time_ns
         log_time = max(now, self._last_log_time)  # non-decreasing: log-time order == recorded order
@@ -144,6 +151,22 @@ class Recorder:
         else:
             self.tick()
         return True
+
+    def _inline_shm(self, frames: Sequence[Any], header: dict) -> tuple[list, dict]:
+        """The message with its ring-held bytes inline; a GapNotice for it when the ring lost them."""
+        if self._shm is None:
+            self._shm = ShmRingReader()
+        try:
+            frames = inline_shm(frames, self._shm)
+        except WireError as e:
+            self.stats.shm_lost += 1
+            log.warning("recorder: recorded a gap for a message whose tensors are gone: %s", e)
+            seq = header.get("seq", 0)
+            frames = encode(GapNotice(str(header.get("request_id", "")), str(header.get("producer_id", "")),
+                                      header.get("epoch", 0) if type(header.get("epoch")) is int else 0, [[seq, seq]],
+                                      "shm_overrun" if isinstance(e, ShmOverrunError) else "shm_unavailable",
+                                      "consumer", time.time_ns()))
+        return frames, self._header_of(frames)
 
     def tick(self) -> None:
         """Flush a partly filled chunk once it is ``flush_interval_s`` old (call this when idle too)."""
@@ -289,16 +312,19 @@ class _BrokerSource:
         import zmq
 
         from mia_stream import _transport
-        from mia_stream.schemas import Subscribe, encode, split_batch
+        from mia_stream.schemas import Subscribe, encode, shm_available, split_batch
 
         self._zmq, self._transport, self._consumer_id = zmq, _transport, consumer_id
         self._split_batch = split_batch
-        self._subscribe = encode(Subscribe(list(patterns), from_start=True, consumer_id=consumer_id, batch=True))
+        endpoint = _transport.endpoints_for(broker).consumers
+        # on the broker's host the recorder copies producers' shared-memory tensors itself (Recorder.write)
+        self._subscribe = encode(Subscribe(list(patterns), from_start=True, consumer_id=consumer_id, batch=True,
+                                           shm=endpoint.startswith("ipc://") and shm_available()))
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         # Unbounded receive queue: the broker, not ZeroMQ, decides what is dropped (and says so).
         _transport.configure(self._sock, sndhwm=1000, rcvhwm=0)
-        _transport.connect(self._sock, _transport.endpoints_for(broker).consumers,
+        _transport.connect(self._sock, endpoint,
                            _transport.resolve_client_keys(keys, "consumer"))
         self._broker_instance: int | None = None
         self._last_heartbeat = 0.0

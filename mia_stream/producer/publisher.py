@@ -41,15 +41,18 @@ from mia_stream.errors import WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
 from mia_stream.schemas._codec import batch_header
+from mia_stream.schemas._shm import DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, ShmRingWriter, shm_available
 
 log = logging.getLogger("mia_stream.publisher")
 
 DEFAULT_PUBLISHER_QUEUE_BYTES = 256 << 20
+SHM_BYTES_ENV = "MIA_STREAM_SHM_BYTES"
 # zmq messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected). A batch is one
 # zmq message of up to _transport.BATCH_BYTES, so this also bounds what batching moves from the queue into zmq
 # (64 MiB).
 _SNDHWM = 64
 _ENDED_MEMORY = 10_000
+_HELLO_S = 0.02  # heartbeat interval until the broker has answered once
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 
@@ -76,7 +79,7 @@ class FramePublisher:
                  queue_bytes: int = DEFAULT_PUBLISHER_QUEUE_BYTES,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, heartbeat_s: float = _transport.HEARTBEAT_S,
                  on_steering: Callable[[SteeringCommand], None] | None = None, compression: str = "none",
-                 checksum: bool = False):
+                 checksum: bool = False, shm_bytes: int | None = None, shm_min_bytes: int = DEFAULT_MIN_BYTES):
         self.endpoint = _transport.endpoints_for(address).producers
         self._keys = _transport.resolve_client_keys(keys, "producer")
         _transport.require_curve_for_tcp(self.endpoint, self._keys is not None, "connect to")
@@ -88,6 +91,8 @@ class FramePublisher:
         self.heartbeat_s = heartbeat_s
         self._on_steering = on_steering
         self._encode_opts = {"compression": compression, "checksum": checksum}
+        self.shm_ring = self._open_ring(shm_bytes, shm_min_bytes)
+        self._ring_lock = threading.Lock()
         self._lock = threading.Lock()
         self._queue: collections.deque[tuple[list, int, Any]] = collections.deque()  # (frames, nbytes, end-of)
         self._queued = 0
@@ -99,6 +104,7 @@ class FramePublisher:
         self.counters: collections.Counter[str] = collections.Counter()
         self.broker_instance: int | None = None
         self.broker_batches = False  # the broker's heartbeats say it accepts batches (sender thread only)
+        self.broker_shm = False  # ... and that it takes tensors by shared-memory ring position (schema 1.3)
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ctx = zmq.Context()
         self._ready = threading.Event()
@@ -132,8 +138,16 @@ class FramePublisher:
                 if st is not None and not msg.drops and not msg.frames_dropped and st.drops:
                     msg.drops = dict(st.drops)
                     msg.frames_dropped = sum(st.drops.values())
-        frames = encode(msg, **self._encode_opts)
-        n = _transport.frames_nbytes(frames)
+        ring = self.shm_ring
+        if ring is not None and kind == "tensors" and self.broker_shm:
+            with self._ring_lock:
+                before = ring.bytes
+                frames = encode(msg, **self._encode_opts, shm=ring)
+                # what the ring holds counts against the budgets as if it were sent inline
+                n = _transport.frames_nbytes(frames) + ring.bytes - before
+        else:
+            frames = encode(msg, **self._encode_opts)
+            n = _transport.frames_nbytes(frames)
         with self._lock:
             self.counters["published"] += 1
             st = None
@@ -223,6 +237,26 @@ class FramePublisher:
             log.warning("mia_stream publisher %s: the broker did not take all sent messages within %.1f s of close(); "
                         "zmq discarded what it still held (the broker ends those streams as producer_lost)",
                         self.producer_id, linger_s)
+        if self.shm_ring is not None:
+            with self._ring_lock:
+                self.shm_ring.close()
+
+    def _open_ring(self, shm_bytes: int | None, min_bytes: int) -> ShmRingWriter | None:
+        """The shared-memory ring for large tensor buffers: only to a broker on this host (ipc), where
+        /dev/shm is writable; ``shm_bytes`` (default: ``MIA_STREAM_SHM_BYTES`` or 256 MiB) 0 disables it."""
+        if shm_bytes is None:
+            env = os.environ.get(SHM_BYTES_ENV, "").strip()
+            try:
+                shm_bytes = int(env) if env else DEFAULT_RING_BYTES
+            except ValueError:
+                raise ValueError(f"{SHM_BYTES_ENV} must be a byte count, got {env!r}") from None
+        if shm_bytes <= 0 or not self.endpoint.startswith("ipc://") or not shm_available():
+            return None
+        try:
+            return ShmRingWriter(shm_bytes, min_bytes)
+        except OSError as e:  # e.g. /dev/shm full: tensors go inline, as they would without a ring
+            log.warning("mia_stream publisher: no shared-memory ring (%s); tensors are sent inline", e)
+            return None
 
     def __enter__(self) -> "FramePublisher":
         return self
@@ -300,7 +334,7 @@ class FramePublisher:
         poller = zmq.Poller()
         poller.register(self._wake_r, zmq.POLLIN)
         poller.register(sock, zmq.POLLIN)
-        next_heartbeat = 0.0
+        next_heartbeat = next_hello = 0.0
         blocked = False
         while True:
             blocked = self._send_queued(sock)
@@ -309,6 +343,15 @@ class FramePublisher:
                 next_heartbeat = now + self.heartbeat_s
                 self._send_heartbeat(sock)
                 self._announce_idle_gaps()
+            elif self.broker_instance is None and now >= next_hello:
+                # until the broker answers (its heartbeat says what it accepts: batches, shared memory), ask
+                # often: the first heartbeats are lost while the connection is still being made
+                self._send_heartbeat(sock)
+            wake_at = next_heartbeat
+            if self.broker_instance is None:
+                if now >= next_hello:
+                    next_hello = now + _HELLO_S
+                wake_at = min(wake_at, next_hello)
             with self._lock:
                 if self._closed:
                     if self._queue:  # close() gave up waiting: what is left is dropped, and counted
@@ -319,7 +362,7 @@ class FramePublisher:
                     return
                 idle = not self._queue
                 self._sleeping = idle or blocked
-            timeout_ms = max(0, int((next_heartbeat - time.monotonic()) * 1000)) if (idle or blocked) else 0
+            timeout_ms = max(0, int((wake_at - time.monotonic()) * 1000)) if (idle or blocked) else 0
             poller.modify(sock, zmq.POLLIN | (zmq.POLLOUT if blocked else 0))
             events = dict(poller.poll(timeout_ms))
             with self._lock:
@@ -419,6 +462,7 @@ class FramePublisher:
         previous, self.broker_instance = self.broker_instance, hb.instance
         known = hb.stats.get("known", True) if isinstance(hb.stats, dict) else True
         self.broker_batches = isinstance(hb.stats, dict) and hb.stats.get("batch") is True
+        self.broker_shm = isinstance(hb.stats, dict) and hb.stats.get("shm") is True
         if previous == hb.instance and known:
             return
         # A broker that may not know our streams (a restart; the first heartbeat of a broker that may have

@@ -4,7 +4,8 @@ Producers, the broker and consumers all speak through this package and nothing e
 """
 
 from mia_stream.schemas._codec import (DEFAULT_MAX_MESSAGE_BYTES, decode, decode_header, encode, encode_batch,
-                                      split_batch)
+                                      inline_shm, references_shm, shm_nbytes, split_batch)
+from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter, shm_available, sweep_stale_rings
 from mia_stream.schemas._messages import (FINISH_REASONS, MESSAGE_TYPES, SCHEMA_VERSION, Credit, ErrorNotice,
                                           GapNotice, Heartbeat, Message, SteeringAck, SteeringCommand,
                                           StreamEnd, StreamStart, Subscribe, TensorFrame, TokenFrame,
@@ -15,5 +16,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "SCHEMA_VERSION", "WIRE_DTYPES",
     "Credit", "ErrorNotice", "GapNotice", "Heartbeat", "Message", "Shard", "SteeringAck", "SteeringCommand",
     "StreamEnd", "StreamStart", "Subscribe", "Tensor", "TensorFrame", "TokenFrame", "Unsubscribe",
-    "decode", "decode_header", "encode", "encode_batch", "request_topic", "split_batch", "stream_key",
+    "ShmRingReader", "ShmRingWriter", "decode", "decode_header", "encode", "encode_batch", "inline_shm",
+    "references_shm", "request_topic", "shm_available", "shm_nbytes", "split_batch", "stream_key",
+    "sweep_stale_rings",
 ]

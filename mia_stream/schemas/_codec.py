@@ -7,13 +7,17 @@ from typing import Any, Sequence
 
 import msgpack
 
-from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
+from mia_stream.errors import (MalformedFrameError, OversizedMessageError, SchemaVersionError, ShmUnavailableError,
+                               WireError)
 from mia_stream.schemas._messages import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, Message, TensorFrame
+from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter
 from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, compress, crc32,
                                         decompress, verify_crc32)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: larger messages are refused (broker sets zmq MAXMSGSIZE too)
 _MAX_HEADER_BYTES = 16 << 20
+SHM_RING_KEY = "shm_ring"  # header field: the ring that holds the buffers of entries with a "shm" position
+_SHM_MARK = msgpack.packb(SHM_RING_KEY)  # how the key looks inside a packed header
 
 _FIELDS = {kind: {f.name: f for f in dataclasses.fields(cls)} for kind, cls in MESSAGE_TYPES.items()}
 _REQUIRED = {
@@ -42,18 +46,22 @@ except ImportError:  # pragma: no cover - pyzmq is a dependency
     _SIZED = frozenset((bytes, memoryview))
 
 
-def encode(msg: Message, *, compression: str = "none", checksum: bool = False) -> list[Any]:
+def encode(msg: Message, *, compression: str = "none", checksum: bool = False,
+           shm: ShmRingWriter | None = None) -> list[Any]:
     """Frames for ``socket.send_multipart(frames, copy=False)``: tensor buffers are not copied.
 
     ``compression`` ("none" | "lz4") and ``checksum`` (crc32 of the raw bytes) apply to every tensor
-    whose ``meta`` does not override them.
+    whose ``meta`` does not override them. ``shm``: tensor buffers the ring takes (large ones) are copied
+    into it and referenced from the header instead of sent (spec section 9).
     """
     header: dict[str, Any] = {"v": list(SCHEMA_VERSION), "kind": msg.KIND}
     buffers: list[Any] = []
     for name in _FIELDS[msg.KIND]:
         value = getattr(msg, name)
         if name == "tensors":
-            value = [_encode_tensor(t, compression, checksum, buffers) for t in value]
+            value = [_encode_tensor(t, compression, checksum, buffers, shm) for t in value]
+            if shm is not None and any("shm" in e for e in value):
+                header[SHM_RING_KEY] = shm.name
         header[name] = value
     try:
         packed = msgpack.packb(header, use_bin_type=True)
@@ -62,7 +70,7 @@ def encode(msg: Message, *, compression: str = "none", checksum: bool = False) -
     return [msg.topic(), packed, *buffers]
 
 
-def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list) -> dict:
+def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list, shm: ShmRingWriter | None) -> dict:
     method = t.meta.get("compression", compression)
     raw = t.data
     entry: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
@@ -74,7 +82,11 @@ def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list) -
     entry["nbytes"] = len(payload)
     if t.shard is not None:
         entry["shard"] = t.shard.to_wire()
-    buffers.append(payload)
+    pos = shm.put(payload) if shm is not None else None
+    if pos is None:
+        buffers.append(payload)
+    else:
+        entry["shm"] = pos
     if t.scale is not None:
         entry["scale"] = {"dtype": "float32", "shape": list(t.scale.shape)}
         buffers.append(memoryview(t.scale).cast("B"))
@@ -106,10 +118,12 @@ def _unpack_header(buf: Any, nbytes: int) -> dict:
 
 
 def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-           verify: bool = True) -> Message:
+           verify: bool = True, shm: ShmRingReader | None = None) -> Message:
     """Decode ``[topic, header, *buffers]``; tensors view the received buffers without copying.
 
-    Raises a ``WireError`` subclass for anything that is not a valid message of a known major version.
+    Tensors carried in a producer's shared-memory ring are copied out of it through ``shm``. Raises a
+    ``WireError`` subclass for anything that is not a valid message of a known major version (a
+    ``SharedBufferError`` for ring bytes that cannot be read).
     """
     if len(frames) < 2:
         raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {len(frames)}")
@@ -134,7 +148,8 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
     fields = {n: header[n] for n in _FIELDS[kind] if n in header}
     buffers = [_buffer_of(f) for f in frames[2:]] if len(frames) > 2 else []
     if cls is TensorFrame:
-        fields["tensors"] = _decode_tensors(header.get("tensors", []), buffers, verify, max_message_bytes)
+        fields["tensors"] = _decode_tensors(header.get("tensors", []), buffers, verify, max_message_bytes,
+                                            _ring_of(header, shm))
     elif buffers:
         raise MalformedFrameError(f"{kind} message carries {len(buffers)} unexpected buffer frame(s)")
     try:
@@ -187,7 +202,21 @@ def _int_list(e: dict, key: str, default: Any = dataclasses.MISSING) -> tuple[in
     return tuple(values)
 
 
-def _decode_tensors(entries: Any, buffers: list, verify: bool, max_message_bytes: int) -> list[Tensor]:
+def _ring_of(header: dict, shm: ShmRingReader | None):
+    """``(reader, ring name)`` for a header that references a ring, else None."""
+    name = header.get(SHM_RING_KEY)
+    if name is None:
+        return None
+    if type(name) is not str:
+        raise MalformedFrameError(f"header field {SHM_RING_KEY!r} must be str, got {type(name).__name__}")
+    if shm is None:
+        raise ShmUnavailableError(f"this message's tensors are in the shared-memory ring {name!r}; decode it "
+                                  "with shm=ShmRingReader() on the producer's host")
+    return shm, name
+
+
+def _decode_tensors(entries: Any, buffers: list, verify: bool, max_message_bytes: int,
+                    ring: tuple | None = None) -> list[Tensor]:
     if not isinstance(entries, list):
         raise MalformedFrameError("'tensors' must be a list")
     out, i = [], 0
@@ -228,10 +257,17 @@ def _decode_tensors(entries: Any, buffers: list, verify: bool, max_message_bytes
                 f"tensor {name!r}: {raw_nbytes} uncompressed bytes exceed the limit of {max_message_bytes}")
         if method == "none" and raw_nbytes != nbytes:
             raise MalformedFrameError(f"tensor {name!r}: uncompressed but raw_nbytes {raw_nbytes} != nbytes {nbytes}")
-        if i >= len(buffers):
-            raise MalformedFrameError(f"tensor {name!r}: its buffer frame is missing")
-        payload = buffers[i]
-        i += 1
+        if "shm" in e:
+            pos = e["shm"]
+            if type(pos) is not int or ring is None:
+                raise MalformedFrameError(f"tensor {name!r}: 'shm' must be an int position in the header's "
+                                          f"{SHM_RING_KEY!r}, got {pos!r}")
+            payload = ring[0].read(ring[1], pos, nbytes)
+        else:
+            if i >= len(buffers):
+                raise MalformedFrameError(f"tensor {name!r}: its buffer frame is missing")
+            payload = buffers[i]
+            i += 1
         if _len(payload) != nbytes:
             raise MalformedFrameError(f"tensor {name!r}: buffer has {_len(payload)} bytes, header says {nbytes}")
         data = decompress(payload, method, raw_nbytes)
@@ -328,13 +364,16 @@ def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX
             if type(value) is not typ and (not isinstance(value, typ) or isinstance(value, bool)):
                 raise MalformedFrameError(f"{kind}.{name} must be {typ.__name__}, got {type(value).__name__}")
     if kind == "tensors":
-        _check_tensor_entries(header.get("tensors", []), sizes[2:])
+        ring = header.get(SHM_RING_KEY)
+        if ring is not None and type(ring) is not str:
+            raise MalformedFrameError(f"header field {SHM_RING_KEY!r} must be str, got {type(ring).__name__}")
+        _check_tensor_entries(header.get("tensors", []), sizes[2:], ring is not None)
     elif n > 2:
         raise MalformedFrameError(f"{kind} message carries {n - 2} unexpected buffer frame(s)")
     return header
 
 
-def _check_tensor_entries(entries: Any, sizes: list[int]) -> None:
+def _check_tensor_entries(entries: Any, sizes: list[int], has_ring: bool = False) -> None:
     if not isinstance(entries, list):
         raise MalformedFrameError("'tensors' must be a list")
     i = 0
@@ -355,9 +394,14 @@ def _check_tensor_entries(entries: Any, sizes: list[int]) -> None:
             raise MalformedFrameError(f"tensor {name!r}: unknown compression {method!r}")
         if raw_nbytes != count * WIRE_DTYPES[dtype][1] or (method == "none" and nbytes != raw_nbytes):
             raise MalformedFrameError(f"tensor {name!r}: sizes do not match shape and dtype")
-        if i >= len(sizes) or sizes[i] != nbytes:
+        if "shm" in e:
+            pos = e["shm"]
+            if not has_ring or type(pos) is not int or pos < 0:
+                raise MalformedFrameError(f"tensor {name!r}: 'shm' must be a position in the header's ring")
+        elif i >= len(sizes) or sizes[i] != nbytes:
             raise MalformedFrameError(f"tensor {name!r}: buffer missing or not {nbytes} bytes")
-        i += 1
+        else:
+            i += 1
         if "scale" in e:
             i += 1
             if i > len(sizes):
@@ -417,3 +461,68 @@ def split_batch(frames: Sequence[Any]) -> list[list[Any]] | None:
         out.append(frames[i:i + c])
         i += c
     return out
+
+
+# ---------------------------------------------------------------------------------------------- shared memory
+
+def references_shm(frames: Sequence[Any]) -> bool:
+    """Whether a message may reference a shared-memory ring (a byte search of its header: cheap; a false
+    positive, e.g. the key inside a user tag, only costs the exact check of ``shm_nbytes``)."""
+    if len(frames) < 2:
+        return False
+    head = frames[1]
+    t = type(head)
+    if t is not bytes:
+        head = head.bytes if hasattr(head, "bytes") and t is not memoryview else bytes(head)
+    return _SHM_MARK in head
+
+
+def shm_nbytes(header: dict) -> int:
+    """Bytes a decoded header's tensors hold in a shared-memory ring (they count as the message's size)."""
+    n = 0
+    if header.get("kind") == "tensors" and SHM_RING_KEY in header:
+        for e in header.get("tensors", ()):
+            if isinstance(e, dict) and "shm" in e and type(e.get("nbytes")) is int:
+                n += e["nbytes"]
+    return n
+
+
+def shm_oldest(header: dict) -> tuple[str, int] | None:
+    """``(ring, lowest position)`` of a header's ring-held buffers (the first to be overwritten), or None."""
+    name = header.get(SHM_RING_KEY)
+    if type(name) is not str or header.get("kind") != "tensors":
+        return None
+    positions = [e["shm"] for e in header.get("tensors", ()) if isinstance(e, dict) and type(e.get("shm")) is int]
+    return (name, min(positions)) if positions else None
+
+
+def inline_shm(frames: Sequence[Any], shm: ShmRingReader) -> list[Any]:
+    """The same message with its ring-held buffers copied in as frames (for a recorder, a peer on another
+    host, anything that keeps the bytes). Raises ``SharedBufferError`` when the ring cannot give them."""
+    head = frames[1]
+    header = _unpack_header(head if type(head) in _SIZED else _buffer_of(head), _len(_buffer_of(head)))
+    name = header.pop(SHM_RING_KEY, None)
+    if name is None:
+        return list(frames)
+    if type(name) is not str or not isinstance(header.get("tensors"), list):
+        raise MalformedFrameError(f"bad {SHM_RING_KEY!r} message")
+    buffers, i, rest = [], 0, list(frames[2:])
+    for e in header["tensors"]:
+        if not isinstance(e, dict):
+            raise MalformedFrameError(f"bad tensor entry {e!r}: must be a map")
+        if "shm" in e:
+            pos, nbytes = e.pop("shm"), e.get("nbytes")
+            if type(pos) is not int or type(nbytes) is not int:
+                raise MalformedFrameError(f"bad shared-memory reference in tensor entry {e!r}")
+            buffers.append(shm.read(name, pos, nbytes))
+        else:
+            if i >= len(rest):
+                raise MalformedFrameError("a tensor's buffer frame is missing")
+            buffers.append(rest[i])
+            i += 1
+        if "scale" in e:
+            if i >= len(rest):
+                raise MalformedFrameError("a tensor's scale buffer is missing")
+            buffers.append(rest[i])
+            i += 1
+    return [frames[0], msgpack.packb(header, use_bin_type=True), *buffers]

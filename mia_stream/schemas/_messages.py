@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from mia_stream.schemas._tensors import Tensor
 
-SCHEMA_VERSION = (1, 2)  # (major, minor): a new major breaks decoders, a new minor only adds (see the spec)
+SCHEMA_VERSION = (1, 3)  # (major, minor): a new major breaks decoders, a new minor only adds (see the spec)
 
 # Finish reasons of a stream: vLLM's plus the ones only the bus knows.
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected", "producer_lost")
@@ -189,6 +189,7 @@ class Subscribe(Message):
     consumer_id: str = ""
     window_bytes: int = 0  # (1.1) credit flow control: bytes the broker may have in flight; 0 = off
     batch: bool = False  # (1.2) this consumer unpacks batch messages, so the broker may send it batches
+    shm: bool = False  # (1.3) this consumer reads producers' shared-memory rings itself (same host)
 
     def topic(self) -> bytes:
         return b""

@@ -1,0 +1,246 @@
+"""Shared-memory rings: large tensor buffers skip the broker (spec: docs/wire-format.md, section 9).
+
+A producer on the broker's host writes each large tensor buffer into its own ring, a file in ``/dev/shm``
+(mode 0600), and the message carries the buffer's position instead of its bytes. The broker forwards only
+the small message; a consumer on the same host copies the bytes out of the ring. That takes the broker's
+copy in and copy out off every large frame (the bus did 4 copies per frame where one pyzmq hop does 2).
+
+The ring never blocks its writer: it overwrites its oldest bytes. A reader checks *after* its copy that
+the writer has not reserved past that region since (``reserved <= pos + size``); otherwise the bytes may be
+torn and the read fails with ``ShmOverrunError``, which consumers report as a gap. Positions are absolute
+byte counts (u64), so a stale position is always recognised. The check relies on stores becoming visible
+in program order (x86-64 TSO): the writer stores ``reserved`` before it copies.
+
+Layout: a 4096-byte header (``magic``, ``size``, ``reserved``, ``pid``; little-endian u64s) then ``size``
+bytes of data; the buffer at position ``pos`` lies at ``4096 + pos % size`` and never wraps (the writer skips
+to the next lap instead).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import struct
+import time
+import uuid
+import weakref
+
+import numpy as np
+
+from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
+
+SHM_DIR = "/dev/shm"
+DEFAULT_RING_BYTES = 256 << 20
+DEFAULT_MIN_BYTES = 64 << 10  # smaller buffers stay inline: below this the bus's per-message cost dominates
+_MAGIC = b"MIASHM01"
+_HEADER = 4096
+_RESERVED_AT = 16
+_NAME = re.compile(r"mia-stream-ring-(\d+)-[0-9a-f]{12}")
+_U64 = struct.Struct("<Q")
+
+
+def shm_available() -> bool:
+    return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+class ShmRingWriter:
+    """The producer's ring. ``put(buffer)`` -> its position, or None for a buffer that stays inline."""
+
+    def __init__(self, size: int = DEFAULT_RING_BYTES, min_bytes: int = DEFAULT_MIN_BYTES, directory: str = SHM_DIR):
+        self.size = int(size)
+        self.min_bytes = int(min_bytes)
+        self.max_bytes = self.size // 4  # a buffer this large would evict most of what is in flight
+        sweep_stale_rings(directory)
+        self.name = f"mia-stream-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        self.path = os.path.join(directory, self.name)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            # Allocated now, not on first touch: a store into a page a full tmpfs cannot back is a SIGBUS,
+            # which would kill the engine; here it is an OSError (ENOSPC) and the caller sends inline.
+            os.posix_fallocate(fd, 0, _HEADER + self.size)
+            self._mm = mmap.mmap(fd, _HEADER + self.size)
+        except BaseException:
+            os.close(fd)
+            _unlink(self.path)
+            raise
+        os.close(fd)
+        self._mm[:8] = _MAGIC
+        _U64.pack_into(self._mm, 8, self.size)
+        _U64.pack_into(self._mm, 24, os.getpid())
+        self._view = memoryview(self._mm)
+        self._reserved = _counter(self._mm)
+        self._unlink_at_exit = weakref.finalize(self, _unlink, self.path)  # a writer never closed
+        self.written = 0  # absolute position of the next buffer
+        self.buffers = 0
+        self.bytes = 0
+
+    def put(self, buf) -> int | None:
+        """Copy ``buf`` (bytes-like) into the ring; its absolute position, or None when it stays inline."""
+        mv = buf if type(buf) is memoryview else memoryview(buf)
+        if mv.ndim != 1 or mv.itemsize != 1:
+            mv = mv.cast("B")
+        n = mv.nbytes
+        if n < self.min_bytes or n > self.max_bytes or self._view is None:
+            return None
+        size = self.size
+        pos = self.written
+        offset = pos % size
+        if offset + n > size:  # never wrap a buffer: start the next lap
+            pos += size - offset
+            offset = 0
+        self._reserved[0] = pos + n  # before the copy: readers of older bytes see it
+        self._view[_HEADER + offset:_HEADER + offset + n] = mv
+        self.written = pos + n
+        self.buffers += 1
+        self.bytes += n
+        return pos
+
+    def close(self, unlink: bool = True) -> None:
+        """Unmap; ``unlink`` removes the file (readers that mapped it keep reading until they unmap)."""
+        if self._view is None:
+            return
+        self._view.release()
+        self._view = None
+        self._reserved = None
+        self._mm.close()
+        if unlink:
+            self._unlink_at_exit()
+        else:
+            self._unlink_at_exit.detach()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _counter(mm: mmap.mmap) -> np.ndarray:
+    """``reserved`` as a one-element u64 array over the mapping: numpy reads and writes an aligned element
+    with one 8-byte access, where ``struct.pack_into`` stores byte by byte and a reader can see it torn."""
+    return np.frombuffer(mm, dtype="<u8", count=1, offset=_RESERVED_AT)
+
+
+class _MappedRing:
+    __slots__ = ("mm", "size", "reserved", "gone_since")
+
+    def __init__(self, mm: mmap.mmap, size: int):
+        self.mm, self.size, self.reserved = mm, size, _counter(mm)
+        self.gone_since = 0.0  # when its file was first seen removed (its producer closed or died)
+
+    def close(self) -> None:
+        self.reserved = None  # the array holds the mapping's buffer: released first, or close() refuses
+        self.mm.close()
+
+
+class ShmRingReader:
+    """A consumer's (or the broker's) view of producers' rings, opened by name on first use and kept open."""
+
+    def __init__(self, directory: str = SHM_DIR, max_rings: int = 256):
+        self.directory = directory
+        self.max_rings = max_rings
+        self._rings: dict[str, _MappedRing] = {}
+
+    def read(self, name: str, pos: int, nbytes: int) -> bytes:
+        """A copy of ``nbytes`` at ``pos`` of ring ``name``, checked not to have been overwritten."""
+        ring = self._rings.get(name)
+        if ring is None:
+            ring = self._open(name)
+        size = ring.size
+        offset = pos % size
+        if pos < 0 or nbytes < 0 or offset + nbytes > size:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
+        data = ring.mm[_HEADER + offset:_HEADER + offset + nbytes]
+        reserved = int(ring.reserved[0])
+        if reserved < pos + nbytes:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
+                                      f"holds ({reserved})")
+        if reserved > pos + size:
+            raise ShmOverrunError(f"ring {name!r} was overwritten before this reader copied {nbytes} bytes at "
+                                  f"{pos} (the writer is {reserved - pos - size} bytes past them)")
+        return data
+
+    def lag(self, name: str, pos: int) -> float:
+        """How far the writer of ring ``name`` is past ``pos``, in ring sizes (> 1: those bytes are gone);
+        0.0 for a ring that cannot be opened (its readers will report that)."""
+        try:
+            ring = self._rings.get(name) or self._open(name)
+        except MalformedFrameError:
+            return 0.0
+        except ShmUnavailableError:
+            return 0.0
+        return (int(ring.reserved[0]) - pos) / ring.size
+
+    def _open(self, name: str) -> _MappedRing:
+        if type(name) is not str or not _NAME.fullmatch(name):
+            raise MalformedFrameError(f"not a shared-memory ring name: {name!r}")
+        path = os.path.join(self.directory, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as e:
+            raise ShmUnavailableError(f"cannot open the producer's shared-memory ring {path}: {e.strerror} (a "
+                                      "producer on another host or of another user, or one that exited: set "
+                                      "MIA_STREAM_SHM_BYTES=0 on the producer to send tensors inline)") from None
+        try:
+            total = os.fstat(fd).st_size
+            if total <= _HEADER:
+                raise ShmUnavailableError(f"shared-memory ring {path} is not initialised")
+            mm = mmap.mmap(fd, total, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        if mm[:8] != _MAGIC or _U64.unpack_from(mm, 8)[0] != total - _HEADER:
+            mm.close()
+            raise ShmUnavailableError(f"{path} is not a mia_stream ring of the expected layout")
+        if len(self._rings) >= self.max_rings:  # the oldest mapping goes (a producer long gone, usually)
+            old = next(iter(self._rings))
+            self._rings.pop(old).close()
+        ring = self._rings[name] = _MappedRing(mm, total - _HEADER)
+        return ring
+
+    def prune(self, grace_s: float = 10.0) -> int:
+        """Unmap rings whose file was removed more than ``grace_s`` ago (their producer is gone; a mapping
+        keeps all of its memory alive). The grace lets the frames still in flight be read. How many."""
+        now = time.monotonic()
+        closed = 0
+        for name, ring in list(self._rings.items()):
+            if os.path.exists(os.path.join(self.directory, name)):
+                continue
+            if not ring.gone_since:
+                ring.gone_since = now
+            elif now - ring.gone_since >= grace_s:
+                self._rings.pop(name).close()
+                closed += 1
+        return closed
+
+    def close(self) -> None:
+        for ring in self._rings.values():
+            ring.close()
+        self._rings.clear()
+
+
+def sweep_stale_rings(directory: str = SHM_DIR) -> int:
+    """Remove the rings of producers that died without closing (their pid is gone); how many."""
+    removed = 0
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return 0
+    for name in names:
+        m = _NAME.fullmatch(name)
+        if m is None:
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue
+        except ProcessLookupError:
+            pass
+        except PermissionError:  # alive, another user's
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed += 1
+        except OSError:
+            pass
+    return removed

@@ -1,0 +1,171 @@
+"""Shared-memory tensor payloads (spec section 9): large buffers go through the producer's ring, not the broker.
+
+Real /dev/shm files, real broker processes and real ipc sockets; the spec-only decoder reads the ring too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import spec_decoder
+from bus_helpers import account, assert_exact, events_until, payload, processes, publish_stream, run_dir, start_broker, stats, wait_for
+from mia_stream.consumers import open_stream
+from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
+from mia_stream.producer.publisher import FramePublisher
+from mia_stream.schemas import (ShmRingReader, ShmRingWriter, StreamEnd, Tensor, TensorFrame, decode, decode_header,
+                                encode, inline_shm, shm_available, shm_nbytes, sweep_stale_rings)
+
+pytestmark = pytest.mark.skipif(not shm_available(), reason="needs a writable /dev/shm")
+
+
+def _frame(seq: int, *tensors: Tensor) -> TensorFrame:
+    return TensorFrame("r", "p", 1, seq, seq, positions=[seq], token_ids=[seq], tensors=list(tensors))
+
+
+def test_ring_payloads_decode_bit_exact_by_the_code_and_by_the_spec():
+    rng = np.random.default_rng(0)
+    big32 = rng.standard_normal((2, 1, 4096)).astype(np.float32)
+    big16 = rng.standard_normal((2, 1, 4096)).astype(np.float16)
+    small = rng.standard_normal((1, 1, 8)).astype(np.float32)
+    ring = ShmRingWriter(size=1 << 20, min_bytes=16 << 10)
+    reader = ShmRingReader()
+    try:
+        msg = _frame(0, Tensor.from_array("hs", big32, layers=(0, 1)), Tensor.from_array("q", small, layers=(0,)),
+                     Tensor.from_array("k", big16, layers=(0, 1)))
+        frames = encode(msg, shm=ring)
+        header = decode_header(frames)
+        assert len(frames) == 3  # topic, header and the small tensor's buffer: the big two are in the ring
+        assert header["shm_ring"] == ring.name and shm_nbytes(header) == big32.nbytes + big16.nbytes
+        got = decode(frames, shm=reader)
+        for t, want in zip(got.tensors, (big32, small, big16)):
+            assert np.array_equal(t.numpy(), want)
+        by_spec = spec_decoder.decode(frames)
+        for t, want in zip(by_spec.tensors, (big32, small, big16)):
+            assert np.array_equal(t.values, want)
+        inline = inline_shm(frames, reader)  # what a recorder or a peer on another host gets
+        assert len(inline) == 5 and "shm_ring" not in decode_header(inline)
+        assert all(np.array_equal(t.numpy(), w) for t, w in zip(decode(inline).tensors, (big32, small, big16)))
+        with pytest.raises(ShmUnavailableError, match="ShmRingReader"):
+            decode(frames)  # a decoder without a ring reader says what it needs
+    finally:
+        ring.close()
+        reader.close()
+    assert not os.path.exists(ring.path)
+
+
+def test_overwritten_bytes_are_refused_never_returned_torn():
+    ring = ShmRingWriter(size=1 << 20, min_bytes=1024)
+    reader = ShmRingReader()
+    try:
+        first = encode(_frame(0, Tensor.from_array("hs", np.full((1, 1, 65536), 1.0, np.float32))), shm=ring)
+        assert np.all(decode(first, shm=reader).tensors[0].numpy() == 1.0)
+        for seq in range(1, 5):  # 4 x 256 KiB more: the writer reserves past first's bytes + 1 MiB
+            encode(_frame(seq, Tensor.from_array("hs", np.full((1, 1, 65536), float(seq), np.float32))), shm=ring)
+        with pytest.raises(ShmOverrunError, match="overwritten"):
+            decode(first, shm=reader)
+        with pytest.raises(spec_decoder.SpecDecodeError, match="shm_overrun"):
+            spec_decoder.decode(first)
+        with pytest.raises(MalformedFrameError, match="past what ring"):
+            reader.read(ring.name, ring.written, 1024)  # nothing was written there yet
+        with pytest.raises(MalformedFrameError, match="not a shared-memory ring name"):
+            reader.read("../../etc/passwd", 0, 8)  # a header cannot make a consumer open arbitrary files
+        with pytest.raises(MalformedFrameError, match="outside ring"):
+            reader.read(ring.name, (1 << 20) - 16, 64)
+    finally:
+        ring.close()
+        reader.close()
+
+
+def test_the_ring_of_a_killed_producer_is_swept_and_a_live_one_is_not():
+    child = subprocess.Popen([sys.executable, "-c", "from mia_stream.schemas import ShmRingWriter\n"
+                              "r = ShmRingWriter(size=1 << 20)\nprint(r.path, flush=True)\n"
+                              "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    live = ShmRingWriter(size=1 << 20)
+    try:
+        path = child.stdout.readline().strip()
+        assert os.path.exists(path)
+        child.send_signal(signal.SIGKILL)
+        child.wait(10)
+        assert os.path.exists(path)  # SIGKILL: nothing in the child removed it
+        assert sweep_stale_rings() >= 1
+        assert not os.path.exists(path) and os.path.exists(live.path)
+    finally:
+        live.close()
+        if child.poll() is None:
+            child.kill()
+
+
+def test_large_frames_skip_the_broker_and_arrive_bit_exact_for_ring_and_inline_consumers():
+    n, nbytes = 24, 1 << 20
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d))
+        with open_stream(d, patterns=("big-*",), timeout=20, consumer_id="reads-rings") as ring_side, \
+                open_stream(d, patterns=("big-*",), timeout=20, consumer_id="inline", shm=False) as inline_side:
+            wait_for(lambda: len(stats(d)["consumers"]) >= 2, timeout=10)
+            pub = FramePublisher(d, producer_id="shm")
+            try:
+                wait_for(lambda: pub.broker_shm, timeout=10)
+                publish_stream(pub, "big-0", frames=n, nbytes=nbytes)
+                assert pub.flush(10)
+                got_ring = account(events_until(ring_side, 1, 30))["big-0"]
+                got_inline = account(events_until(inline_side, 1, 30))["big-0"]
+                ring_bytes = pub.shm_ring.bytes
+            finally:
+                pub.close()
+            st = stats(d)
+    for rec in (got_ring, got_inline):
+        assert_exact(rec)  # every seq delivered once, each tensor filled with its own seq
+        assert rec["gap_seqs"] == [] and rec["steps"] == list(range(n))
+    totals = st["totals"]
+    assert ring_bytes == n * nbytes and totals["shm_bytes_in"] == n * nbytes
+    assert totals["shm_inlined"] == n  # once per frame for the consumer that said it cannot read rings
+    producer = next(v for k, v in st["producers"].items() if k.startswith("shm/"))
+    assert producer["bytes"] < n * 4096  # through the broker's socket: headers only
+
+
+def test_a_consumer_too_slow_for_the_ring_is_told_exactly_which_frames_it_lost():
+    # A ring of 8 MiB and a consumer that reads nothing until 40 frames of 1 MiB were written: the first ones
+    # were overwritten. It must get gaps (reason shm_overrun) for exactly those, and correct bytes for the rest.
+    n = 40
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d))
+        with open_stream(d, patterns=("slow-*",), timeout=20) as events:
+            wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
+            pub = FramePublisher(d, producer_id="slow", shm_bytes=8 << 20)
+            try:
+                wait_for(lambda: pub.broker_shm, timeout=10)
+                publish_stream(pub, "slow-0", frames=n, nbytes=1 << 20)
+                assert pub.flush(10)
+                wait_for(lambda: stats(d)["totals"].get("shm_bytes_in", 0) >= n << 20, timeout=10)
+                rec = account(events_until(events, 1, 30))["slow-0"]
+            finally:
+                pub.close()
+    assert_exact(rec)
+    lost = sorted(rec["gap_seqs"])
+    assert lost and set(rec["gap_reasons"]) == {"shm_overrun"}
+    assert lost == list(range(1, 1 + len(lost)))  # the oldest frames (seq 0 is the start)
+    assert len(rec["steps"]) >= 3  # the newest ones (less than 3/4 of a ring behind its writer) were delivered
+
+
+def test_a_recording_keeps_the_bytes_not_the_ring_position(tmp_path):
+    from mia_stream.consumers.recorder import Recorder
+    from mia_stream.consumers.recording import iter_recording
+
+    ring = ShmRingWriter(size=4 << 20, min_bytes=1024)
+    data = np.arange(65536, dtype=np.float32).reshape(1, 1, -1)
+    rec = Recorder(tmp_path / "rec")
+    try:
+        rec.write(encode(_frame(0, Tensor.from_array("hs", data, layers=(0,))), shm=ring))
+        rec.close()
+    finally:
+        ring.close()  # the ring is gone: the recording must not need it
+    (frames, msg), = list(iter_recording(tmp_path / "rec"))
+    assert "shm_ring" not in decode_header(frames)
+    assert np.array_equal(msg.tensors[0].numpy(), data)
