@@ -9,20 +9,30 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 
 import spec_decoder
-from bus_helpers import account, assert_exact, events_until, payload, processes, publish_stream, run_dir, start_broker, stats, wait_for
+from bus_helpers import (account, assert_exact, events_until, processes, publish_stream, run_dir, start_broker, stats,
+                         wait_for)
 from mia_stream.consumers import open_stream
 from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
 from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import (ShmRingReader, ShmRingWriter, StreamEnd, Tensor, TensorFrame, decode, decode_header,
+from mia_stream.schemas import (ShmRingReader, ShmRingWriter, Tensor, TensorFrame, decode, decode_header,
                                 encode, inline_shm, shm_available, shm_nbytes, sweep_stale_rings)
 
-pytestmark = pytest.mark.skipif(not shm_available(), reason="needs a writable /dev/shm")
+def _shm_free_bytes() -> int:
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
+
+
+# The rings here are at most 64 MiB; a publisher's default 256 MiB ring falls back to inline without room.
+pytestmark = pytest.mark.skipif(not shm_available() or _shm_free_bytes() < 256 << 20,
+                                reason="needs a writable /dev/shm with 256 MiB free")
 
 
 def _frame(seq: int, *tensors: Tensor) -> TensorFrame:
@@ -109,7 +119,7 @@ def test_large_frames_skip_the_broker_and_arrive_bit_exact_for_ring_and_inline_c
         with open_stream(d, patterns=("big-*",), timeout=20, consumer_id="reads-rings") as ring_side, \
                 open_stream(d, patterns=("big-*",), timeout=20, consumer_id="inline", shm=False) as inline_side:
             wait_for(lambda: len(stats(d)["consumers"]) >= 2, timeout=10)
-            pub = FramePublisher(d, producer_id="shm")
+            pub = FramePublisher(d, producer_id="shm", shm_bytes=64 << 20)
             try:
                 wait_for(lambda: pub.broker_shm, timeout=10)
                 publish_stream(pub, "big-0", frames=n, nbytes=nbytes)
