@@ -57,9 +57,10 @@ print("closed", flush=True)
 """
 
 
-def test_a_producer_that_exits_right_after_its_stream_loses_nothing(tmp_path):
-    # The producer's last messages and its StreamEnd can still be unread in the broker's zmq pipe when the
-    # broker learns that the producer disconnected: with LINGER 0 libzmq then discards them (silently).
+def _stream_past_a_frozen_broker(script: str, pattern: str, *broker_args: str) -> tuple[str, str, list]:
+    """Run ``script`` as a producer process that connects, waits for "go", streams and exits while the
+    broker is stopped (SIGSTOP), then resume the broker. Returns the producer's last stdout line, its
+    stderr and the events a consumer got up to the stream's end (or 15 s without any)."""
     import signal
     import subprocess
     import sys
@@ -70,19 +71,19 @@ def test_a_producer_that_exits_right_after_its_stream_loses_nothing(tmp_path):
 
     tests_dir = str(Path(__file__).resolve().parent)
     with run_dir() as d, processes() as procs:
-        broker = start_broker(d)
+        broker = start_broker(d, *broker_args)
         procs.append(broker)
-        with open_stream(d, patterns=("tail-*",), timeout=15) as events:
+        with open_stream(d, patterns=(pattern,), timeout=15) as events:
             wait_for(lambda: any(c.get("patterns") for c in stats(d)["consumers"].values()), timeout=10)
-            prod = subprocess.Popen([sys.executable, "-c", _TAIL_PRODUCER, d, tests_dir], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, text=True)
+            prod = subprocess.Popen([sys.executable, "-c", script, d, tests_dir], stdin=subprocess.PIPE,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             procs.append(prod)
             assert prod.stdout.readline().strip() == "connected"
             broker.send_signal(signal.SIGSTOP)  # the broker reads nothing while the producer sends and exits
             try:
                 prod.stdin.write("go\n")
                 prod.stdin.flush()
-                assert prod.stdout.readline().strip() == "closed"
+                last_line = prod.stdout.readline().strip()
                 assert prod.wait(10) == 0
             finally:
                 broker.send_signal(signal.SIGCONT)
@@ -91,6 +92,14 @@ def test_a_producer_that_exits_right_after_its_stream_loses_nothing(tmp_path):
                 got.append(ev)
                 if ev.kind == "end":
                     break
+    return last_line, prod.stderr.read(), got
+
+
+def test_a_producer_that_exits_right_after_its_stream_loses_nothing():
+    # The producer's last messages and its StreamEnd can still be unread in the broker's zmq pipe when the
+    # broker learns that the producer disconnected: with LINGER 0 libzmq then discards them (silently).
+    last_line, _, got = _stream_past_a_frozen_broker(_TAIL_PRODUCER, "tail-*")
+    assert last_line == "closed"
     kinds = [e.kind for e in got]
     assert kinds[0] == "start" and kinds[-1] == "end", kinds[-3:]
     assert [e.frame.step for e in got if e.kind == "frame"] == list(range(60))
@@ -132,39 +141,9 @@ print(pub.counters["close_linger_expired"], flush=True)
 def test_a_producer_that_exits_before_a_frozen_broker_read_its_stream_is_reported_not_silent():
     # What zmq still held when close()'s linger ran out is gone with the process: the publisher says so (a
     # counter and a warning), and the broker ends the stream as producer_lost after what it did receive.
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    from bus_helpers import processes, start_broker, stats
-    from mia_stream.consumers import open_stream
-
-    tests_dir = str(Path(__file__).resolve().parent)
-    with run_dir() as d, processes() as procs:
-        broker = start_broker(d, "--producer-timeout", "2")
-        procs.append(broker)
-        with open_stream(d, patterns=("flood-*",), timeout=15) as events:
-            wait_for(lambda: any(c.get("patterns") for c in stats(d)["consumers"].values()), timeout=10)
-            prod = subprocess.Popen([sys.executable, "-c", _FLOOD_PRODUCER, d, tests_dir], stdin=subprocess.PIPE,
-                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            procs.append(prod)
-            assert prod.stdout.readline().strip() == "connected"
-            broker.send_signal(signal.SIGSTOP)
-            try:
-                prod.stdin.write("go\n")
-                prod.stdin.flush()
-                expired = prod.stdout.readline().strip()
-                assert prod.wait(10) == 0
-            finally:
-                broker.send_signal(signal.SIGCONT)
-            got = []
-            for ev in events:
-                got.append(ev)
-                if ev.kind == "end":
-                    break
+    expired, stderr, got = _stream_past_a_frozen_broker(_FLOOD_PRODUCER, "flood-*", "--producer-timeout", "2")
     assert expired == "1"
-    assert "did not take all sent messages" in prod.stderr.read()
+    assert "did not take all sent messages" in stderr
     steps = [e.frame.step for e in got if e.kind == "frame"]
     assert got[0].kind == "start" and got[-1].kind == "end", [e.kind for e in got[-3:]]
     assert got[-1].end.finish_reason == "producer_lost"
