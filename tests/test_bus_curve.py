@@ -8,12 +8,12 @@ import time
 import pytest
 import zmq
 
-from bus_helpers import events_until, processes, publish_stream, run_dir, start_broker
+from bus_helpers import events_until, processes, publish_stream, run_dir, start_broker, wait_for
 from mia_stream import _transport
 from mia_stream.consumers import BrokerClient, open_stream
 from mia_stream.errors import TransportError
 from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import SteeringCommand, encode, Subscribe
+from mia_stream.schemas import ShmRingWriter, SteeringCommand, Subscribe, encode
 
 
 def _free_base_port() -> int:
@@ -77,6 +77,13 @@ def test_curve_tcp_only_authorised_peers_receive(tmp_path):
             ack = watcher.send_steering(SteeringCommand("w1", "secret", "clear"), timeout=5)
             assert not ack.ok and ack.error.startswith("not_authorised")
             watcher.close()
+            # a tcp producer is never offered shared memory, and a ring reference it forges is refused
+            assert pub.broker_instance is not None and not pub.broker_shm
+            pub.shm_ring, pub.broker_shm = ShmRingWriter(size=1 << 20, min_bytes=1024), True
+            publish_stream(pub, "forged", 2, 64 << 10)
+            got = list(events_until(good, 1, 10))
+            assert [e.kind for e in got if e.stream.request_id == "forged"].count("frame") == 0
+            wait_for(lambda: pub.counters["broker_error_malformed"] >= 2, timeout=5)
         finally:
             good.close()
             bad.close()

@@ -246,6 +246,7 @@ class Broker:
         self._now = time.monotonic()  # taken once per batch of received messages
         self._messages_in = self._bytes_in = 0  # folded into counters after each batch
         self._shm = ShmRingReader()  # for consumers that cannot read producers' rings themselves
+        self._accept_shm = config.shm and eps.producers.startswith("ipc://")
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -353,6 +354,11 @@ class Broker:
             return
         kind = header["kind"]
         if _SHM_RING_KEY in header:  # what the ring holds counts against budgets and windows like inline bytes
+            if not self._accept_shm:  # a peer on another host cannot have a ring here: a forged reference
+                self._report_bad(p, self._prod, identity, "producer", MalformedFrameError(
+                    "shared-memory tensor references are accepted only from producers on the broker's host "
+                    "(an ipc producers endpoint)"))
+                return
             ring_bytes = shm_nbytes(header)
             nbytes += ring_bytes
             self.counters["shm_bytes_in"] += ring_bytes
@@ -409,7 +415,7 @@ class Broker:
 
     def _heartbeat(self, known: bool) -> list:
         return encode(Heartbeat("broker", "broker", self.instance, time.time_ns(),
-                                {"known": known, "batch": self.config.batch, "shm": self.config.shm}))
+                                {"known": known, "batch": self.config.batch, "shm": self._accept_shm}))
 
     def _heartbeat_to(self, sock: zmq.Socket, identity: bytes, known: bool) -> None:
         self._send_direct(sock, identity, self._heartbeat(known))
@@ -747,7 +753,7 @@ class Broker:
             c.name = msg.consumer_id
         c.window = max(0, msg.window_bytes)
         c.batch = self.config.batch and msg.batch is True
-        c.shm = self.config.shm and msg.shm is True
+        c.shm = self._accept_shm and msg.shm is True
         c.patterns = sorted(set(c.patterns) | set(patterns))
         c.match_cache.clear()
         for s in list(self._streams.values()):
@@ -932,7 +938,7 @@ class Broker:
             "broker": {"instance": self.instance, "pid": os.getpid(), "uptime_s": now - self._started,
                        "endpoints": {"producers": eps.producers, "consumers": eps.consumers, "stats": eps.stats},
                        "curve": self.config.keys is not None, "steering": self.config.steering,
-                       "batch": self.config.batch, "shm": self.config.shm,
+                       "batch": self.config.batch, "shm": self._accept_shm,
                        "late_join_buffer_bytes": self._buffered_total, "time_ns": time.time_ns()},
             "totals": dict(self.counters),
             "producers": {p.name: {"frames_per_s": p.rate[0], "bytes_per_s": p.rate[1], "messages": p.messages,
