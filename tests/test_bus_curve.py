@@ -79,6 +79,7 @@ def test_curve_tcp_only_authorised_peers_receive(tmp_path):
             watcher.close()
             # a tcp producer is never offered shared memory, and a ring reference it forges is refused
             assert pub.broker_instance is not None and not pub.broker_shm
+            pub._on_broker_heartbeat = lambda hb: None  # keeps broker_shm as forged below
             pub.shm_ring, pub.broker_shm = ShmRingWriter(size=1 << 20, min_bytes=1024), True
             publish_stream(pub, "forged", 2, 64 << 10)
             got = list(events_until(good, 1, 10))
