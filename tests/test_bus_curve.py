@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from bus_helpers import events_until, processes, publish_stream, run_dir, start_broker, wait_for
+from bus_helpers import events_until, processes, publish_stream, start_broker, wait_for
 from mia_stream import _transport
 from mia_stream.consumers import BrokerClient, open_stream
 from mia_stream.errors import TransportError
@@ -50,7 +50,7 @@ def test_curve_tcp_only_authorised_peers_receive(tmp_path):
     stranger = tmp_path / "stranger"  # a valid key pair the broker never heard of
     _transport.create_keys(stranger, clients=("consumer",), steer=())
     address = f"tcp://127.0.0.1:{_free_base_port()}"
-    with run_dir() as d, processes() as procs:
+    with processes() as procs:
         procs.append(start_broker(address, "--keys", str(keys)))
         pub = FramePublisher(address, producer_id="secure", keys=_transport.load_client_keys(keys, "producer"))
         good = open_stream(address, patterns=("*",), timeout=5, keys=_transport.load_client_keys(keys, "consumer"))

@@ -15,7 +15,7 @@ from bus_helpers import account, assert_exact, events_until, processes, publish_
 from mia_stream import _transport
 from mia_stream.consumers import open_stream
 from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import ErrorNotice, StreamStart, Subscribe, Tensor, TensorFrame, decode, encode, encode_batch
+from mia_stream.schemas import ErrorNotice, StreamStart, Tensor, TensorFrame, decode, encode, encode_batch
 import numpy as np
 
 

@@ -10,12 +10,10 @@ On a CUDA machine, ``test_triton_on_cuda_*`` run the compiled kernels, also insi
 
 from __future__ import annotations
 
-import math
 import os
 import subprocess
 import sys
 from functools import cache
-from pathlib import Path
 
 import numpy as np
 import pytest

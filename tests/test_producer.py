@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
 
 from producer_helpers import collecting, hf_trace, rel_err

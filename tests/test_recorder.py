@@ -19,7 +19,7 @@ from mia_stream.schemas import SCHEMA_VERSION
 import spec_decoder
 from mia_stream.consumers import recording as recording_module
 from mia_stream.consumers.recorder import Recorder
-from mia_stream.consumers.recording import Recording, iter_recording, unpack_frames
+from mia_stream.consumers.recording import Recording, iter_recording
 from mia_stream.schemas import (GapNotice, Heartbeat, StreamEnd, StreamStart, Tensor, TensorFrame, TokenFrame,
                                 encode)
 

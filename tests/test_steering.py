@@ -7,7 +7,6 @@ logits through vLLM's sampled-token logprobs. Tolerances as in test_producer (fl
 from __future__ import annotations
 
 import threading
-import time
 import uuid
 
 import numpy as np

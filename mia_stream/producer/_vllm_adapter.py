@@ -31,7 +31,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mia_stream.errors import SpecError, UnsupportedVLLMError
-from mia_stream.producer.spec import SPEC_KEY, ModelGeometry, RequestSpec, parse_spec, parse_steer_ops
+from mia_stream.producer.spec import SPEC_KEY, ModelGeometry, parse_spec, parse_steer_ops
 
 logger = logging.getLogger("mia_stream.producer")
 
