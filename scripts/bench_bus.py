@@ -142,12 +142,18 @@ def _spawn(*args: str) -> subprocess.Popen:
     return subprocess.Popen([PY, __file__, *args], stdout=subprocess.PIPE, text=True, env=env)
 
 
+def _variant_row(title: str, res: dict, raw: dict) -> None:
+    """One more bus row under a size's main row, its ratio against that size's raw run."""
+    print(f"{'':>7} | {title:>37} | {res['gbps']:8.3f} {res['fps']:9.0f} {res['p50_us']:7.0f}u "
+          f"{res['p99_us']:7.0f}u {res['lost']:5d} {res['gaps_reported']:5d} | {res['gbps'] / raw['gbps']:5.2f}",
+          flush=True)
+
+
 def _lossless_row(run_dir: str, size: int, n: int, saturated: dict, raw: dict, title: str) -> None:
     rate, res = run_lossless(run_dir, size, n, max(saturated["fps"], raw["fps"]))
-    gbps = res["gbps"] if rate else 0.0  # what the consumer measured (a producer may not reach its target)
-    print(f"{'':>7} | {title:>37} | {gbps:8.3f} {res['fps'] if rate else 0:9.0f} {res['p50_us']:7.0f}u "
-          f"{res['p99_us']:7.0f}u {res['lost']:5d} {res['gaps_reported']:5d} | {gbps / raw['gbps']:5.2f}",
-          flush=True)
+    if not rate:  # no rate tried lost nothing: print zeros, not the last lossy run's rate
+        res = dict(res, gbps=0.0, fps=0)
+    _variant_row(title, res, raw)  # what the consumer measured (a producer may not reach its target)
 
 
 def _wait_ready(p: subprocess.Popen) -> None:
@@ -247,15 +253,10 @@ def main(argv: list[str] | None = None) -> int:
             if bus["lost"] or args.lossless:
                 _lossless_row(run_dir, size, n, bus, raw, "lossless (paced, stepped down):")
             if args.unbatched:
-                plain = run_bus(unbatched_dir, size, n)
-                print(f"{'':>7} | {'unbatched (--no-batch broker):':>37} | {plain['gbps']:8.3f} {plain['fps']:9.0f} "
-                      f"{plain['p50_us']:7.0f}u {plain['p99_us']:7.0f}u {plain['lost']:5d} {plain['gaps_reported']:5d} "
-                      f"| {plain['gbps'] / raw['gbps']:5.2f}", flush=True)
+                _variant_row("unbatched (--no-batch broker):", run_bus(unbatched_dir, size, n), raw)
             if args.no_shm:
                 plain = run_bus(no_shm_dir, size, n)
-                print(f"{'':>7} | {'no shared memory (--no-shm broker):':>37} | {plain['gbps']:8.3f} "
-                      f"{plain['fps']:9.0f} {plain['p50_us']:7.0f}u {plain['p99_us']:7.0f}u {plain['lost']:5d} "
-                      f"{plain['gaps_reported']:5d} | {plain['gbps'] / raw['gbps']:5.2f}", flush=True)
+                _variant_row("no shared memory (--no-shm broker):", plain, raw)
                 if plain["lost"] or args.lossless:
                     _lossless_row(no_shm_dir, size, n, plain, raw, "--no-shm lossless (paced):")
         paced_rows = [] if args.no_paced else [r for r in rows if r[1] in (16 << 10, 1 << 20)]

@@ -20,7 +20,7 @@ from mia_stream.consumers import open_stream
 from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
 from mia_stream.producer.publisher import FramePublisher
 from mia_stream.schemas import (ShmRingReader, ShmRingWriter, Tensor, TensorFrame, decode, decode_header,
-                                encode, inline_shm, shm_available, shm_nbytes, sweep_stale_rings)
+                                encode, inline_shm, shm_available, shm_extent, sweep_stale_rings)
 
 def _shm_free_bytes() -> int:
     try:
@@ -52,7 +52,7 @@ def test_ring_payloads_decode_bit_exact_by_the_code_and_by_the_spec():
         frames = encode(msg, shm=ring)
         header = decode_header(frames)
         assert len(frames) == 3  # topic, header and the small tensor's buffer: the big two are in the ring
-        assert header["shm_ring"] == ring.name and shm_nbytes(header) == big32.nbytes + big16.nbytes
+        assert header["shm_ring"] == ring.name and shm_extent(header)[2] == big32.nbytes + big16.nbytes
         got = decode(frames, shm=reader)
         for t, want in zip(got.tensors, (big32, small, big16)):
             assert np.array_equal(t.numpy(), want)

@@ -27,12 +27,10 @@ import zmq
 
 from mia_stream import _transport
 from mia_stream._transport import BrokerEndpoints, ServerKeys
-from mia_stream.errors import (MalformedFrameError, OversizedMessageError, SchemaVersionError, ShmOverrunError,
-                               WireError)
+from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, ShmRingReader,
                                 SteeringAck, SteeringCommand, StreamEnd, Subscribe, Unsubscribe, decode, encode,
-                                inline_shm, shm_nbytes, split_batch, sweep_stale_rings)
-from mia_stream.schemas._codec import shm_oldest
+                                inline_shm, shm_extent, shm_loss_reason, split_batch, sweep_stale_rings)
 from mia_stream.schemas._codec import SHM_RING_KEY as _SHM_RING_KEY
 from mia_stream.schemas._codec import batch_header, decode_header
 from mia_stream.schemas._messages import Credit
@@ -353,17 +351,17 @@ class Broker:
         if header is None:
             return
         kind = header["kind"]
-        if _SHM_RING_KEY in header:  # what the ring holds counts against budgets and windows like inline bytes
+        extent = shm_extent(header) if _SHM_RING_KEY in header else None
+        if extent is not None:  # what the ring holds counts against budgets and windows like inline bytes
             if not self._accept_shm:  # a peer on another host cannot have a ring here: a forged reference
                 self._report_bad(p, self._prod, identity, "producer", MalformedFrameError(
                     "shared-memory tensor references are accepted only from producers on the broker's host "
                     "(an ipc producers endpoint)"))
                 return
-            ring_bytes = shm_nbytes(header)
-            nbytes += ring_bytes
-            self.counters["shm_bytes_in"] += ring_bytes
+            nbytes += extent[2]
+            self.counters["shm_bytes_in"] += extent[2]
         if kind in _STREAM_KINDS:
-            self._on_stream_message(p, header, body, nbytes)
+            self._on_stream_message(p, header, body, nbytes, extent)
         elif kind == "gap":
             self._on_producer_gap(p, header, body, nbytes)
         elif kind == "heartbeat":
@@ -422,7 +420,7 @@ class Broker:
 
     # ------------------------------------------------------------------------------------------ streams
 
-    def _on_stream_message(self, p: _Producer, h: dict, body: list, nbytes: int) -> None:
+    def _on_stream_message(self, p: _Producer, h: dict, body: list, nbytes: int, extent: tuple | None) -> None:
         kind = h["kind"]
         key = (h["request_id"], h["producer_id"], h["epoch"])
         seq = h.get("seq", 0)
@@ -439,8 +437,7 @@ class Broker:
         s.messages += 1
         s.bytes += nbytes
         self._order += 1
-        oldest = shm_oldest(h) if _SHM_RING_KEY in h else None
-        entry = _Entry(kind, seq * 2, seq, body, nbytes, (*oldest, key, seq) if oldest else None)
+        entry = _Entry(kind, seq * 2, seq, body, nbytes, (*extent[:2], key, seq) if extent else None)
         if kind == "start":
             if s.start is not None:
                 self.counters["duplicate_starts"] += 1  # a re-announce to a broker that already knew it
@@ -611,7 +608,7 @@ class Broker:
         try:
             frames = inline_shm(entry.frames, self._shm)
         except WireError as e:
-            reason = "shm_overrun" if isinstance(e, ShmOverrunError) else "shm_unavailable"
+            reason = shm_loss_reason(e)
             self.counters[reason] += 1
             if self.counters[reason] <= 10:
                 log.warning("broker: could not inline %s seq %d from its producer's ring: %s", s.request_id,

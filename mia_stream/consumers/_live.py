@@ -20,11 +20,10 @@ from typing import Any
 import zmq
 
 from mia_stream import _transport
-from mia_stream.errors import BrokerTimeoutError, SharedBufferError, ShmOverrunError, WireError
-from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
-                                ShmRingReader, SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode,
-                                decode_header, encode, inline_shm, references_shm, shm_available, shm_nbytes,
-                                split_batch)
+from mia_stream.errors import BrokerTimeoutError, SharedBufferError, WireError
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, Heartbeat, Message, ShmRingReader,
+                                SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode, decode_header, encode,
+                                inline_shm, references_shm, shm_extent, shm_loss_gap, shm_reachable, split_batch)
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.consumers")
@@ -67,7 +66,7 @@ class BrokerClient:
         self._next_heartbeat = 0.0
         self._shm = ShmRingReader()  # producers' rings (large tensors skip the broker on one host)
         # None: read producers' rings when on the broker's host (ipc); False: the broker sends every byte
-        self._reads_shm = (self.endpoint.startswith("ipc://") and shm_available()) if shm is None else bool(shm)
+        self._reads_shm = shm_reachable(self.endpoint) if shm is None else bool(shm)
         self._ctx = context or zmq.Context.instance()
         keys = _transport.resolve_client_keys(keys, "consumer")
         self._sock = self._ctx.socket(zmq.DEALER)
@@ -220,18 +219,16 @@ class BrokerClient:
         ring no longer holds them (overwritten) or cannot be opened here. The weight (wire bytes plus ring
         bytes) is what the broker counted against this consumer's window, so it is what gets credited."""
         header = decode_header(frames, max_message_bytes=self.max_message_bytes)
-        weight = _nbytes(frames) + shm_nbytes(header)
+        extent = shm_extent(header)
+        weight = _nbytes(frames) + (extent[2] if extent else 0)
         try:
             return weight, inline_shm(frames, self._shm)
         except SharedBufferError as e:
-            reason = "shm_overrun" if isinstance(e, ShmOverrunError) else "shm_unavailable"
-            self.counters[reason] += 1
+            gap = shm_loss_gap(header, e, "consumer")
+            self.counters[gap.reason] += 1
             self._credit(weight)
-            if self.counters[reason] <= 10:
+            if self.counters[gap.reason] <= 10:
                 log.warning("mia_stream consumer: lost a message's tensors: %s", e)
-            seq = header.get("seq", 0)
-            gap = GapNotice(header["request_id"], header["producer_id"], header["epoch"], [[seq, seq]], reason,
-                            "consumer", time.time_ns())
             return None, encode(gap)
 
     def _credit(self, n: int) -> None:

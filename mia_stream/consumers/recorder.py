@@ -28,8 +28,8 @@ import msgpack
 
 from mia_stream.consumers.recording import (BUS_TOPIC, MESSAGE_ENCODING, METADATA_NAME, PART_GLOB, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
-from mia_stream.errors import ShmOverrunError, WireError
-from mia_stream.schemas import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, ShmRingReader, encode, inline_shm
+from mia_stream.errors import WireError
+from mia_stream.schemas import MESSAGE_TYPES, SCHEMA_VERSION, ShmRingReader, encode, inline_shm, shm_loss_gap
 from mia_stream.schemas._codec import SHM_RING_KEY
 
 log = logging.getLogger(__name__)
@@ -161,11 +161,7 @@ class Recorder:
         except WireError as e:
             self.stats.shm_lost += 1
             log.warning("recorder: recorded a gap for a message whose tensors are gone: %s", e)
-            seq = header.get("seq", 0)
-            frames = encode(GapNotice(str(header.get("request_id", "")), str(header.get("producer_id", "")),
-                                      header.get("epoch", 0) if type(header.get("epoch")) is int else 0, [[seq, seq]],
-                                      "shm_overrun" if isinstance(e, ShmOverrunError) else "shm_unavailable",
-                                      "consumer", time.time_ns()))
+            frames = encode(shm_loss_gap(header, e, "consumer"))
         return frames, self._header_of(frames)
 
     def tick(self) -> None:
@@ -312,14 +308,14 @@ class _BrokerSource:
         import zmq
 
         from mia_stream import _transport
-        from mia_stream.schemas import Subscribe, encode, shm_available, split_batch
+        from mia_stream.schemas import Subscribe, encode, shm_reachable, split_batch
 
         self._zmq, self._transport, self._consumer_id = zmq, _transport, consumer_id
         self._split_batch = split_batch
         endpoint = _transport.endpoints_for(broker).consumers
         # on the broker's host the recorder copies producers' shared-memory tensors itself (Recorder.write)
         self._subscribe = encode(Subscribe(list(patterns), from_start=True, consumer_id=consumer_id, batch=True,
-                                           shm=endpoint.startswith("ipc://") and shm_available()))
+                                           shm=shm_reachable(endpoint)))
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         # Unbounded receive queue: the broker, not ZeroMQ, decides what is dropped (and says so).

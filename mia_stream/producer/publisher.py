@@ -41,7 +41,7 @@ from mia_stream.errors import WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
 from mia_stream.schemas._codec import batch_header
-from mia_stream.schemas._shm import DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, ShmRingWriter, shm_available
+from mia_stream.schemas._shm import DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, ShmRingWriter, shm_reachable
 
 log = logging.getLogger("mia_stream.publisher")
 
@@ -250,7 +250,7 @@ class FramePublisher:
                 shm_bytes = int(env) if env else DEFAULT_RING_BYTES
             except ValueError:
                 raise ValueError(f"{SHM_BYTES_ENV} must be a byte count, got {env!r}") from None
-        if shm_bytes <= 0 or not self.endpoint.startswith("ipc://") or not shm_available():
+        if shm_bytes <= 0 or not shm_reachable(self.endpoint):
             return None
         try:
             return ShmRingWriter(shm_bytes, min_bytes)
@@ -339,19 +339,18 @@ class FramePublisher:
         while True:
             blocked = self._send_queued(sock)
             now = time.monotonic()
+            # until the broker answers (its heartbeat says what it accepts: batches, shared memory), say hello
+            # often: the first heartbeats are lost while the connection is still being made
+            hello = self.broker_instance is None and now >= next_hello
+            if hello:
+                next_hello = now + _HELLO_S
             if now >= next_heartbeat:
                 next_heartbeat = now + self.heartbeat_s
                 self._send_heartbeat(sock)
                 self._announce_idle_gaps()
-            elif self.broker_instance is None and now >= next_hello:
-                # until the broker answers (its heartbeat says what it accepts: batches, shared memory), ask
-                # often: the first heartbeats are lost while the connection is still being made
+            elif hello:
                 self._send_heartbeat(sock)
-            wake_at = next_heartbeat
-            if self.broker_instance is None:
-                if now >= next_hello:
-                    next_hello = now + _HELLO_S
-                wake_at = min(wake_at, next_hello)
+            wake_at = next_heartbeat if self.broker_instance is not None else min(next_heartbeat, next_hello)
             with self._lock:
                 if self._closed:
                     if self._queue:  # close() gave up waiting: what is left is dropped, and counted

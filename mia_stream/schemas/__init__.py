@@ -4,8 +4,9 @@ Producers, the broker and consumers all speak through this package and nothing e
 """
 
 from mia_stream.schemas._codec import (DEFAULT_MAX_MESSAGE_BYTES, decode, decode_header, encode, encode_batch,
-                                      inline_shm, references_shm, shm_nbytes, split_batch)
-from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter, shm_available, sweep_stale_rings
+                                      inline_shm, references_shm, shm_extent, shm_loss_gap, shm_loss_reason,
+                                      split_batch)
+from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter, shm_available, shm_reachable, sweep_stale_rings
 from mia_stream.schemas._messages import (FINISH_REASONS, MESSAGE_TYPES, SCHEMA_VERSION, Credit, ErrorNotice,
                                           GapNotice, Heartbeat, Message, SteeringAck, SteeringCommand,
                                           StreamEnd, StreamStart, Subscribe, TensorFrame, TokenFrame,
@@ -17,6 +18,7 @@ __all__ = [
     "Credit", "ErrorNotice", "GapNotice", "Heartbeat", "Message", "Shard", "SteeringAck", "SteeringCommand",
     "StreamEnd", "StreamStart", "Subscribe", "Tensor", "TensorFrame", "TokenFrame", "Unsubscribe",
     "ShmRingReader", "ShmRingWriter", "decode", "decode_header", "encode", "encode_batch", "inline_shm",
-    "references_shm", "request_topic", "shm_available", "shm_nbytes", "split_batch", "stream_key",
+    "references_shm", "request_topic", "shm_available", "shm_extent", "shm_loss_gap", "shm_loss_reason",
+    "shm_reachable", "split_batch", "stream_key",
     "sweep_stale_rings",
 ]

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any, Sequence
 
 import msgpack
 
-from mia_stream.errors import (MalformedFrameError, OversizedMessageError, SchemaVersionError, ShmUnavailableError,
-                               WireError)
+from mia_stream.errors import (MalformedFrameError, OversizedMessageError, SchemaVersionError, ShmOverrunError,
+                               ShmUnavailableError, WireError)
 from mia_stream.schemas._messages import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, Message, TensorFrame
 from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter
 from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, compress, crc32,
@@ -467,33 +468,42 @@ def split_batch(frames: Sequence[Any]) -> list[list[Any]] | None:
 
 def references_shm(frames: Sequence[Any]) -> bool:
     """Whether a message may reference a shared-memory ring (a byte search of its header: cheap; a false
-    positive, e.g. the key inside a user tag, only costs the exact check of ``shm_nbytes``)."""
+    positive, e.g. the key inside a user tag, only costs the exact check of ``shm_extent``)."""
     if len(frames) < 2:
         return False
     head = frames[1]
     t = type(head)
     if t is not bytes:
-        head = head.bytes if hasattr(head, "bytes") and t is not memoryview else bytes(head)
+        head = getattr(head, "bytes", None) or bytes(head)  # a zmq.Frame has .bytes; a memoryview has not
     return _SHM_MARK in head
 
 
-def shm_nbytes(header: dict) -> int:
-    """Bytes a decoded header's tensors hold in a shared-memory ring (they count as the message's size)."""
-    n = 0
-    if header.get("kind") == "tensors" and SHM_RING_KEY in header:
-        for e in header.get("tensors", ()):
-            if isinstance(e, dict) and "shm" in e and type(e.get("nbytes")) is int:
-                n += e["nbytes"]
-    return n
-
-
-def shm_oldest(header: dict) -> tuple[str, int] | None:
-    """``(ring, lowest position)`` of a header's ring-held buffers (the first to be overwritten), or None."""
+def shm_extent(header: dict) -> tuple[str, int, int] | None:
+    """``(ring, lowest position, bytes)`` of a decoded header's ring-held buffers, or None without any. The
+    lowest position is the first to be overwritten; the bytes count as the message's size in every budget."""
     name = header.get(SHM_RING_KEY)
     if type(name) is not str or header.get("kind") != "tensors":
         return None
-    positions = [e["shm"] for e in header.get("tensors", ()) if isinstance(e, dict) and type(e.get("shm")) is int]
-    return (name, min(positions)) if positions else None
+    oldest, n = None, 0
+    for e in header.get("tensors", ()):
+        if isinstance(e, dict) and type(e.get("shm")) is int:
+            oldest = e["shm"] if oldest is None else min(oldest, e["shm"])
+            if type(e.get("nbytes")) is int:
+                n += e["nbytes"]
+    return (name, oldest, n) if oldest is not None else None
+
+
+def shm_loss_reason(error: Exception) -> str:
+    """The gap reason for a message whose ring-held bytes could not be read."""
+    return "shm_overrun" if isinstance(error, ShmOverrunError) else "shm_unavailable"
+
+
+def shm_loss_gap(header: dict, error: Exception, origin: str) -> GapNotice:
+    """The GapNotice that replaces a message (``header``) whose ring-held bytes could not be read."""
+    seq, epoch = header.get("seq", 0), header.get("epoch")
+    return GapNotice(str(header.get("request_id", "")), str(header.get("producer_id", "")),
+                     epoch if type(epoch) is int else 0, [[seq, seq]], shm_loss_reason(error), origin,
+                     time.time_ns())
 
 
 def inline_shm(frames: Sequence[Any], shm: ShmRingReader) -> list[Any]:

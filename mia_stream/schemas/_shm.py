@@ -44,6 +44,11 @@ def shm_available() -> bool:
     return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
+def shm_reachable(endpoint: str) -> bool:
+    """Whether a peer of ``endpoint`` shares this host's rings: an ipc endpoint, with /dev/shm usable."""
+    return endpoint.startswith("ipc://") and shm_available()
+
+
 class ShmRingWriter:
     """The producer's ring. ``put(buffer)`` -> its position, or None for a buffer that stays inline."""
 
@@ -167,9 +172,7 @@ class ShmRingReader:
         0.0 for a ring that cannot be opened (its readers will report that)."""
         try:
             ring = self._rings.get(name) or self._open(name)
-        except MalformedFrameError:
-            return 0.0
-        except ShmUnavailableError:
+        except (MalformedFrameError, ShmUnavailableError):
             return 0.0
         return (int(ring.reserved[0]) - pos) / ring.size
 
