@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import spec_decoder
-from bus_helpers import (account, assert_exact, events_until, processes, publish_stream, run_dir, start_broker, stats,
-                         wait_for)
+from bus_helpers import (account, assert_exact, events_until, payload, processes, publish_stream, run_dir,
+                         start_broker, stats, wait_for)
 from mia_stream.consumers import open_stream
 from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
 from mia_stream.producer.publisher import FramePublisher
@@ -164,18 +164,42 @@ def test_a_consumer_too_slow_for_the_ring_is_told_exactly_which_frames_it_lost()
     assert len(rec["steps"]) >= 3  # the newest ones (less than 3/4 of a ring behind its writer) were delivered
 
 
-def test_a_recording_keeps_the_bytes_not_the_ring_position(tmp_path):
-    from mia_stream.consumers.recorder import Recorder
+def test_a_recording_made_through_a_real_broker_keeps_the_bytes_not_the_ring_position(tmp_path):
+    # producer (ring) -> broker process -> `mia-stream record` process, which reads the ring itself
+    # (Subscribe.shm on ipc); the recording must decode, bit-exact, after the producer removed its ring.
     from mia_stream.consumers.recording import iter_recording
 
-    ring = ShmRingWriter(size=4 << 20, min_bytes=1024)
-    data = np.arange(65536, dtype=np.float32).reshape(1, 1, -1)
-    rec = Recorder(tmp_path / "rec")
+    n, nbytes, rec_dir = 6, 256 << 10, tmp_path / "rec"
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d))
+        recorder = subprocess.Popen([sys.executable, "-m", "mia_stream.cli", "record", str(rec_dir), "--broker", d,
+                                     "--flush-interval", "0.1"], stderr=subprocess.PIPE)
+        procs.append(recorder)
+        wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=20)
+        pub = FramePublisher(d, producer_id="rec", shm_bytes=16 << 20)
+        try:
+            wait_for(lambda: pub.broker_shm, timeout=10)
+            publish_stream(pub, "rec-0", frames=n, nbytes=nbytes)
+            assert pub.flush(10)
+            ring_bytes, ring_path = pub.shm_ring.bytes, pub.shm_ring.path
+        finally:
+            pub.close()
+        assert not os.path.exists(ring_path)
+        wait_for(lambda: sum(1 for _ in _recorded(rec_dir)) >= n + 2, timeout=20)  # start, frames, end
+        recorder.send_signal(signal.SIGTERM)
+        assert recorder.wait(10) == 0, recorder.stderr.read()
+    assert ring_bytes == n * nbytes  # the frames did go through the ring
+    got = [(frames, msg) for frames, msg in iter_recording(rec_dir) if msg.KIND == "tensors"]
+    assert len(got) == n
+    for frames, msg in got:
+        assert "shm_ring" not in decode_header(frames)
+        assert np.array_equal(msg.tensors[0].numpy(), payload(msg.seq, nbytes))
+
+
+def _recorded(rec_dir):
+    from mia_stream.consumers.recording import iter_recording
+
     try:
-        rec.write(encode(_frame(0, Tensor.from_array("hs", data, layers=(0,))), shm=ring))
-        rec.close()
-    finally:
-        ring.close()  # the ring is gone: the recording must not need it
-    (frames, msg), = list(iter_recording(tmp_path / "rec"))
-    assert "shm_ring" not in decode_header(frames)
-    assert np.array_equal(msg.tensors[0].numpy(), data)
+        yield from iter_recording(rec_dir)
+    except Exception:  # the part being written has no footer yet
+        return
