@@ -203,3 +203,27 @@ def _recorded(rec_dir):
         yield from iter_recording(rec_dir)
     except Exception:  # the part being written has no footer yet
         return
+
+
+def test_ring_frames_are_credited_in_full_so_a_small_window_never_stalls():
+    # A consumer with a 4 MiB credit window gets 32 frames of 1 MiB through the ring, 8 windows' worth. The
+    # broker counts each frame's ring bytes in flight; a consumer that credited only the few hundred bytes it
+    # received on its socket would fill the window after 4 frames and wait for the rest for ever.
+    n, nbytes = 32, 1 << 20
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d))
+        with open_stream(d, patterns=("credit-*",), timeout=20, consumer_id="small-window",
+                         window_bytes=4 << 20) as events:
+            wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
+            pub = FramePublisher(d, producer_id="credit", shm_bytes=64 << 20)
+            try:
+                wait_for(lambda: pub.broker_shm, timeout=10)
+                publish_stream(pub, "credit-0", frames=n, nbytes=nbytes)
+                assert pub.flush(10)
+                rec = account(events_until(events, 1, 30))["credit-0"]
+            finally:
+                pub.close()
+            totals = stats(d)["totals"]
+    assert_exact(rec)
+    assert rec["gap_seqs"] == [] and rec["steps"] == list(range(n))
+    assert totals["shm_bytes_in"] == n * nbytes  # they did go through the ring

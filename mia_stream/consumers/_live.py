@@ -23,7 +23,7 @@ from mia_stream import _transport
 from mia_stream.errors import BrokerTimeoutError, SharedBufferError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, Heartbeat, Message, ShmRingReader,
                                 SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode, decode_header, encode,
-                                inline_shm, references_shm, shm_extent, shm_loss_gap, shm_reachable, split_batch)
+                                references_shm, shm_extent, shm_loss_gap, shm_reachable, split_batch)
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.consumers")
@@ -95,6 +95,10 @@ class BrokerClient:
 
     def recv(self, timeout: float | None = None) -> tuple[list, Message] | None:
         """The next message (raw frames, decoded) or None after ``timeout`` seconds (None = wait forever).
+
+        The raw frames are as received: tensors that came through a producer's shared-memory ring are
+        referenced there, not inline (the decoded message holds a copy of their bytes; to keep raw frames
+        for later, pass them through ``inline_shm`` at once, as the recorder does).
 
         Broker heartbeats are handled here and not returned; undecodable messages are counted and skipped.
         """
@@ -191,13 +195,23 @@ class BrokerClient:
         return first
 
     def _accept_one(self, frames: list):
-        weight = None
+        weight = None  # what the broker counted against the window for this message, when not its wire bytes
         try:
             if _references_shm(frames):
-                weight, frames = self._inline_shm(frames)
-                if weight is None:  # its bytes were lost in the ring: frames is the gap notice that says so
+                # decoded straight from the producer's ring: one header unpack and one copy of each tensor
+                shm = self._shm
+                before = shm.bytes_read
+                try:
+                    msg = decode(frames, max_message_bytes=self.max_message_bytes, shm=shm)
+                except SharedBufferError as e:  # the ring no longer holds them: a gap in their place
+                    frames = self._ring_loss(frames, e)
                     return frames, decode(frames)
-            msg = decode(frames, max_message_bytes=self.max_message_bytes)
+                except WireError:
+                    weight = self._ring_weight(frames)
+                    raise
+                weight = _nbytes(frames) + shm.bytes_read - before
+            else:
+                msg = decode(frames, max_message_bytes=self.max_message_bytes)
         except WireError as e:
             self.counters["malformed"] += 1
             self._credit(weight if weight is not None else _nbytes(frames))
@@ -214,22 +228,23 @@ class BrokerClient:
             log.warning("mia_stream consumer: broker says %s: %s", msg.code, msg.message)
         return frames, msg
 
-    def _inline_shm(self, frames: list) -> tuple[int | None, list]:
-        """``(weight, frames with the ring's bytes inline)``; ``(None, gap notice frames)`` when the producer's
-        ring no longer holds them (overwritten) or cannot be opened here. The weight (wire bytes plus ring
-        bytes) is what the broker counted against this consumer's window, so it is what gets credited."""
-        header = decode_header(frames, max_message_bytes=self.max_message_bytes)
-        extent = shm_extent(header)
-        weight = _nbytes(frames) + (extent[2] if extent else 0)
+    def _ring_weight(self, frames: list) -> int:
+        """Wire bytes plus the ring bytes the header references: what the broker counted in flight."""
         try:
-            return weight, inline_shm(frames, self._shm)
-        except SharedBufferError as e:
-            gap = shm_loss_gap(header, e, "consumer")
-            self.counters[gap.reason] += 1
-            self._credit(weight)
-            if self.counters[gap.reason] <= 10:
-                log.warning("mia_stream consumer: lost a message's tensors: %s", e)
-            return None, encode(gap)
+            extent = shm_extent(decode_header(frames, max_message_bytes=self.max_message_bytes))
+        except WireError:
+            extent = None
+        return _nbytes(frames) + (extent[2] if extent else 0)
+
+    def _ring_loss(self, frames: list, error: SharedBufferError) -> list:
+        """Credit a message whose ring-held bytes are gone and return the frames of the gap notice for it."""
+        header = decode_header(frames, max_message_bytes=self.max_message_bytes)
+        gap = shm_loss_gap(header, error, "consumer")
+        self.counters[gap.reason] += 1
+        self._credit(self._ring_weight(frames))
+        if self.counters[gap.reason] <= 10:
+            log.warning("mia_stream consumer: lost a message's tensors: %s", error)
+        return encode(gap)
 
     def _credit(self, n: int) -> None:
         if not self.window_bytes:

@@ -147,6 +147,7 @@ class ShmRingReader:
         self.directory = directory
         self.max_rings = max_rings
         self._rings: dict[str, _MappedRing] = {}
+        self.bytes_read = 0  # what read() copied out, in all (a caller's per-message figure is a difference)
 
     def read(self, name: str, pos: int, nbytes: int) -> bytes:
         """A copy of ``nbytes`` at ``pos`` of ring ``name``, checked not to have been overwritten."""
@@ -165,6 +166,7 @@ class ShmRingReader:
         if reserved > pos + size:
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader copied {nbytes} bytes at "
                                   f"{pos} (the writer is {reserved - pos - size} bytes past them)")
+        self.bytes_read += nbytes
         return data
 
     def lag(self, name: str, pos: int) -> float:
