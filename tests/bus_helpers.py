@@ -74,13 +74,14 @@ def kill(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
 
 @contextmanager
 def processes():
-    """Collects Popen objects; kills every one still alive on exit."""
+    """Collects Popen objects; stops every one still alive on exit (SIGTERM: a broker then removes the
+    shared-memory rings producers handed it, which a SIGKILL would leave in /dev/shm for a later sweep)."""
     procs: list[subprocess.Popen] = []
     try:
         yield procs
     finally:
         for p in procs:
-            kill(p)
+            kill(p, signal.SIGTERM)
 
 
 def spawn(*args: str) -> subprocess.Popen:

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -166,12 +167,12 @@ def test_a_consumer_too_slow_for_the_ring_is_told_exactly_which_frames_it_lost()
 
 def test_a_recording_made_through_a_real_broker_keeps_the_bytes_not_the_ring_position(tmp_path):
     # producer (ring) -> broker process -> `mia-stream record` process, which reads the ring itself
-    # (Subscribe.shm on ipc); the recording must decode, bit-exact, after the producer removed its ring.
+    # (Subscribe.shm on ipc); the recording must decode, bit-exact, after the ring was removed.
     from mia_stream.consumers.recording import iter_recording
 
     n, nbytes, rec_dir = 6, 256 << 10, tmp_path / "rec"
     with run_dir() as d, processes() as procs:
-        procs.append(start_broker(d))
+        procs.append(start_broker(d, "--ring-grace", "0.5"))
         recorder = subprocess.Popen([sys.executable, "-m", "mia_stream.cli", "record", str(rec_dir), "--broker", d,
                                      "--flush-interval", "0.1"], stderr=subprocess.PIPE)
         procs.append(recorder)
@@ -184,7 +185,7 @@ def test_a_recording_made_through_a_real_broker_keeps_the_bytes_not_the_ring_pos
             ring_bytes, ring_path = pub.shm_ring.bytes, pub.shm_ring.path
         finally:
             pub.close()
-        assert not os.path.exists(ring_path)
+        wait_for(lambda: not os.path.exists(ring_path), timeout=10)  # the broker removed it after the grace
         wait_for(lambda: sum(1 for _ in _recorded(rec_dir)) >= n + 2, timeout=20)  # start, frames, end
         recorder.send_signal(signal.SIGTERM)
         assert recorder.wait(10) == 0, recorder.stderr.read()
@@ -227,3 +228,76 @@ def test_ring_frames_are_credited_in_full_so_a_small_window_never_stalls():
     assert_exact(rec)
     assert rec["gap_seqs"] == [] and rec["steps"] == list(range(n))
     assert totals["shm_bytes_in"] == n * nbytes  # they did go through the ring
+
+
+def test_a_producer_that_exits_at_once_hands_its_ring_to_the_broker_and_nothing_is_lost():
+    # The consumer opens the ring only when it reads the first frame, and here that is after the producer has
+    # closed. A producer that removed its ring at close cost this consumer every frame (gaps, shm_unavailable);
+    # it now hands the ring to the broker, which removes it after --ring-grace.
+    n, nbytes = 8, 256 << 10
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d, "--ring-grace", "3"))
+        with open_stream(d, patterns=("exit-*",), timeout=20, consumer_id="late-reader") as events:
+            wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
+            pub = FramePublisher(d, producer_id="exits", shm_bytes=16 << 20)
+            wait_for(lambda: pub.broker_shm, timeout=10)
+            publish_stream(pub, "exit-0", frames=n, nbytes=nbytes)
+            ring_path = pub.shm_ring.path
+            pub.close()
+            assert os.path.exists(ring_path)  # kept for the grace
+            rec = account(events_until(events, 1, 30))["exit-0"]
+            totals = stats(d)["totals"]
+            wait_for(lambda: not os.path.exists(ring_path), timeout=15)  # then removed by the broker
+            removed = stats(d)["totals"].get("shm_rings_removed", 0)
+    assert_exact(rec)
+    assert rec["gap_seqs"] == [] and rec["steps"] == list(range(n)) and rec["ended"]
+    assert totals["shm_bytes_in"] == n * nbytes and totals["shm_rings_handed_over"] == 1
+    assert removed == 1
+
+
+def test_the_broker_removes_only_rings_their_own_producer_handed_over():
+    # A producer that names another process's ring as its own closing ring: refused, counted, file untouched;
+    # and a publisher whose offer is refused removes its own ring at close.
+    from mia_stream.schemas import Heartbeat
+    from mia_stream.schemas._shm import SHM_RING_CLOSED_KEY
+
+    victim = ShmRingWriter(1 << 20)
+    try:
+        with run_dir() as d, processes() as procs:
+            procs.append(start_broker(d, "--ring-grace", "0.2"))
+            pub = FramePublisher(d, producer_id="liar", shm_bytes=0)
+            try:
+                wait_for(lambda: pub.broker_instance is not None, timeout=10)
+                pub.publish(Heartbeat("liar", "producer", pub.epoch, 0, {SHM_RING_CLOSED_KEY: victim.name}))
+                wait_for(lambda: stats(d)["totals"].get("shm_ring_handover_refused", 0) == 1, timeout=10)
+                time.sleep(1.5)  # several housekeeping rounds past the grace
+            finally:
+                pub.close()
+            assert stats(d)["totals"].get("shm_rings_removed", 0) == 0
+            # a publisher that believes this broker took rings (forged here) offers one it never referenced
+            pub = FramePublisher(d, producer_id="refused", shm_bytes=1 << 20)
+            wait_for(lambda: pub.broker_instance is not None, timeout=10)
+            pub._on_broker_heartbeat = lambda hb: None  # keeps broker_shm as set below, and never sees an answer
+            pub.broker_shm = True
+            pub.shm_ring.put(np.zeros(64 << 10, np.uint8))
+            own = pub.shm_ring.path
+            pub.close(timeout=0.5)
+            assert not os.path.exists(own)
+        assert os.path.exists(victim.path)
+    finally:
+        victim.close()
+
+
+def test_a_sweep_keeps_a_handed_over_ring_of_an_exited_producer_and_removes_an_abandoned_one():
+    make = ("import sys; from mia_stream.schemas import ShmRingWriter; w = ShmRingWriter(1 << 20); "
+            "w.mark_handed_over() if sys.argv[1] == 'handed' else None; w.close(unlink=False); print(w.path)")
+    paths = {kind: subprocess.run([sys.executable, "-c", make, kind], capture_output=True, text=True,
+                                  check=True).stdout.strip() for kind in ("handed", "abandoned")}
+    try:
+        assert all(os.path.exists(p) for p in paths.values())  # their writers' pids are gone now
+        sweep_stale_rings()
+        assert os.path.exists(paths["handed"]) and not os.path.exists(paths["abandoned"])
+    finally:
+        for p in paths.values():
+            if os.path.exists(p):
+                os.unlink(p)

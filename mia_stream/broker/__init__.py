@@ -18,7 +18,8 @@ import zmq
 from mia_stream import _transport
 from mia_stream.broker._broker import (DEFAULT_CONSUMER_QUEUE_BYTES, DEFAULT_LATE_JOIN_BYTES,
                                        DEFAULT_LATE_JOIN_LINGER_S, DEFAULT_LATE_JOIN_TOTAL_BYTES,
-                                       DEFAULT_PRODUCER_TIMEOUT_S, Broker, BrokerConfig, run_broker_in_thread)
+                                       DEFAULT_PRODUCER_TIMEOUT_S, DEFAULT_RING_GRACE_S, Broker, BrokerConfig,
+                                       run_broker_in_thread)
 from mia_stream.errors import BrokerTimeoutError, MiaStreamError
 from mia_stream.schemas import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -61,6 +62,8 @@ def main(argv: list[str]) -> int:
                     help="neither accept nor send batch messages (behave as a schema 1.1 broker)")
     ap.add_argument("--no-shm", action="store_true",
                     help="do not let producers put large tensors in shared memory (every byte through the broker)")
+    ap.add_argument("--ring-grace", type=float, default=DEFAULT_RING_GRACE_S,
+                    help="seconds a closed producer's shared-memory ring is kept for consumers still reading it")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     import logging
@@ -73,7 +76,7 @@ def main(argv: list[str]) -> int:
                               args.late_join_total_bytes, args.late_join_linger, args.producer_timeout,
                               args.consumer_timeout, max_message_bytes=args.max_message_bytes,
                               heartbeat_s=args.heartbeat, steering=not args.no_steering,
-                              batch=not args.no_batch, shm=not args.no_shm)
+                              batch=not args.no_batch, shm=not args.no_shm, ring_grace_s=args.ring_grace)
         broker = Broker(config)
     except MiaStreamError as e:
         print(f"mia-stream broker: {e}", file=sys.stderr)

@@ -34,6 +34,7 @@ from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotic
 from mia_stream.schemas._codec import SHM_RING_KEY as _SHM_RING_KEY
 from mia_stream.schemas._codec import batch_header, decode_header
 from mia_stream.schemas._messages import Credit
+from mia_stream.schemas._shm import SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY, remove_ring
 
 log = logging.getLogger("mia_stream.broker")
 
@@ -46,6 +47,7 @@ DEFAULT_LATE_JOIN_LINGER_S = 10.0  # how long an ended stream stays joinable fro
 DEFAULT_PRODUCER_TIMEOUT_S = 30.0  # silent this long: its open streams end (an engine can stall for seconds, e.g. compiling)
 DEFAULT_CONSUMER_TIMEOUT_S = 60.0  # no message from a consumer for this long: it is forgotten
 DEFAULT_STEER_TIMEOUT_S = 30.0
+DEFAULT_RING_GRACE_S = 10.0  # a ring its closed producer handed over stays this long for consumers still reading it
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 _ERRORS_PER_PEER_PER_S = 20  # error replies are rate-limited so garbage cannot amplify
 _RECV_BATCH = 256  # stream messages handled per poll wake-up before consumers are flushed
@@ -75,6 +77,7 @@ class BrokerConfig:
     steering: bool = True
     batch: bool = True  # accept and send batches (off: behaves as a 1.1 broker, for comparisons and fallback)
     shm: bool = True  # tell producers to put large tensors in shared memory (off: every byte through the broker)
+    ring_grace_s: float = DEFAULT_RING_GRACE_S
 
     @property
     def token_reserve_bytes(self) -> int:
@@ -152,7 +155,7 @@ class _Consumer:
 
 class _Producer:
     __slots__ = ("identity", "name", "last_seen", "streams", "messages", "bytes", "reported", "gaps_reported",
-                 "rate", "_snap", "errors_this_s", "batches")
+                 "rate", "_snap", "errors_this_s", "batches", "rings")
 
     def __init__(self, identity: bytes):
         self.identity = identity
@@ -164,6 +167,7 @@ class _Producer:
         self.rate = (0.0, 0.0)
         self._snap = (time.monotonic(), 0, 0)
         self.errors_this_s = 0
+        self.rings: set[str] = set()  # the shared-memory rings its messages referenced
 
 
 class _PendingCommand:
@@ -244,6 +248,7 @@ class Broker:
         self._now = time.monotonic()  # taken once per batch of received messages
         self._messages_in = self._bytes_in = 0  # folded into counters after each batch
         self._shm = ShmRingReader()  # for consumers that cannot read producers' rings themselves
+        self._closing_rings: dict[str, float] = {}  # rings handed over by their closed producers -> removal time
         self._accept_shm = config.shm and eps.producers.startswith("ipc://")
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -275,6 +280,7 @@ class Broker:
                 self._flush_all()
 
     def close(self) -> None:
+        self._remove_closing_rings(None)  # no consumer of this broker can still need them
         self._close_sockets()
         if self._auth is not None:
             self._auth.stop()
@@ -360,6 +366,7 @@ class Broker:
                 return
             nbytes += extent[2]
             self.counters["shm_bytes_in"] += extent[2]
+            p.rings.add(extent[0])
         if kind in _STREAM_KINDS:
             self._on_stream_message(p, header, body, nbytes, extent)
         elif kind == "gap":
@@ -368,12 +375,34 @@ class Broker:
             stats = header.get("stats")
             if isinstance(stats, dict):
                 p.reported = stats
+                if SHM_RING_CLOSED_KEY in stats and self._take_ring(p, stats[SHM_RING_CLOSED_KEY]):
+                    self._send_direct(self._prod, identity,
+                                      self._heartbeat(True, {SHM_RING_TAKEN_KEY: stats[SHM_RING_CLOSED_KEY]}))
+                    return
             self._heartbeat_to(self._prod, identity, known=True)
         elif kind == "steer_ack":
             self._on_steering_ack(p, body)
         else:
             self.counters["unexpected_kind"] += 1
             self._error_to_producer(p, "unexpected_kind", f"producers may not send {kind!r} messages")
+
+    def _take_ring(self, p: _Producer, name: Any) -> bool:
+        """A closing producer offers its ring: taken, it is removed after the grace, so that consumers still
+        behind can open it for the last frames after the producer exits. Whether it was taken."""
+        if type(name) is not str or name not in p.rings:  # only a ring its own messages referenced
+            self.counters["shm_ring_handover_refused"] += 1
+            return False
+        self._closing_rings[name] = self._now + self.config.ring_grace_s
+        self.counters["shm_rings_handed_over"] += 1
+        return True
+
+    def _remove_closing_rings(self, now: float | None) -> None:
+        """Remove the handed-over rings whose grace has passed (all of them when ``now`` is None)."""
+        for name, due in list(self._closing_rings.items()):
+            if now is None or now >= due:
+                del self._closing_rings[name]
+                if remove_ring(name, self._shm.directory):
+                    self.counters["shm_rings_removed"] += 1
 
     def _header_or_report(self, body: list, peer, sock, identity: bytes, role: str) -> dict | None:
         try:
@@ -411,9 +440,10 @@ class Broker:
         except zmq.ZMQError:
             return False
 
-    def _heartbeat(self, known: bool) -> list:
+    def _heartbeat(self, known: bool, extra: dict | None = None) -> list:
         return encode(Heartbeat("broker", "broker", self.instance, time.time_ns(),
-                                {"known": known, "batch": self.config.batch, "shm": self._accept_shm}))
+                                {"known": known, "batch": self.config.batch, "shm": self._accept_shm,
+                                 **(extra or {})}))
 
     def _heartbeat_to(self, sock: zmq.Socket, identity: bytes, known: bool) -> None:
         self._send_direct(sock, identity, self._heartbeat(known))
@@ -853,6 +883,8 @@ class Broker:
         if now - self._last_ring_prune >= 1.0:
             self._last_ring_prune = now
             self._shm.prune()  # mappings of rings whose producer is gone would keep their memory alive
+        if self._closing_rings:
+            self._remove_closing_rings(now)
         if now - self._last_ring_sweep >= _RING_SWEEP_S:  # rings of producers that died without closing
             self._last_ring_sweep = now
             self.counters["shm_rings_swept"] += sweep_stale_rings()

@@ -41,7 +41,8 @@ from mia_stream.errors import WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
 from mia_stream.schemas._codec import batch_header
-from mia_stream.schemas._shm import DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, ShmRingWriter, shm_reachable
+from mia_stream.schemas._shm import (DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY,
+                                     ShmRingWriter, shm_reachable)
 
 log = logging.getLogger("mia_stream.publisher")
 
@@ -53,6 +54,7 @@ SHM_BYTES_ENV = "MIA_STREAM_SHM_BYTES"
 _SNDHWM = 64
 _ENDED_MEMORY = 10_000
 _HELLO_S = 0.02  # heartbeat interval until the broker has answered once
+_RING_HANDOVER_WAIT_S = 2.0  # close() waits this long at most for the broker to take the ring
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 
@@ -93,6 +95,7 @@ class FramePublisher:
         self._encode_opts = {"compression": compression, "checksum": checksum}
         self.shm_ring = self._open_ring(shm_bytes, shm_min_bytes)
         self._ring_lock = threading.Lock()
+        self._ring_taken = threading.Event()  # the broker took the ring this publisher offered at close
         self._lock = threading.Lock()
         self._queue: collections.deque[tuple[list, int, Any]] = collections.deque()  # (frames, nbytes, end-of)
         self._queued = 0
@@ -218,6 +221,7 @@ class FramePublisher:
         """Drain for up to ``timeout`` s, then stop the sender thread and close the socket."""
         if timeout:
             self.flush(timeout)
+        handed_over = timeout > 0 and self._hand_over_ring(timeout)
         with self._lock:
             self._closed = True
             self._linger_ms = int(max(0.0, timeout) * 1000)  # what zmq still holds gets this long to go out
@@ -232,14 +236,32 @@ class FramePublisher:
         t0 = time.monotonic()
         self._ctx.term()  # returns early once zmq wrote all it held; at the linger's end it discards the rest
         linger_s = self._linger_ms / 1000
-        if linger_s and time.monotonic() - t0 >= 0.95 * linger_s:
+        linger_expired = bool(linger_s) and time.monotonic() - t0 >= 0.95 * linger_s
+        if linger_expired:
             self.counters["close_linger_expired"] += 1
             log.warning("mia_stream publisher %s: the broker did not take all sent messages within %.1f s of close(); "
                         "zmq discarded what it still held (the broker ends those streams as producer_lost)",
                         self.producer_id, linger_s)
         if self.shm_ring is not None:
-            with self._ring_lock:
-                self.shm_ring.close()
+            with self._ring_lock:  # a ring the broker may not have been told about is removed here
+                self.shm_ring.close(unlink=not handed_over or linger_expired)
+
+    def _hand_over_ring(self, timeout: float) -> bool:
+        """Offer the ring to the broker in a last heartbeat (spec section 9) and wait for its answer: a ring
+        the broker took outlives this process for the broker's grace, so consumers a little behind still
+        read the last frames; it is then the broker's to remove. Only a ring that was written to, only to a
+        broker that takes rings; without an answer the ring is removed here at close, as before."""
+        ring = self.shm_ring
+        if ring is None or not ring.buffers or not self.broker_shm:
+            return False
+        with self._ring_lock:
+            ring.mark_handed_over()
+        hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(),
+                       {**self.stats(), SHM_RING_CLOSED_KEY: ring.name})
+        frames = encode(hb)
+        with self._lock:
+            self._append(frames, _transport.frames_nbytes(frames))
+        return self._ring_taken.wait(min(timeout, _RING_HANDOVER_WAIT_S))
 
     def _open_ring(self, shm_bytes: int | None, min_bytes: int) -> ShmRingWriter | None:
         """The shared-memory ring for large tensor buffers: only to a broker on this host (ipc), where
@@ -458,6 +480,9 @@ class FramePublisher:
                 self.counters["unexpected_from_broker"] += 1
 
     def _on_broker_heartbeat(self, hb: Heartbeat) -> None:
+        if (self.shm_ring is not None and isinstance(hb.stats, dict)
+                and hb.stats.get(SHM_RING_TAKEN_KEY) == self.shm_ring.name):
+            self._ring_taken.set()
         previous, self.broker_instance = self.broker_instance, hb.instance
         known = hb.stats.get("known", True) if isinstance(hb.stats, dict) else True
         self.broker_batches = isinstance(hb.stats, dict) and hb.stats.get("batch") is True

@@ -32,12 +32,21 @@ from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailab
 
 SHM_DIR = "/dev/shm"
 DEFAULT_RING_BYTES = 256 << 20
-DEFAULT_MIN_BYTES = 64 << 10  # smaller buffers stay inline: below this the bus's per-message cost dominates
+DEFAULT_MIN_BYTES = 16 << 10  # smaller buffers stay inline (16 KiB frames: ring vs inline in docs/benchmarks.md)
+# A closing producer's last heartbeat offers its ring under this stats key; the broker's reply names the ring
+# under the second when it took it, and removes it after its grace (spec section 9)
+SHM_RING_CLOSED_KEY = "shm_ring_closed"
+SHM_RING_TAKEN_KEY = "shm_ring_taken"
 _MAGIC = b"MIASHM01"
 _HEADER = 4096
 _RESERVED_AT = 16
+_HANDED_OVER_AT = 32  # u64 CLOCK_REALTIME ns; 0 while its producer has it
+HANDOVER_KEEP_S = 60.0  # a handed-over ring outlives its writer's pid this long before a sweep may remove it
 _NAME = re.compile(r"mia-stream-ring-(\d+)-[0-9a-f]{12}")
 _U64 = struct.Struct("<Q")
+# Page tables filled at map time: touching a fresh page of a mapping otherwise costs a fault per 4 KiB, which
+# on the first pass over a ring made the reader fall behind the writer (measured: docs/benchmarks.md)
+_MAP_FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def shm_available() -> bool:
@@ -64,7 +73,7 @@ class ShmRingWriter:
             # Allocated now, not on first touch: a store into a page a full tmpfs cannot back is a SIGBUS,
             # which would kill the engine; here it is an OSError (ENOSPC) and the caller sends inline.
             os.posix_fallocate(fd, 0, _HEADER + self.size)
-            self._mm = mmap.mmap(fd, _HEADER + self.size)
+            self._mm = mmap.mmap(fd, _HEADER + self.size, flags=_MAP_FLAGS)
         except BaseException:
             os.close(fd)
             _unlink(self.path)
@@ -100,6 +109,12 @@ class ShmRingWriter:
         self.buffers += 1
         self.bytes += n
         return pos
+
+    def mark_handed_over(self) -> None:
+        """Stamp the header's ``handed_over`` time: the broker removes this ring after its grace, and until
+        ``HANDOVER_KEEP_S`` has passed no sweep removes it for its writer's pid being gone."""
+        if self._view is not None:
+            _U64.pack_into(self._mm, _HANDED_OVER_AT, time.time_ns())
 
     def close(self, unlink: bool = True) -> None:
         """Unmap; ``unlink`` removes the file (readers that mapped it keep reading until they unmap)."""
@@ -192,7 +207,7 @@ class ShmRingReader:
             total = os.fstat(fd).st_size
             if total <= _HEADER:
                 raise ShmUnavailableError(f"shared-memory ring {path} is not initialised")
-            mm = mmap.mmap(fd, total, prot=mmap.PROT_READ)
+            mm = mmap.mmap(fd, total, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
         finally:
             os.close(fd)
         if mm[:8] != _MAGIC or _U64.unpack_from(mm, 8)[0] != total - _HEADER:
@@ -225,6 +240,30 @@ class ShmRingReader:
         self._rings.clear()
 
 
+def _recently_handed_over(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(_HANDED_OVER_AT + 8)
+    except OSError:
+        return False
+    if len(head) < _HANDED_OVER_AT + 8 or head[:8] != _MAGIC:
+        return False
+    at = _U64.unpack_from(head, _HANDED_OVER_AT)[0]
+    return at != 0 and time.time_ns() - at < HANDOVER_KEEP_S * 1e9
+
+
+def remove_ring(name: str, directory: str = SHM_DIR) -> bool:
+    """Remove ring ``name`` (a broker, once the grace after its producer handed it over has passed); whether
+    a file was removed. Only a ring's name is accepted, never a path."""
+    if type(name) is not str or not _NAME.fullmatch(name):
+        return False
+    try:
+        os.unlink(os.path.join(directory, name))
+        return True
+    except OSError:
+        return False
+
+
 def sweep_stale_rings(directory: str = SHM_DIR) -> int:
     """Remove the rings of producers that died without closing (their pid is gone); how many."""
     removed = 0
@@ -242,6 +281,8 @@ def sweep_stale_rings(directory: str = SHM_DIR) -> int:
         except ProcessLookupError:
             pass
         except PermissionError:  # alive, another user's
+            continue
+        if _recently_handed_over(os.path.join(directory, name)):  # its broker removes it after its grace
             continue
         try:
             os.unlink(os.path.join(directory, name))
