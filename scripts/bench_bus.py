@@ -1,11 +1,15 @@
 """Bus benchmark: raw pyzmq PUSH/PULL over ipc vs FramePublisher -> broker -> consumer SDK, side by side.
 
-    .venv/bin/python scripts/bench_bus.py [--quick] [--unbatched] [--no-shm] [--sizes 16K,1M] [--no-paced]
+    .venv/bin/python scripts/bench_bus.py [--quick] [--unbatched] [--no-shm] [--lossless] [--sizes 16K,1M]
+                                          [--no-paced] [--repeat N]
 
 Every leg is its own process (sender, broker, receiver). For each frame size it prints GB/s, frames/s,
 p50/p99 latency from send to the consumer callback, frames lost and the seqs the consumer was told were
 lost (gaps: a saturated broker drops for a slow consumer, never silently, so lost == gaps), and the
-bus/raw ratios; then a run paced at ~70% of the measured bus saturation rate, which must lose nothing.
+bus/raw ratios; then a run paced at ~70% of the bus rate measured (the lossless one where the saturated run
+lost frames), which must lose nothing (a paced producer publishes what fell due each millisecond, as an
+engine publishes a step's frames together).
+``--repeat N`` runs each size N times (raw, then the bus rows) and prints each row's median over the rounds.
 ``--unbatched`` adds, in the same run, the bus through a second broker started with ``--no-batch`` (every
 message its own zmq message on both hops, as before batches); ``--no-shm`` adds the bus through a broker
 started with ``--no-shm`` (every tensor byte through the broker's sockets, as before shared-memory payloads:
@@ -20,6 +24,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import struct
 import subprocess
 import sys
@@ -152,11 +157,12 @@ def _variant_row(title: str, res: dict, raw: dict) -> None:
           flush=True)
 
 
-def _lossless_row(run_dir: str, size: int, n: int, saturated: dict, raw: dict, title: str) -> None:
+def _lossless_row(run_dir: str, size: int, n: int, saturated: dict, raw: dict, title: str) -> dict:
     rate, res = run_lossless(run_dir, size, n, max(saturated["fps"], raw["fps"]))
     if not rate:  # no rate tried lost nothing: print zeros, not the last lossy run's rate
         res = dict(res, gbps=0.0, fps=0)
     _variant_row(title, res, raw)  # what the consumer measured (a producer may not reach its target)
+    return res
 
 
 def _wait_ready(p: subprocess.Popen) -> None:
@@ -217,6 +223,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the bus through a --no-shm broker (every tensor byte through the broker)")
     ap.add_argument("--sizes", help="comma-separated subset of the frame sizes to run, e.g. 16K,1M (default: all)")
     ap.add_argument("--no-paced", action="store_true", help="skip the runs paced at ~70%% of saturation")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds per size (raw, then the bus rows), with a summary of each row's median")
     args = ap.parse_args(argv)
     sizes = SIZES
     if args.sizes:
@@ -244,28 +252,50 @@ def main(argv: list[str] | None = None) -> int:
                 f"{'bus f/s':>9} {'bus p50':>8} {'bus p99':>8} {'lost':>5} {'gaps':>5} | {'ratio':>5}")
         print(head)
         print("-" * len(head))
+        medians: dict[str, dict[str, list[float]]] = {}  # size -> row -> GB/s of each round
         for size, label, n in sizes:
             n = max(50, n // 4) if args.quick else n
-            raw = run_raw(run_dir, size, n)
-            bus = run_bus(run_dir, size, n)
-            ratio = bus["gbps"] / raw["gbps"]
-            rows.append((label, size, raw, bus, ratio))
-            print(f"{label:>7} | {raw['gbps']:8.3f} {raw['fps']:9.0f} {raw['p50_us']:7.0f}u {raw['p99_us']:7.0f}u | "
-                  f"{bus['gbps']:8.3f} {bus['fps']:9.0f} {bus['p50_us']:7.0f}u {bus['p99_us']:7.0f}u "
-                  f"{bus['lost']:5d} {bus['gaps_reported']:5d} | {ratio:5.2f}", flush=True)
-            if bus["lost"] or args.lossless:
-                _lossless_row(run_dir, size, n, bus, raw, "lossless (paced, stepped down):")
-            if args.unbatched:
-                _variant_row("unbatched (--no-batch broker):", run_bus(unbatched_dir, size, n), raw)
-            if args.no_shm:
-                plain = run_bus(no_shm_dir, size, n)
-                _variant_row("no shared memory (--no-shm broker):", plain, raw)
-                if plain["lost"] or args.lossless:
-                    _lossless_row(no_shm_dir, size, n, plain, raw, "--no-shm lossless (paced):")
-        paced_rows = [] if args.no_paced else [r for r in rows if r[1] in (16 << 10, 1 << 20)]
+            got = medians.setdefault(label, {})
+            for _ in range(args.repeat):
+                raw = run_raw(run_dir, size, n)
+                bus = run_bus(run_dir, size, n)
+                ratio = bus["gbps"] / raw["gbps"]
+                print(f"{label:>7} | {raw['gbps']:8.3f} {raw['fps']:9.0f} {raw['p50_us']:7.0f}u {raw['p99_us']:7.0f}u | "
+                      f"{bus['gbps']:8.3f} {bus['fps']:9.0f} {bus['p50_us']:7.0f}u {bus['p99_us']:7.0f}u "
+                      f"{bus['lost']:5d} {bus['gaps_reported']:5d} | {ratio:5.2f}", flush=True)
+                got.setdefault("raw", []).append(raw["gbps"])
+                got.setdefault("bus saturated", []).append(bus["gbps"])
+                sustained = bus  # the paced run below goes at 70% of the rate the bus held without loss
+                if bus["lost"] or args.lossless:
+                    lossless = _lossless_row(run_dir, size, n, bus, raw, "lossless (paced, stepped down):")
+                    got.setdefault("bus lossless", []).append(lossless["gbps"])
+                    if bus["lost"]:  # a consumer that skips frames it lost is not a rate it sustains
+                        sustained = lossless
+                rows.append((label, size, raw, sustained, ratio))
+                if args.unbatched:
+                    unbatched = run_bus(unbatched_dir, size, n)
+                    _variant_row("unbatched (--no-batch broker):", unbatched, raw)
+                    got.setdefault("unbatched", []).append(unbatched["gbps"])
+                if args.no_shm:
+                    plain = run_bus(no_shm_dir, size, n)
+                    _variant_row("no shared memory (--no-shm broker):", plain, raw)
+                    got.setdefault("--no-shm saturated", []).append(plain["gbps"])
+                    if plain["lost"] or args.lossless:
+                        got.setdefault("--no-shm lossless", []).append(
+                            _lossless_row(no_shm_dir, size, n, plain, raw, "--no-shm lossless (paced):")["gbps"])
+        if args.repeat > 1:  # raw alone moves up to 2x between runs: medians of interleaved rounds are steadier
+            print(f"\nmedians of {args.repeat} interleaved rounds, GB/s (ratio: that median / raw's median):")
+            for label, got in medians.items():
+                raw_median = statistics.median(got["raw"])
+                cells = [f"{name} {statistics.median(v):.3f} ({statistics.median(v) / raw_median:.2f})"
+                         for name, v in got.items() if name != "raw" and len(v) == args.repeat]
+                print(f"{label:>7} | raw {raw_median:.3f} | " + " | ".join(cells), flush=True)
+        # the last round of each size sets its paced rate
+        paced_rows = [] if args.no_paced else list({r[0]: r for r in rows if r[1] in (16 << 10, 1 << 20)}.values())
         if paced_rows:
             print()
-            print("paced at ~70% of the bus saturation rate measured above (must lose nothing):")
+            print("paced at ~70% of the bus rate measured above (the lossless one where the saturated run lost "
+                  "frames; must lose nothing):")
         for label, size, _raw, bus, _ in paced_rows:
             rate = 0.7 * bus["fps"]
             n = int(min(rate * 2.0, 20_000))
