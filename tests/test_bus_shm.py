@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -34,6 +35,17 @@ def _shm_free_bytes() -> int:
 # The rings here are at most 64 MiB; a publisher's default 256 MiB ring falls back to inline without room.
 pytestmark = pytest.mark.skipif(not shm_available() or _shm_free_bytes() < 256 << 20,
                                 reason="needs a writable /dev/shm with 256 MiB free")
+
+
+@contextmanager
+def _ring_publisher(address: str, producer_id: str, shm_bytes: int):
+    """A publisher with a ring, once the broker has said it takes ring references; closed on exit."""
+    pub = FramePublisher(address, producer_id=producer_id, shm_bytes=shm_bytes)
+    try:
+        wait_for(lambda: pub.broker_shm, timeout=10)
+        yield pub
+    finally:
+        pub.close()
 
 
 def _frame(seq: int, *tensors: Tensor) -> TensorFrame:
@@ -120,16 +132,12 @@ def test_large_frames_skip_the_broker_and_arrive_bit_exact_for_ring_and_inline_c
         with open_stream(d, patterns=("big-*",), timeout=20, consumer_id="reads-rings") as ring_side, \
                 open_stream(d, patterns=("big-*",), timeout=20, consumer_id="inline", shm=False) as inline_side:
             wait_for(lambda: len(stats(d)["consumers"]) >= 2, timeout=10)
-            pub = FramePublisher(d, producer_id="shm", shm_bytes=64 << 20)
-            try:
-                wait_for(lambda: pub.broker_shm, timeout=10)
+            with _ring_publisher(d, "shm", 64 << 20) as pub:
                 publish_stream(pub, "big-0", frames=n, nbytes=nbytes)
                 assert pub.flush(10)
                 got_ring = account(events_until(ring_side, 1, 30))["big-0"]
                 got_inline = account(events_until(inline_side, 1, 30))["big-0"]
                 ring_bytes = pub.shm_ring.bytes
-            finally:
-                pub.close()
             st = stats(d)
     for rec in (got_ring, got_inline):
         assert_exact(rec)  # every seq delivered once, each tensor filled with its own seq
@@ -149,15 +157,11 @@ def test_a_consumer_too_slow_for_the_ring_is_told_exactly_which_frames_it_lost()
         procs.append(start_broker(d))
         with open_stream(d, patterns=("slow-*",), timeout=20) as events:
             wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
-            pub = FramePublisher(d, producer_id="slow", shm_bytes=8 << 20)
-            try:
-                wait_for(lambda: pub.broker_shm, timeout=10)
+            with _ring_publisher(d, "slow", 8 << 20) as pub:
                 publish_stream(pub, "slow-0", frames=n, nbytes=1 << 20)
                 assert pub.flush(10)
                 wait_for(lambda: stats(d)["totals"].get("shm_bytes_in", 0) >= n << 20, timeout=10)
                 rec = account(events_until(events, 1, 30))["slow-0"]
-            finally:
-                pub.close()
     assert_exact(rec)
     lost = sorted(rec["gap_seqs"])
     assert lost and set(rec["gap_reasons"]) == {"shm_overrun"}
@@ -177,14 +181,10 @@ def test_a_recording_made_through_a_real_broker_keeps_the_bytes_not_the_ring_pos
                                      "--flush-interval", "0.1"], stderr=subprocess.PIPE)
         procs.append(recorder)
         wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=20)
-        pub = FramePublisher(d, producer_id="rec", shm_bytes=16 << 20)
-        try:
-            wait_for(lambda: pub.broker_shm, timeout=10)
+        with _ring_publisher(d, "rec", 16 << 20) as pub:
             publish_stream(pub, "rec-0", frames=n, nbytes=nbytes)
             assert pub.flush(10)
             ring_bytes, ring_path = pub.shm_ring.bytes, pub.shm_ring.path
-        finally:
-            pub.close()
         wait_for(lambda: not os.path.exists(ring_path), timeout=10)  # the broker removed it after the grace
         wait_for(lambda: sum(1 for _ in _recorded(rec_dir)) >= n + 2, timeout=20)  # start, frames, end
         recorder.send_signal(signal.SIGTERM)
@@ -216,14 +216,10 @@ def test_ring_frames_are_credited_in_full_so_a_small_window_never_stalls():
         with open_stream(d, patterns=("credit-*",), timeout=20, consumer_id="small-window",
                          window_bytes=4 << 20) as events:
             wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
-            pub = FramePublisher(d, producer_id="credit", shm_bytes=64 << 20)
-            try:
-                wait_for(lambda: pub.broker_shm, timeout=10)
+            with _ring_publisher(d, "credit", 64 << 20) as pub:
                 publish_stream(pub, "credit-0", frames=n, nbytes=nbytes)
                 assert pub.flush(10)
                 rec = account(events_until(events, 1, 30))["credit-0"]
-            finally:
-                pub.close()
             totals = stats(d)["totals"]
     assert_exact(rec)
     assert rec["gap_seqs"] == [] and rec["steps"] == list(range(n))
