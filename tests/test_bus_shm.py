@@ -91,8 +91,11 @@ def test_overwritten_bytes_are_refused_never_returned_torn():
         assert np.all(decode(first, shm=reader).tensors[0].numpy() == 1.0)
         for seq in range(1, 5):  # 4 x 256 KiB more: the writer reserves past first's bytes + 1 MiB
             encode(_frame(seq, Tensor.from_array("hs", np.full((1, 1, 65536), float(seq), np.float32))), shm=ring)
+        copied = reader.bytes_copied
         with pytest.raises(ShmOverrunError, match="overwritten"):
             decode(first, shm=reader)
+        assert reader.bytes_copied == copied  # known lost before the copy: not copied (a reader far behind
+        # its writer must not spend its time copying what it will discard)
         with pytest.raises(spec_decoder.SpecDecodeError, match="shm_overrun"):
             spec_decoder.decode(first)
         with pytest.raises(MalformedFrameError, match="past what ring"):

@@ -162,7 +162,8 @@ class ShmRingReader:
         self.directory = directory
         self.max_rings = max_rings
         self._rings: dict[str, _MappedRing] = {}
-        self.bytes_read = 0  # what read() copied out, in all (a caller's per-message figure is a difference)
+        self.bytes_read = 0  # what read() returned, in all (a caller's per-message figure is a difference)
+        self.bytes_copied = 0  # ... plus copies discarded because the writer overtook them during the copy
 
     def read(self, name: str, pos: int, nbytes: int) -> bytes:
         """A copy of ``nbytes`` at ``pos`` of ring ``name``, checked not to have been overwritten."""
@@ -173,6 +174,10 @@ class ShmRingReader:
         offset = pos % size
         if pos < 0 or nbytes < 0 or offset + nbytes > size:
             raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
+        if int(ring.reserved[0]) > pos + size:  # already overwritten: no copy (a reader far behind its writer
+            # would otherwise spend its time copying bytes it must discard, and never catch up)
+            raise ShmOverrunError(f"ring {name!r} was overwritten before this reader got to {nbytes} bytes at {pos}")
+        self.bytes_copied += nbytes
         data = ring.mm[_HEADER + offset:_HEADER + offset + nbytes]
         reserved = int(ring.reserved[0])
         if reserved < pos + nbytes:
