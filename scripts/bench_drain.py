@@ -48,7 +48,7 @@ DRAINS = ("sidecar", "thread")
 _CONSUMER = """
 import sys, time
 from mia_stream.consumers import BrokerClient
-c = BrokerClient(sys.argv[1], consumer_id="bench-drain", window_bytes=1 << 30)
+c = BrokerClient(sys.argv[1], consumer_id="bench-drain")  # the SDK's window: a large one reads stale ring frames
 c.subscribe(("*",))
 print("ready", flush=True)
 n = 0

@@ -23,7 +23,7 @@ from typing import Any, Iterator
 
 from mia_stream.consumers._assemble import (EVENT_KINDS, Event, RequestStream, StepFrame, StreamAssembler,
                                             merge_shards)
-from mia_stream.consumers._live import DEFAULT_WINDOW_BYTES, BrokerClient
+from mia_stream.consumers._live import BrokerClient
 from mia_stream.errors import MiaStreamError, SteeringCommandError
 from mia_stream.schemas import SteeringAck, SteeringCommand
 
@@ -51,7 +51,7 @@ class _Source:
     """Events from a live broker or a recording; ``client`` is the BrokerClient when live."""
 
     def __init__(self, source: Any, patterns=("*",), from_start: bool = False, *, consumer_id: str | None = None,
-                 keys: Any = None, window_bytes: int = DEFAULT_WINDOW_BYTES, shm: bool | None = None):
+                 keys: Any = None, window_bytes: int | None = None, shm: bool | None = None):
         self.source, self.patterns, self.from_start = source, tuple(patterns), from_start
         self.assembler = StreamAssembler()
         self.client: BrokerClient | None = None

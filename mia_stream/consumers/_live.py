@@ -29,6 +29,9 @@ from mia_stream.schemas._messages import Credit
 log = logging.getLogger("mia_stream.consumers")
 
 DEFAULT_WINDOW_BYTES = 64 << 20
+# A consumer that reads producers' rings: what it has in flight are positions in a ring its producer keeps
+# overwriting, so the window bounds how stale a frame is when it is read, not memory (docs/bus.md)
+DEFAULT_RING_WINDOW_BYTES = 16 << 20
 
 _NOBLOCK, _zrecv, _recv_parts = _transport.NOBLOCK, _transport.zrecv, _transport.recv_parts
 _references_shm = references_shm
@@ -45,12 +48,11 @@ class BrokerClient:
     """A live connection to a broker's consumers endpoint. ``address``: see ``_transport.endpoints_for``."""
 
     def __init__(self, address: str | None = None, *, consumer_id: str | None = None, keys: Any = None,
-                 window_bytes: int = DEFAULT_WINDOW_BYTES, heartbeat_s: float = _transport.HEARTBEAT_S,
+                 window_bytes: int | None = None, heartbeat_s: float = _transport.HEARTBEAT_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
                  shm: bool | None = None):
         self.endpoint = _transport.endpoints_for(address).consumers
         self.consumer_id = consumer_id or f"consumer-{os.getpid()}"
-        self.window_bytes = max(0, int(window_bytes))
         self.heartbeat_s = heartbeat_s
         self.max_message_bytes = max_message_bytes
         self.instance = random.getrandbits(63)
@@ -67,6 +69,9 @@ class BrokerClient:
         self._shm = ShmRingReader()  # producers' rings (large tensors skip the broker on one host)
         # None: read producers' rings when on the broker's host (ipc); False: the broker sends every byte
         self._reads_shm = shm_reachable(self.endpoint) if shm is None else bool(shm)
+        if window_bytes is None:
+            window_bytes = DEFAULT_RING_WINDOW_BYTES if self._reads_shm else DEFAULT_WINDOW_BYTES
+        self.window_bytes = max(0, int(window_bytes))
         self._ctx = context or zmq.Context.instance()
         keys = _transport.resolve_client_keys(keys, "consumer")
         self._sock = self._ctx.socket(zmq.DEALER)
