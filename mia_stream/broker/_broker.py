@@ -39,7 +39,10 @@ from mia_stream.schemas._shm import SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY, rem
 log = logging.getLogger("mia_stream.broker")
 
 _RING_SWEEP_S = 30.0
-_SHM_STALE_LAG = 0.75  # ring sizes: a queued frame further behind its ring's writer is dropped, not sent
+# ring sizes: a queued frame further behind its ring's writer is dropped, not sent. Half a ring, not more:
+# a consumer that cannot keep up is always sent the oldest frame still allowed, and it must stay readable
+# while it waits in flight behind the others (at 3/4, on the H200 they were overwritten before being read)
+_SHM_STALE_LAG = 0.5
 DEFAULT_CONSUMER_QUEUE_BYTES = 256 << 20  # per consumer, beyond what its credit window has in flight
 DEFAULT_LATE_JOIN_BYTES = 64 << 20  # per stream
 DEFAULT_LATE_JOIN_TOTAL_BYTES = 1 << 30  # all streams together

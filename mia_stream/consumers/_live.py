@@ -21,9 +21,10 @@ import zmq
 
 from mia_stream import _transport
 from mia_stream.errors import BrokerTimeoutError, SharedBufferError, WireError
-from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, Heartbeat, Message, ShmRingReader,
-                                SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode, decode_header, encode,
-                                references_shm, shm_extent, shm_loss_gap, shm_reachable, split_batch)
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
+                                ShmRingReader, SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode,
+                                decode_header, encode, references_shm, shm_extent, shm_loss_gap, shm_reachable,
+                                split_batch)
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.consumers")
@@ -209,8 +210,7 @@ class BrokerClient:
                 try:
                     msg = decode(frames, max_message_bytes=self.max_message_bytes, shm=shm)
                 except SharedBufferError as e:  # the ring no longer holds them: a gap in their place
-                    frames = self._ring_loss(frames, e)
-                    return frames, decode(frames)
+                    return self._ring_loss(frames, e)
                 except WireError:
                     weight = self._ring_weight(frames)
                     raise
@@ -241,15 +241,17 @@ class BrokerClient:
             extent = None
         return _nbytes(frames) + (extent[2] if extent else 0)
 
-    def _ring_loss(self, frames: list, error: SharedBufferError) -> list:
-        """Credit a message whose ring-held bytes are gone and return the frames of the gap notice for it."""
+    def _ring_loss(self, frames: list, error: SharedBufferError) -> tuple[list, GapNotice]:
+        """Credit a message whose ring-held bytes are gone; the gap notice that takes its place (frames,
+        message). Cheap on purpose: a consumer far behind its producer meets many of these in a row."""
         header = decode_header(frames, max_message_bytes=self.max_message_bytes)
         gap = shm_loss_gap(header, error, "consumer")
         self.counters[gap.reason] += 1
-        self._credit(self._ring_weight(frames))
+        extent = shm_extent(header)
+        self._credit(_nbytes(frames) + (extent[2] if extent else 0))
         if self.counters[gap.reason] <= 10:
             log.warning("mia_stream consumer: lost a message's tensors: %s", error)
-        return encode(gap)
+        return encode(gap), gap
 
     def _credit(self, n: int) -> None:
         if not self.window_bytes:
