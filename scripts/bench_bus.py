@@ -127,6 +127,7 @@ def role_bus_produce(a) -> None:
     tensor = Tensor.from_array("hs", np.ones((1, 1, a.size), dtype=np.uint8))
     pub.publish(StreamStart(rid, pub.producer_id, pub.epoch, pub.next_seq(rid)))
     high = pub.queue_bytes // 2
+    ring_high = pub.shm_ahead_bytes // 2 if pub.shm_ring is not None and pub.broker_shm_received else 0
     t0 = time.monotonic()
     for step in range(a.n):
         if a.rate:
@@ -134,8 +135,10 @@ def role_bus_produce(a) -> None:
             if delay > 0:  # ahead of the schedule: sleep at least a tick, then send what fell due together
                 time.sleep(max(delay, PACE_TICK_S))
         else:
-            while pub._queued > high:  # saturation run: a producer that yields instead of dropping
-                time.sleep(0.002)  # (half the queue is still backlog; shorter naps only burn the shared CPU)
+            # saturation run: a producer that yields instead of dropping (half the queue, or half the ring
+            # bytes it may run ahead of the broker, is still backlog; shorter naps only burn the shared CPU)
+            while pub._queued > high or (ring_high and pub._ring_ahead(pub.shm_ring) > ring_high):
+                time.sleep(0.002)
         pub.publish(TensorFrame(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), step, tensors=[tensor],
                                 time_ns=time.monotonic_ns()))
     pub.publish(StreamEnd(rid, pub.producer_id, pub.epoch, pub.next_seq(rid)))

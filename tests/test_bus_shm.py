@@ -38,9 +38,9 @@ pytestmark = pytest.mark.skipif(not shm_available() or _shm_free_bytes() < 256 <
 
 
 @contextmanager
-def _ring_publisher(address: str, producer_id: str, shm_bytes: int):
+def _ring_publisher(address: str, producer_id: str, shm_bytes: int, **options):
     """A publisher with a ring, once the broker has said it takes ring references; closed on exit."""
-    pub = FramePublisher(address, producer_id=producer_id, shm_bytes=shm_bytes)
+    pub = FramePublisher(address, producer_id=producer_id, shm_bytes=shm_bytes, **options)
     try:
         wait_for(lambda: pub.broker_shm, timeout=10)
         yield pub
@@ -129,7 +129,7 @@ def test_the_ring_of_a_killed_producer_is_swept_and_a_live_one_is_not():
 
 
 def test_large_frames_skip_the_broker_and_arrive_bit_exact_for_ring_and_inline_consumers():
-    n, nbytes = 24, 1 << 20
+    n, nbytes = 24, 512 << 10  # a 12 MiB burst: within a quarter of the 64 MiB ring, so the source drops none
     with run_dir() as d, processes() as procs:
         procs.append(start_broker(d))
         with open_stream(d, patterns=("big-*",), timeout=20, consumer_id="reads-rings") as ring_side, \
@@ -160,7 +160,9 @@ def test_a_consumer_too_slow_for_the_ring_is_told_exactly_which_frames_it_lost()
         procs.append(start_broker(d))
         with open_stream(d, patterns=("slow-*",), timeout=20) as events:
             wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
-            with _ring_publisher(d, "slow", 8 << 20) as pub:
+            # no bound on how far the producer runs ahead of the broker: every frame must reach the broker here
+            # (the bound has its own test below)
+            with _ring_publisher(d, "slow", 8 << 20, shm_ahead_bytes=0) as pub:
                 publish_stream(pub, "slow-0", frames=n, nbytes=1 << 20)
                 assert pub.flush(10)
                 wait_for(lambda: stats(d)["totals"].get("shm_bytes_in", 0) >= n << 20, timeout=10)
@@ -170,6 +172,42 @@ def test_a_consumer_too_slow_for_the_ring_is_told_exactly_which_frames_it_lost()
     assert lost and set(rec["gap_reasons"]) == {"shm_overrun"}
     assert lost == list(range(1, 1 + len(lost)))  # the oldest frames (seq 0 is the start)
     assert len(rec["steps"]) >= 3  # the newest ones (less than 3/4 of a ring behind its writer) were delivered
+
+
+@pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "unbounded"])
+def test_a_producer_drops_at_its_source_rather_than_run_a_ring_ahead_of_its_broker(bounded):
+    # The broker is stopped (SIGSTOP) while 64 frames of 256 KiB, two laps of an 8 MiB ring, are published.
+    # Bounded (the default: a quarter of the ring past what the broker noted in the ring's header as received),
+    # the producer writes 9 frames (the bound, plus the frame that crossed it) and drops the rest at its source,
+    # announced; the 9 stay readable and arrive bit-exact. Unbounded, it writes all 64 and most of them are
+    # overwritten before the broker even sees them.
+    n, nbytes, ring = 64, 256 << 10, 8 << 20
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        with open_stream(d, patterns=("ahead-*",), timeout=20) as events:
+            wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
+            with _ring_publisher(d, "ahead", ring, shm_ahead_bytes=None if bounded else 0) as pub:
+                assert pub.broker_shm_received  # the broker said it keeps the ring's received field
+                broker.send_signal(signal.SIGSTOP)
+                try:
+                    publish_stream(pub, "ahead-0", frames=n, nbytes=nbytes)
+                    time.sleep(0.2)
+                finally:
+                    broker.send_signal(signal.SIGCONT)
+                assert pub.flush(10)
+                rec = account(events_until(events, 1, 30))["ahead-0"]
+                drops = pub.drops_for("ahead-0")
+                received, written = pub.shm_ring.received, pub.shm_ring.written
+    assert_exact(rec)  # either way, every seq is delivered or reported lost
+    if bounded:
+        kept = ring // 4 // nbytes + 1
+        assert drops == {"shm_ahead_of_broker": n - kept}
+        assert rec["steps"] == list(range(kept)) and set(rec["gap_reasons"]) == {"shm_ahead_of_broker"}
+        assert received == written == kept * nbytes  # the broker noted every payload it received
+    else:
+        assert drops == {} and written == n * nbytes
+        assert "shm_overrun" in rec["gap_reasons"] and len(rec["steps"]) < n // 2
 
 
 def test_a_recording_made_through_a_real_broker_keeps_the_bytes_not_the_ring_position(tmp_path):
@@ -219,7 +257,8 @@ def test_ring_frames_are_credited_in_full_so_a_small_window_never_stalls():
         with open_stream(d, patterns=("credit-*",), timeout=20, consumer_id="small-window",
                          window_bytes=4 << 20) as events:
             wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
-            with _ring_publisher(d, "credit", 64 << 20) as pub:
+            # a 32 MiB burst, more than a quarter of the ring: unbounded, so that every frame reaches the broker
+            with _ring_publisher(d, "credit", 64 << 20, shm_ahead_bytes=0) as pub:
                 publish_stream(pub, "credit-0", frames=n, nbytes=nbytes)
                 assert pub.flush(10)
                 rec = account(events_until(events, 1, 30))["credit-0"]

@@ -34,7 +34,7 @@ from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotic
 from mia_stream.schemas._codec import SHM_RING_KEY as _SHM_RING_KEY
 from mia_stream.schemas._codec import batch_header, decode_header
 from mia_stream.schemas._messages import Credit
-from mia_stream.schemas._shm import SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY, remove_ring
+from mia_stream.schemas._shm import SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY, remove_ring
 
 log = logging.getLogger("mia_stream.broker")
 
@@ -250,7 +250,9 @@ class Broker:
         self._last_ring_sweep = self._last_ring_prune = 0.0
         self._now = time.monotonic()  # taken once per batch of received messages
         self._messages_in = self._bytes_in = 0  # folded into counters after each batch
-        self._shm = ShmRingReader()  # for consumers that cannot read producers' rings themselves
+        # producers' rings: inlined for consumers that cannot read them; lag checks; ``received`` noted in
+        # each ring's header, which bounds how far its producer writes ahead of this broker
+        self._shm = ShmRingReader(writable=True)
         self._closing_rings: dict[str, float] = {}  # rings handed over by their closed producers -> removal time
         self._accept_shm = config.shm and eps.producers.startswith("ipc://")
 
@@ -370,6 +372,7 @@ class Broker:
             nbytes += extent[2]
             self.counters["shm_bytes_in"] += extent[2]
             p.rings.add(extent[0])
+            self._shm.note_received(extent[0], extent[3])
         if kind in _STREAM_KINDS:
             self._on_stream_message(p, header, body, nbytes, extent)
         elif kind == "gap":
@@ -446,7 +449,7 @@ class Broker:
     def _heartbeat(self, known: bool, extra: dict | None = None) -> list:
         return encode(Heartbeat("broker", "broker", self.instance, time.time_ns(),
                                 {"known": known, "batch": self.config.batch, "shm": self._accept_shm,
-                                 **(extra or {})}))
+                                 SHM_RECEIVED_KEY: self._accept_shm, **(extra or {})}))
 
     def _heartbeat_to(self, sock: zmq.Socket, identity: bytes, known: bool) -> None:
         self._send_direct(sock, identity, self._heartbeat(known))
@@ -611,7 +614,7 @@ class Broker:
 
     def _drop_stale_head(self, c: _Consumer) -> None:
         """Drop the ring-held frames at the head of ``c``'s queue whose bytes the producer is about to
-        overwrite (more than 3/4 of a ring behind its writer), with one gap per stream put in their place.
+        overwrite (more than half a ring behind its writer), with one gap per stream put in their place.
 
         A consumer that falls behind then gets the newest frames the ring still holds, and its loss is the
         fraction it cannot keep up with; without this it would receive only frames already overwritten."""

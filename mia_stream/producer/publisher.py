@@ -16,6 +16,13 @@ with ``frames_dropped == 0`` and empty ``drops`` gets them filled in.
 Tensor frames are dropped first: they may use ``queue_bytes``; every other message (start, tokens, end,
 gap, ack) may also use a reserve of ``queue_bytes // 16`` (at least 1 MiB) on top.
 
+With a shared-memory ring (tensors of 16 KiB and more, to a broker on this host) the sockets no longer push
+back on a producer that outruns its broker, and the ring overwrites without waiting. So a tensor frame is
+dropped at its source (reason ``shm_ahead_of_broker``) while the ring payloads this publisher has queued run
+more than ``shm_ahead_bytes`` (default: a quarter of the ring) past what the broker has received, as the
+broker records it in the ring's header (spec section 9): what reaches the broker is then recent enough to be
+read before it is overwritten, instead of most of it arriving already lost.
+
 Steering commands from consumers arrive through the broker: pass ``on_steering=callback`` (called in the
 sender thread; keep it quick) or call ``poll_steering()``; answer each with ``ack(SteeringAck(...))``.
 After a broker restart (a new broker instance in its heartbeats) the publisher re-sends the StreamStart of
@@ -41,13 +48,14 @@ from mia_stream.errors import WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
 from mia_stream.schemas._codec import batch_header
-from mia_stream.schemas._shm import (DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY,
-                                     ShmRingWriter, shm_reachable)
+from mia_stream.schemas._shm import (DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY,
+                                     SHM_RING_TAKEN_KEY, ShmRingWriter, shm_reachable)
 
 log = logging.getLogger("mia_stream.publisher")
 
 DEFAULT_PUBLISHER_QUEUE_BYTES = 256 << 20
 SHM_BYTES_ENV = "MIA_STREAM_SHM_BYTES"
+SHM_AHEAD_ENV = "MIA_STREAM_SHM_AHEAD_BYTES"  # the source bound (default a quarter of the ring; 0: none)
 # zmq messages zmq may hold beyond the byte-bounded queue (IMMEDIATE: none while disconnected). A batch is one
 # zmq message of up to _transport.BATCH_BYTES, so this also bounds what batching moves from the queue into zmq
 # (64 MiB).
@@ -55,8 +63,19 @@ _SNDHWM = 64
 _ENDED_MEMORY = 10_000
 _HELLO_S = 0.02  # heartbeat interval until the broker has answered once
 _RING_HANDOVER_WAIT_S = 2.0  # close() waits this long at most for the broker to take the ring
+# The broker's ``received`` has not moved for this long while we are past the bound: what was in flight is
+# lost (e.g. a broker that restarted), so the bound starts over from what was queued last
+_RING_AHEAD_STALL_S = 3.0
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
+
+
+def _env_bytes(name: str, default: int) -> int:
+    env = os.environ.get(name, "").strip()
+    try:
+        return int(env) if env else default
+    except ValueError:
+        raise ValueError(f"{name} must be a byte count, got {env!r}") from None
 
 
 class _PubStream:
@@ -81,7 +100,8 @@ class FramePublisher:
                  queue_bytes: int = DEFAULT_PUBLISHER_QUEUE_BYTES,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, heartbeat_s: float = _transport.HEARTBEAT_S,
                  on_steering: Callable[[SteeringCommand], None] | None = None, compression: str = "none",
-                 checksum: bool = False, shm_bytes: int | None = None, shm_min_bytes: int = DEFAULT_MIN_BYTES):
+                 checksum: bool = False, shm_bytes: int | None = None, shm_min_bytes: int = DEFAULT_MIN_BYTES,
+                 shm_ahead_bytes: int | None = None):
         self.endpoint = _transport.endpoints_for(address).producers
         self._keys = _transport.resolve_client_keys(keys, "producer")
         _transport.require_curve_for_tcp(self.endpoint, self._keys is not None, "connect to")
@@ -96,6 +116,15 @@ class FramePublisher:
         self.shm_ring = self._open_ring(shm_bytes, shm_min_bytes)
         self._ring_lock = threading.Lock()
         self._ring_taken = threading.Event()  # the broker took the ring this publisher offered at close
+        # ring bytes queued past what the broker has received before tensor frames are dropped (0: no bound)
+        ring_size = self.shm_ring.size if self.shm_ring is not None else 0
+        if shm_ahead_bytes is None:
+            shm_ahead_bytes = _env_bytes(SHM_AHEAD_ENV, ring_size // 4)
+        self.shm_ahead_bytes = int(shm_ahead_bytes)
+        self._ring_sent_end = 0  # end position of the newest ring payload queued for the broker
+        self._ring_baseline = 0  # the bound counts from here when the broker has not received past it
+        self._ring_received_seen = 0
+        self._ring_received_at = time.monotonic()
         self._lock = threading.Lock()
         self._queue: collections.deque[tuple[list, int, Any]] = collections.deque()  # (frames, nbytes, end-of)
         self._queued = 0
@@ -108,6 +137,7 @@ class FramePublisher:
         self.broker_instance: int | None = None
         self.broker_batches = False  # the broker's heartbeats say it accepts batches (sender thread only)
         self.broker_shm = False  # ... and that it takes tensors by shared-memory ring position (schema 1.3)
+        self.broker_shm_received = False  # ... and that it records in the ring how far it has received
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._ctx = zmq.Context()
         self._ready = threading.Event()
@@ -142,12 +172,20 @@ class FramePublisher:
                     msg.drops = dict(st.drops)
                     msg.frames_dropped = sum(st.drops.values())
         ring = self.shm_ring
+        ring_end = 0
+        ahead = False
         if ring is not None and kind == "tensors" and self.broker_shm:
-            with self._ring_lock:
-                before = ring.bytes
-                frames = encode(msg, **self._encode_opts, shm=ring)
-                # what the ring holds counts against the budgets as if it were sent inline
-                n = _transport.frames_nbytes(frames) + ring.bytes - before
+            ahead = self._ring_too_far_ahead(ring)
+            if ahead:  # dropped below, before any byte is copied into the ring
+                frames, n = None, 0
+            else:
+                with self._ring_lock:
+                    before = ring.bytes
+                    frames = encode(msg, **self._encode_opts, shm=ring)
+                    # what the ring holds counts against the budgets as if it were sent inline
+                    n = _transport.frames_nbytes(frames) + ring.bytes - before
+                    if ring.bytes != before:
+                        ring_end = ring.written
         else:
             frames = encode(msg, **self._encode_opts)
             n = _transport.frames_nbytes(frames)
@@ -164,6 +202,8 @@ class FramePublisher:
                     st.ended = False
             if self._closed:
                 return self._drop(st, msg, "publisher_closed")
+            if ahead:
+                return self._drop(st, msg, "shm_ahead_of_broker")
             if n > self.max_message_bytes:
                 return self._drop(st, msg, "oversized")
             limit = self.queue_bytes if kind == "tensors" else self.queue_bytes + self.control_reserve
@@ -172,6 +212,8 @@ class FramePublisher:
             if st is not None and st.pending:
                 self._announce_gaps(st)
             self._append(frames, n, end_of=st if kind == "end" else None)
+            if ring_end:
+                self._ring_sent_end = ring_end
             if kind == "end" and st is not None:
                 st.ended, st.end, st.ended_at = True, msg, time.monotonic()
                 self._streams.pop(rid, None)
@@ -201,10 +243,35 @@ class FramePublisher:
 
     def stats(self) -> dict:
         with self._lock:
-            return {"producer_id": self.producer_id, "epoch": self.epoch, "queue_bytes": self._queued,
-                    "queue_messages": len(self._queue), "open_streams": sum(1 for s in self._streams.values()
-                                                                           if s.start is not None),
-                    **{k: v for k, v in self.counters.items()}}
+            out = {"producer_id": self.producer_id, "epoch": self.epoch, "queue_bytes": self._queued,
+                   "queue_messages": len(self._queue), "open_streams": sum(1 for s in self._streams.values()
+                                                                          if s.start is not None),
+                   **{k: v for k, v in self.counters.items()}}
+        if self.shm_ring is not None and self.broker_shm_received:
+            out["shm_bytes_ahead_of_broker"] = self._ring_ahead(self.shm_ring)
+        return out
+
+    def _ring_ahead(self, ring: ShmRingWriter) -> int:
+        """Ring bytes queued for the broker beyond what it has received (read without the ring's lock: the
+        fields are single aligned u64s, and a stale reading only moves a drop by one frame)."""
+        received = ring.received
+        if received != self._ring_received_seen:
+            self._ring_received_seen, self._ring_received_at = received, time.monotonic()
+        return max(0, self._ring_sent_end - max(received, self._ring_baseline))
+
+    def _ring_too_far_ahead(self, ring: ShmRingWriter) -> bool:
+        if not self.broker_shm_received or self.shm_ahead_bytes <= 0:
+            return False
+        if self._ring_ahead(ring) <= self.shm_ahead_bytes:
+            return False
+        if time.monotonic() - self._ring_received_at >= _RING_AHEAD_STALL_S:
+            # the broker has received nothing of ours for a while although we are far ahead: what was in
+            # flight is lost (it restarted, say); count from what was queued last
+            self._ring_baseline = self._ring_sent_end
+            self._ring_received_at = time.monotonic()
+            self.counters["shm_ahead_resets"] += 1
+            return False
+        return True
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until everything queued has been handed to zmq; False on timeout."""
@@ -267,11 +334,7 @@ class FramePublisher:
         """The shared-memory ring for large tensor buffers: only to a broker on this host (ipc), where
         /dev/shm is writable; ``shm_bytes`` (default: ``MIA_STREAM_SHM_BYTES`` or 256 MiB) 0 disables it."""
         if shm_bytes is None:
-            env = os.environ.get(SHM_BYTES_ENV, "").strip()
-            try:
-                shm_bytes = int(env) if env else DEFAULT_RING_BYTES
-            except ValueError:
-                raise ValueError(f"{SHM_BYTES_ENV} must be a byte count, got {env!r}") from None
+            shm_bytes = _env_bytes(SHM_BYTES_ENV, DEFAULT_RING_BYTES)
         if shm_bytes <= 0 or not shm_reachable(self.endpoint):
             return None
         try:
@@ -487,6 +550,9 @@ class FramePublisher:
         known = hb.stats.get("known", True) if isinstance(hb.stats, dict) else True
         self.broker_batches = isinstance(hb.stats, dict) and hb.stats.get("batch") is True
         self.broker_shm = isinstance(hb.stats, dict) and hb.stats.get("shm") is True
+        self.broker_shm_received = self.broker_shm and hb.stats.get(SHM_RECEIVED_KEY) is True
+        if previous != hb.instance:  # a new broker has received nothing that was on its way to the old one
+            self._ring_baseline = self._ring_sent_end
         if previous == hb.instance and known:
             return
         # A broker that may not know our streams (a restart; the first heartbeat of a broker that may have

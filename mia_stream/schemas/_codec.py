@@ -478,19 +478,23 @@ def references_shm(frames: Sequence[Any]) -> bool:
     return _SHM_MARK in head
 
 
-def shm_extent(header: dict) -> tuple[str, int, int] | None:
-    """``(ring, lowest position, bytes)`` of a decoded header's ring-held buffers, or None without any. The
-    lowest position is the first to be overwritten; the bytes count as the message's size in every budget."""
+def shm_extent(header: dict) -> tuple[str, int, int, int] | None:
+    """``(ring, lowest position, bytes, end)`` of a decoded header's ring-held buffers, or None without any.
+    The lowest position is the first to be overwritten; the bytes count as the message's size in every
+    budget; ``end`` is the highest position + nbytes (how far a receiver of this message has the ring)."""
     name = header.get(SHM_RING_KEY)
     if type(name) is not str or header.get("kind") != "tensors":
         return None
-    oldest, n = None, 0
+    oldest, n, end = None, 0, 0
     for e in header.get("tensors", ()):
         if isinstance(e, dict) and type(e.get("shm")) is int:
-            oldest = e["shm"] if oldest is None else min(oldest, e["shm"])
-            if type(e.get("nbytes")) is int:
-                n += e["nbytes"]
-    return (name, oldest, n) if oldest is not None else None
+            pos = e["shm"]
+            oldest = pos if oldest is None else min(oldest, pos)
+            size = e.get("nbytes")
+            if type(size) is int:
+                n += size
+                end = max(end, pos + size)
+    return (name, oldest, n, end) if oldest is not None else None
 
 
 def shm_loss_reason(error: Exception) -> str:

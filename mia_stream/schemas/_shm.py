@@ -5,14 +5,17 @@ A producer on the broker's host writes each large tensor buffer into its own rin
 the small message; a consumer on the same host copies the bytes out of the ring. That takes the broker's
 copy in and copy out off every large frame (the bus did 4 copies per frame where one pyzmq hop does 2).
 
-The ring never blocks its writer: it overwrites its oldest bytes. A reader checks *after* its copy that
+The ring never blocks its writer: it overwrites its oldest bytes. So that what it overwrites is not still on
+its way to the broker, the broker stores in the header how far it has received (``received``), and the
+producer drops a frame at its source, counted and announced, rather than run more than a bound ahead of it
+(the publication limit of Aeron's log buffers; ``FramePublisher(shm_ahead_bytes=...)``). A reader checks *after* its copy that
 the writer has not reserved past that region since (``reserved <= pos + size``); otherwise the bytes may be
 torn and the read fails with ``ShmOverrunError``, which consumers report as a gap. Positions are absolute
 byte counts (u64), so a stale position is always recognised. The check relies on stores becoming visible
 in program order (x86-64 TSO): the writer stores ``reserved`` before it copies.
 
-Layout: a 4096-byte header (``magic``, ``size``, ``reserved``, ``pid``; little-endian u64s) then ``size``
-bytes of data; the buffer at position ``pos`` lies at ``4096 + pos % size`` and never wraps (the writer skips
+Layout: a 4096-byte header (``magic``, ``size``, ``reserved``, ``pid``, ``handed_over``, ``received``;
+little-endian u64s) then ``size`` bytes of data; the buffer at position ``pos`` lies at ``4096 + pos % size`` and never wraps (the writer skips
 to the next lap instead).
 """
 
@@ -37,10 +40,13 @@ DEFAULT_MIN_BYTES = 16 << 10  # smaller buffers stay inline (16 KiB frames: ring
 # under the second when it took it, and removes it after its grace (spec section 9)
 SHM_RING_CLOSED_KEY = "shm_ring_closed"
 SHM_RING_TAKEN_KEY = "shm_ring_taken"
+# A broker's heartbeats carry this stats key, true, when it keeps each ring's ``received`` field (spec section 9)
+SHM_RECEIVED_KEY = "shm_received"
 _MAGIC = b"MIASHM01"
 _HEADER = 4096
 _RESERVED_AT = 16
 _HANDED_OVER_AT = 32  # u64 CLOCK_REALTIME ns; 0 while its producer has it
+_RECEIVED_AT = 40  # u64: the end of the newest payload the broker has received (the broker writes it)
 HANDOVER_KEEP_S = 60.0  # a handed-over ring outlives its writer's pid this long before a sweep may remove it
 _NAME = re.compile(r"mia-stream-ring-(\d+)-[0-9a-f]{12}")
 _U64 = struct.Struct("<Q")
@@ -84,6 +90,7 @@ class ShmRingWriter:
         _U64.pack_into(self._mm, 24, os.getpid())
         self._view = memoryview(self._mm)
         self._reserved = _counter(self._mm)
+        self._received = _counter(self._mm, _RECEIVED_AT)
         self._unlink_at_exit = weakref.finalize(self, _unlink, self.path)  # a writer never closed
         self.written = 0  # absolute position of the next buffer
         self.buffers = 0
@@ -110,6 +117,12 @@ class ShmRingWriter:
         self.bytes += n
         return pos
 
+    @property
+    def received(self) -> int:
+        """How far the broker has received this ring's payloads (the end position of the newest one; 0 until
+        a broker that keeps the field has received one)."""
+        return int(self._received[0]) if self._received is not None else 0
+
     def mark_handed_over(self) -> None:
         """Stamp the header's ``handed_over`` time: the broker removes this ring after its grace, and until
         ``HANDOVER_KEEP_S`` has passed no sweep removes it for its writer's pid being gone."""
@@ -122,7 +135,7 @@ class ShmRingWriter:
             return
         self._view.release()
         self._view = None
-        self._reserved = None
+        self._reserved = self._received = None
         self._mm.close()
         if unlink:
             self._unlink_at_exit()
@@ -137,29 +150,33 @@ def _unlink(path: str) -> None:
         pass
 
 
-def _counter(mm: mmap.mmap) -> np.ndarray:
-    """``reserved`` as a one-element u64 array over the mapping: numpy reads and writes an aligned element
+def _counter(mm: mmap.mmap, offset: int = _RESERVED_AT) -> np.ndarray:
+    """A header field as a one-element u64 array over the mapping: numpy reads and writes an aligned element
     with one 8-byte access, where ``struct.pack_into`` stores byte by byte and a reader can see it torn."""
-    return np.frombuffer(mm, dtype="<u8", count=1, offset=_RESERVED_AT)
+    return np.frombuffer(mm, dtype="<u8", count=1, offset=offset)
 
 
 class _MappedRing:
-    __slots__ = ("mm", "size", "reserved", "gone_since")
+    __slots__ = ("mm", "size", "reserved", "received", "gone_since")
 
-    def __init__(self, mm: mmap.mmap, size: int):
+    def __init__(self, mm: mmap.mmap, size: int, writable: bool):
         self.mm, self.size, self.reserved = mm, size, _counter(mm)
+        self.received = _counter(mm, _RECEIVED_AT) if writable else None
         self.gone_since = 0.0  # when its file was first seen removed (its producer closed or died)
 
     def close(self) -> None:
-        self.reserved = None  # the array holds the mapping's buffer: released first, or close() refuses
-        self.mm.close()
+        self.reserved = self.received = None  # the arrays hold the mapping's buffer: released first, or
+        self.mm.close()  # close() refuses
 
 
 class ShmRingReader:
-    """A consumer's (or the broker's) view of producers' rings, opened by name on first use and kept open."""
+    """A consumer's (or the broker's) view of producers' rings, opened by name on first use and kept open.
 
-    def __init__(self, directory: str = SHM_DIR, max_rings: int = 256):
+    ``writable=True`` (the broker) maps them read-write, for ``note_received`` only."""
+
+    def __init__(self, directory: str = SHM_DIR, max_rings: int = 256, writable: bool = False):
         self.directory = directory
+        self.writable = writable
         self.max_rings = max_rings
         self._rings: dict[str, _MappedRing] = {}
         self.bytes_read = 0  # what read() returned, in all (a caller's per-message figure is a difference)
@@ -198,12 +215,26 @@ class ShmRingReader:
             return 0.0
         return (int(ring.reserved[0]) - pos) / ring.size
 
+    def note_received(self, name: str, end: int) -> None:
+        """Store in ring ``name``'s header that the broker has received its payloads up to ``end`` (only ever
+        raised): its producer bounds how far it writes ahead of that. A ring that cannot be opened is skipped
+        (its messages are reported lost where they are read)."""
+        ring = self._rings.get(name)
+        if ring is None:
+            try:
+                ring = self._open(name)
+            except (MalformedFrameError, ShmUnavailableError):
+                return
+        received = ring.received
+        if received is not None and end > received[0]:
+            received[0] = end
+
     def _open(self, name: str) -> _MappedRing:
         if type(name) is not str or not _NAME.fullmatch(name):
             raise MalformedFrameError(f"not a shared-memory ring name: {name!r}")
         path = os.path.join(self.directory, name)
         try:
-            fd = os.open(path, os.O_RDONLY)
+            fd = os.open(path, os.O_RDWR if self.writable else os.O_RDONLY)
         except OSError as e:
             raise ShmUnavailableError(f"cannot open the producer's shared-memory ring {path}: {e.strerror} (a "
                                       "producer on another host or of another user, or one that exited: set "
@@ -212,7 +243,8 @@ class ShmRingReader:
             total = os.fstat(fd).st_size
             if total <= _HEADER:
                 raise ShmUnavailableError(f"shared-memory ring {path} is not initialised")
-            mm = mmap.mmap(fd, total, flags=_MAP_FLAGS, prot=mmap.PROT_READ)
+            prot = mmap.PROT_READ | (mmap.PROT_WRITE if self.writable else 0)
+            mm = mmap.mmap(fd, total, flags=_MAP_FLAGS, prot=prot)
         finally:
             os.close(fd)
         if mm[:8] != _MAGIC or _U64.unpack_from(mm, 8)[0] != total - _HEADER:
@@ -221,7 +253,7 @@ class ShmRingReader:
         if len(self._rings) >= self.max_rings:  # the oldest mapping goes (a producer long gone, usually)
             old = next(iter(self._rings))
             self._rings.pop(old).close()
-        ring = self._rings[name] = _MappedRing(mm, total - _HEADER)
+        ring = self._rings[name] = _MappedRing(mm, total - _HEADER, self.writable)
         return ring
 
     def prune(self, grace_s: float = 10.0) -> int:
