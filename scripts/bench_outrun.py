@@ -109,7 +109,7 @@ def _run(size: int, seconds: float, bounded: bool, broker: str) -> dict:
     address = tempfile.mkdtemp(prefix="mia-outrun-", dir="/tmp")
     proc = None
     if broker == "process":
-        env = dict(os.environ, PYTHONPATH=str(REPO))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
         proc = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", address],
                                 stdout=subprocess.PIPE, text=True, env=env)
         if "ready" not in proc.stdout.readline():
