@@ -80,7 +80,9 @@ def _consume(address: str, in_thread: bool, ready, out) -> None:
     out.put({"received": got, "mb_s": nbytes / max(t_last - t_first, 1e-9) / 1e6, "lost": dict(lost)})
 
 
-def _produce(address: str, size: int, seconds: float, bounded: bool, out) -> None:
+def _produce(address: str, size: int, seconds: float, bounded: bool, out, switch_s: float | None = None) -> None:
+    if switch_s:
+        sys.setswitchinterval(switch_s)
     from mia_stream.producer.publisher import FramePublisher
     from mia_stream.schemas import StreamEnd, StreamStart, Tensor, TensorFrame
 
@@ -105,7 +107,7 @@ def _produce(address: str, size: int, seconds: float, bounded: bool, out) -> Non
              "source_drops": {k[len("dropped_"):]: v for k, v in stats.items() if k.startswith("dropped_")}})
 
 
-def _run(size: int, seconds: float, bounded: bool, broker: str) -> dict:
+def _run(size: int, seconds: float, bounded: bool, broker: str, switch_s: float | None = None) -> dict:
     address = tempfile.mkdtemp(prefix="mia-outrun-", dir="/tmp")
     proc = None
     if broker == "process":
@@ -122,7 +124,7 @@ def _run(size: int, seconds: float, bounded: bool, broker: str) -> dict:
         if not ready.wait(30):
             raise RuntimeError("consumer did not start")
         time.sleep(0.3)
-        producer = ctx.Process(target=_produce, args=(address, size, seconds, bounded, q))
+        producer = ctx.Process(target=_produce, args=(address, size, seconds, bounded, q, switch_s))
         producer.start()
         results = [q.get(timeout=seconds + 60) for _ in range(2)]
         producer.join(30)
@@ -144,6 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=3.0)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--broker", default="process,thread", help="process, thread or both (comma-separated)")
+    ap.add_argument("--switch-interval-ms", type=float, default=None,
+                    help="sys.setswitchinterval in the producer process (CPython's default is 5 ms: a publishing "
+                         "thread that never waits holds the GIL that long against the publisher's sender thread)")
     args = ap.parse_args(argv)
     size = _parse_size(args.size)
     brokers = [b.strip() for b in args.broker.split(",") if b.strip()]
@@ -156,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     for rnd in range(args.rounds):
         for broker in brokers:
             for bounded in (True, False):
-                r = _run(size, args.seconds, bounded, broker)
+                r = _run(size, args.seconds, bounded, broker,
+                         args.switch_interval_ms / 1000 if args.switch_interval_ms else None)
                 lost = dict(r["lost"])
                 other = {k: v for k, v in lost.items() if k not in ("source", "stale", "overwritten")}
                 print(f"{rnd + 1:>5} {broker:>7} {'on' if bounded else 'off':>5} | {r['published_f_s']:8.0f} "
