@@ -23,6 +23,7 @@ run (no two-GPU machine has been lent): read the printed errors on the first one
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
 import signal
@@ -97,6 +98,31 @@ class _Driver:
                     open(self.release, "w").close()  # the engine steps on, and finds rank 1 dead
 
 
+def _vllm_cpu_shm() -> set[str]:
+    try:
+        return {n for n in os.listdir("/dev/shm") if n.startswith("vllm_dist_")}
+    except OSError:
+        return set()
+
+
+def _remove_unmapped_shm(names: set[str]) -> None:
+    """Remove vLLM's CPU TP shared memory that the engines run here left behind (the TP=2 run SIGKILLs a rank,
+    so vLLM cannot remove it: 8 MiB per run otherwise stay in /dev/shm); only files no process still maps."""
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                text = f.read()
+        except OSError:
+            continue
+        mapped.update(n for n in names if n in text)
+    for name in names - mapped:
+        try:
+            os.unlink(os.path.join("/dev/shm", name))
+        except OSError:
+            pass
+
+
 @pytest.fixture(scope="module")
 def tp_runs(tmp_path_factory):
     """{tp: (engine outputs, {stream id: events}, driver, wall seconds)} for TP=1 then TP=2."""
@@ -104,6 +130,7 @@ def tp_runs(tmp_path_factory):
 
     model = str(tiny_model_dir())
     run_dir = tempfile.mkdtemp(prefix="mia-tp-", dir="/tmp")  # short: unix socket paths are limited
+    shm_before = _vllm_cpu_shm()
     runs = {}
     try:
         # A dead rank is declared lost after 5 s of silence (the default, 30 s, tolerates compile stalls).
@@ -124,6 +151,7 @@ def tp_runs(tmp_path_factory):
                 print(f"TP={tp}: {runs[tp][3]:.1f} s (engine start {out.get('start_s', 0):.1f} s)")
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
+        _remove_unmapped_shm(_vllm_cpu_shm() - shm_before)
     return runs
 
 
