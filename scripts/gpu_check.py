@@ -53,8 +53,8 @@ def _bus_main(address: str, conn, ready) -> None:
         nbytes = 0
 
         def stream(sid):
-            return streams.setdefault(sid, {"frames": [], "tokens": [], "gaps": 0, "end": None, "start": None,
-                                            "seqs": []})
+            return streams.setdefault(sid, {"frames": [], "tokens": [], "gaps": 0, "gap_reasons": {}, "end": None,
+                                            "start": None, "seqs": []})
 
         while True:
             if conn.poll():
@@ -115,7 +115,10 @@ def _bus_take(msg, streams, stream, lat, keep) -> int:
         s["end"] = {"reason": msg.finish_reason, "frames_dropped": msg.frames_dropped, "drops": dict(msg.drops),
                     "generated": msg.num_generated_tokens, "uncaptured": msg.uncaptured_positions}
     elif isinstance(msg, GapNotice):
-        stream(msg.request_id)["gaps"] += 1
+        s = stream(msg.request_id)  # lost frames (seqs), not notices; by origin and reason
+        s["gaps"] += msg.count
+        key = f"{msg.origin}:{msg.reason}"
+        s["gap_reasons"][key] = s["gap_reasons"].get(key, 0) + msg.count
     return 0
 
 
@@ -536,14 +539,23 @@ def engine_bench(args) -> dict:
                 lat = np.asarray(got["latency_ms"]) if got["latency_ms"] else None
                 drops = sum((s["end"] or {}).get("frames_dropped", 0) for s in got["streams"].values())
                 gaps = sum(s["gaps"] for s in got["streams"].values())
+                gap_reasons: dict[str, int] = {}
+                for s in got["streams"].values():
+                    for key, count in s["gap_reasons"].items():
+                        gap_reasons[key] = gap_reasons.get(key, 0) + count
                 frames = sum(len(s["frames"]) for s in got["streams"].values())
                 ended = sum(1 for s in got["streams"].values() if s["end"] is not None)
                 row.update({"bytes": got["bytes"], "bytes_per_s": round(got["bytes"] / dt), "frames": frames,
-                            "frames_dropped": drops, "gaps": gaps, "streams_ended": ended,
+                            "frames_dropped": drops, "gaps": gaps, "gap_reasons": gap_reasons,
+                            # the publisher's drops are in both StreamEnd.frames_dropped and its gaps: once here
+                            "lost": drops + gaps - sum(v for k, v in gap_reasons.items() if k.startswith("producer:")),
+                            "streams_ended": ended,
                             "lat_p50_ms": round(float(np.percentile(lat, 50)), 2) if lat is not None else None,
                             "lat_p99_ms": round(float(np.percentile(lat, 99)), 2) if lat is not None else None,
-                            "broker_drops": {k: v for k, v in (got["broker"] or {}).items()
-                                             if "drop" in str(k)} if isinstance(got["broker"], dict) else None})
+                            # the broker's counters since it started (all configs so far), not this row's
+                            "broker_drops": {k: v for k, v in (got["broker"].get("totals") or {}).items()
+                                             if "drop" in str(k) or "shm_" in str(k)}
+                            if isinstance(got["broker"], dict) else None})
             row["profiled"] = profiled
             res["runs"].setdefault(name, []).append(row)
             print(f"[bench] round {rnd} {name} {row}", flush=True)
@@ -771,9 +783,11 @@ def print_table(results: dict) -> None:
             steps = calls.get("begin_step") or 0
             per_step = sum(host.get(k, 0) for k in ("begin_step", "end_step", "on_sampled")) / steps if steps else None
             print(f"{name:22} {r['tok_s']:9.0f} {ratio:6.3f} {r.get('bytes_per_s', 0) / 1e9:6.2f} "
-                  f"{r.get('frames', 0):7d} {r.get('frames_dropped', 0) + r.get('gaps', 0):7d} "
+                  f"{r.get('frames', 0):7d} {r.get('lost', r.get('frames_dropped', 0) + r.get('gaps', 0)):7d} "
                   f"{r.get('lat_p50_ms')!s:>7} {r.get('lat_p99_ms')!s:>7} {r.get('admit_s')!s:>7} "
                   f"{'-' if per_step is None else f'{per_step:.3f}':>12}")
+            if r.get("gap_reasons"):
+                print(f"{'':22} lost, by origin:reason: {r['gap_reasons']}")
         for m in ("bench_plain", "bench_plugin"):
             if m in results and (results[m].get("error") or results[m].get("rc") not in (0, None)):
                 print(m, "rc", results[m].get("rc"), (results[m].get("error") or "")[-600:])

@@ -146,7 +146,9 @@ def test_publisher_never_blocks_without_broker_and_counts_drops_exactly(broker_d
                                                     tensors=[Tensor.from_array("hs", payload_arr)])))
         elapsed = time.perf_counter() - t0
         drops = pub.drops_for(rid)
-        end = StreamEnd(rid, pub.producer_id, pub.epoch, pub.next_seq(rid))
+        # the caller's own drops (the engine's: frames its host ring had no room for) plus the publisher's
+        end = StreamEnd(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), frames_dropped=3,
+                        drops={"host_ring_full": 3})
         pub.publish(end)
     finally:
         pub.close(timeout=0)
@@ -154,7 +156,7 @@ def test_publisher_never_blocks_without_broker_and_counts_drops_exactly(broker_d
     n_dropped = accepted.count(False)
     assert n_dropped > 8000  # a 1 MiB budget holds fewer than 1000 of them
     assert drops == {"queue_full": n_dropped}
-    assert end.frames_dropped == n_dropped and end.drops == {"queue_full": n_dropped}
+    assert end.frames_dropped == n_dropped + 3 and end.drops == {"queue_full": n_dropped, "host_ring_full": 3}
     st = pub.stats()
     assert st["dropped_queue_full"] == n_dropped
     # close(timeout=0) with no broker: what was still queued is dropped too, and counted as such

@@ -10,8 +10,9 @@ Sequence numbers belong to the caller: stamp each stream message with ``seq=publ
 (StreamStart first, so it gets 0) and ``producer_id``/``epoch`` with ``publisher.producer_id``/``epoch``.
 A message the queue has no room for is dropped and counted per stream and reason; before the stream's next
 message (and at the latest before its StreamEnd) the publisher sends a ``GapNotice(origin="producer")`` that
-names the dropped seqs exactly. ``drops_for(request_id)`` gives the counts by reason; a StreamEnd published
-with ``frames_dropped == 0`` and empty ``drops`` gets them filled in.
+names the dropped seqs exactly. ``drops_for(request_id)`` gives the counts by reason; they are added to the
+``frames_dropped`` and ``drops`` of the stream's StreamEnd (which carry the caller's own drops, e.g. the
+engine's, when it publishes it).
 
 Tensor frames are dropped first: they may use ``queue_bytes``; every other message (start, tokens, end,
 gap, ack) may also use a reserve of ``queue_bytes // 16`` (at least 1 MiB) on top.
@@ -168,9 +169,11 @@ class FramePublisher:
         if kind == "end":
             with self._lock:
                 st = self._streams.get(rid)
-                if st is not None and not msg.drops and not msg.frames_dropped and st.drops:
-                    msg.drops = dict(st.drops)
-                    msg.frames_dropped = sum(st.drops.values())
+                if st is not None and st.drops:  # the caller's drops (e.g. the engine's) plus the publisher's
+                    drops = collections.Counter(msg.drops or {})
+                    drops.update(st.drops)
+                    msg.drops = dict(drops)
+                    msg.frames_dropped = (msg.frames_dropped or 0) + sum(st.drops.values())
         ring = self.shm_ring
         ring_end = 0
         ahead = False
