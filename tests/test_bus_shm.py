@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import spec_decoder
-from bus_helpers import (account, assert_exact, events_until, payload, processes, publish_stream, run_dir,
+from bus_helpers import (account, assert_exact, events_until, kill, payload, processes, publish_stream, run_dir,
                          start_broker, stats, wait_for)
 from mia_stream.consumers import open_stream
 from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
@@ -208,6 +208,36 @@ def test_a_producer_drops_at_its_source_rather_than_run_a_ring_ahead_of_its_brok
     else:
         assert drops == {} and written == n * nbytes
         assert "shm_overrun" in rec["gap_reasons"] and len(rec["steps"]) < n // 2
+
+
+def test_the_source_bound_starts_over_with_a_restarted_broker():
+    # Broker A is stopped while a burst fills the bound, then killed with those frames in flight: it never
+    # noted them as received. The publisher must count from its last queued position again as soon as it
+    # sees broker B (a new instance), not drop every frame as "ahead" of a broker that will never get them
+    # (its stall fallback would take 3 s; B's stream must flow within 2).
+    nbytes, ring = 256 << 10, 8 << 20
+    with run_dir() as d, processes() as procs:
+        broker_a = start_broker(d)
+        procs.append(broker_a)
+        with _ring_publisher(d, "restart", ring) as pub:
+            broker_a.send_signal(signal.SIGSTOP)
+            publish_stream(pub, "lost-0", frames=20, nbytes=nbytes, end=False)
+            assert pub.drops_for("lost-0") == {"shm_ahead_of_broker": 20 - (ring // 4 // nbytes + 1)}
+            kill(broker_a, signal.SIGKILL)
+            procs.append(start_broker(d))
+            with open_stream(d, patterns=("after-*",), timeout=20) as events:
+                wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
+                t_restart = time.monotonic()
+                wait_for(lambda: pub.broker_shm_received and pub.stats()["shm_bytes_ahead_of_broker"] == 0,
+                         timeout=2)
+                assert time.monotonic() - t_restart < 2.0
+                publish_stream(pub, "after-0", frames=8, nbytes=nbytes)
+                assert pub.flush(10)
+                rec = account(events_until(events, 1, 30))["after-0"]
+            assert pub.drops_for("after-0") == {}
+            assert pub.stats().get("shm_ahead_resets", 0) == 0  # the instance change did it, not the stall
+    assert_exact(rec)
+    assert rec["gap_seqs"] == [] and rec["steps"] == list(range(8))
 
 
 def test_a_recording_made_through_a_real_broker_keeps_the_bytes_not_the_ring_position(tmp_path):
