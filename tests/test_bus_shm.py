@@ -154,7 +154,7 @@ def test_large_frames_skip_the_broker_and_arrive_bit_exact_for_ring_and_inline_c
 
 def test_a_consumer_too_slow_for_the_ring_is_told_exactly_which_frames_it_lost():
     # A ring of 8 MiB and a consumer that reads nothing until 40 frames of 1 MiB were written: the first ones
-    # were overwritten. It must get gaps (reason shm_overrun) for exactly those, and correct bytes for the rest.
+    # were overwritten. It must get gaps (reason shm_overrun) for those, and correct bytes for the rest.
     n = 40
     with run_dir() as d, processes() as procs:
         procs.append(start_broker(d))
@@ -168,10 +168,15 @@ def test_a_consumer_too_slow_for_the_ring_is_told_exactly_which_frames_it_lost()
                 wait_for(lambda: stats(d)["totals"].get("shm_bytes_in", 0) >= n << 20, timeout=10)
                 rec = account(events_until(events, 1, 30))["slow-0"]
     assert_exact(rec)
-    lost = sorted(rec["gap_seqs"])
-    assert lost and set(rec["gap_reasons"]) == {"shm_overrun"}
-    assert lost == list(range(1, 1 + len(lost)))  # the oldest frames (seq 0 is the start)
-    assert len(rec["steps"]) >= 3  # the newest ones (less than 3/4 of a ring behind its writer) were delivered
+    assert set(rec["gap_reasons"]) == {"shm_overrun"}
+    # Frame seq s lies at (s - 1) MiB; the writer ends at 40 MiB. Seqs 1-32 lie more than a ring behind it:
+    # overwritten, lost whoever finds out (the broker, or this consumer when it reads them). Seqs 37-40 are at
+    # most half a ring behind: always delivered. Seqs 33-36 depend on when the broker flushed to this
+    # consumer: sent while less than half a ring behind, they are read intact; queued longer, the broker drops
+    # them as stale (under load it flushes between the producer's writes, so these need not be contiguous).
+    lost = set(rec["gap_seqs"])
+    assert set(range(1, 33)) <= lost <= set(range(1, 37))
+    assert set(range(37, 41)) <= set(rec["seqs"])
 
 
 @pytest.mark.parametrize("bounded", [True, False], ids=["bounded", "unbounded"])

@@ -226,7 +226,8 @@ class ShmRingReader:
             except (MalformedFrameError, ShmUnavailableError):
                 return
         received = ring.received
-        if received is not None and end > received[0]:
+        # never past what the writer reserved: a reference beyond it is malformed (and reported where read)
+        if received is not None and int(received[0]) < end <= int(ring.reserved[0]):
             received[0] = end
 
     def _open(self, name: str) -> _MappedRing:
