@@ -233,12 +233,14 @@ class BrokerClient:
             log.warning("mia_stream consumer: broker says %s: %s", msg.code, msg.message)
         return frames, msg
 
-    def _ring_weight(self, frames: list) -> int:
+    def _ring_weight(self, frames: list, header: dict | None = None) -> int:
         """Wire bytes plus the ring bytes the header references: what the broker counted in flight."""
-        try:
-            extent = shm_extent(decode_header(frames, max_message_bytes=self.max_message_bytes))
-        except WireError:
-            extent = None
+        if header is None:
+            try:
+                header = decode_header(frames, max_message_bytes=self.max_message_bytes)
+            except WireError:
+                return _nbytes(frames)
+        extent = shm_extent(header)
         return _nbytes(frames) + (extent[2] if extent else 0)
 
     def _ring_loss(self, frames: list, error: SharedBufferError) -> tuple[list, GapNotice]:
@@ -247,8 +249,7 @@ class BrokerClient:
         header = decode_header(frames, max_message_bytes=self.max_message_bytes)
         gap = shm_loss_gap(header, error, "consumer")
         self.counters[gap.reason] += 1
-        extent = shm_extent(header)
-        self._credit(_nbytes(frames) + (extent[2] if extent else 0))
+        self._credit(self._ring_weight(frames, header))
         if self.counters[gap.reason] <= 10:
             log.warning("mia_stream consumer: lost a message's tensors: %s", error)
         return encode(gap), gap

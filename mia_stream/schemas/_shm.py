@@ -8,15 +8,15 @@ copy in and copy out off every large frame (the bus did 4 copies per frame where
 The ring never blocks its writer: it overwrites its oldest bytes. So that what it overwrites is not still on
 its way to the broker, the broker stores in the header how far it has received (``received``), and the
 producer drops a frame at its source, counted and announced, rather than run more than a bound ahead of it
-(the publication limit of Aeron's log buffers; ``FramePublisher(shm_ahead_bytes=...)``). A reader checks *after* its copy that
-the writer has not reserved past that region since (``reserved <= pos + size``); otherwise the bytes may be
-torn and the read fails with ``ShmOverrunError``, which consumers report as a gap. Positions are absolute
-byte counts (u64), so a stale position is always recognised. The check relies on stores becoming visible
-in program order (x86-64 TSO): the writer stores ``reserved`` before it copies.
+(the publication limit of Aeron's log buffers; ``FramePublisher(shm_ahead_bytes=...)``). A reader checks
+*after* its copy that the writer has not reserved past that region since (``reserved <= pos + size``);
+otherwise the bytes may be torn and the read fails with ``ShmOverrunError``, which consumers report as a
+gap. Positions are absolute byte counts (u64), so a stale position is always recognised. The check relies
+on stores becoming visible in program order (x86-64 TSO): the writer stores ``reserved`` before it copies.
 
 Layout: a 4096-byte header (``magic``, ``size``, ``reserved``, ``pid``, ``handed_over``, ``received``;
-little-endian u64s) then ``size`` bytes of data; the buffer at position ``pos`` lies at ``4096 + pos % size`` and never wraps (the writer skips
-to the next lap instead).
+little-endian u64s) then ``size`` bytes of data; the buffer at position ``pos`` lies at ``4096 + pos % size``
+and never wraps (the writer skips to the next lap instead).
 """
 
 from __future__ import annotations
@@ -209,26 +209,26 @@ class ShmRingReader:
     def lag(self, name: str, pos: int) -> float:
         """How far the writer of ring ``name`` is past ``pos``, in ring sizes (> 1: those bytes are gone);
         0.0 for a ring that cannot be opened (its readers will report that)."""
-        try:
-            ring = self._rings.get(name) or self._open(name)
-        except (MalformedFrameError, ShmUnavailableError):
-            return 0.0
-        return (int(ring.reserved[0]) - pos) / ring.size
+        ring = self._ring_or_none(name)
+        return 0.0 if ring is None else (int(ring.reserved[0]) - pos) / ring.size
 
     def note_received(self, name: str, end: int) -> None:
         """Store in ring ``name``'s header that the broker has received its payloads up to ``end`` (only ever
         raised): its producer bounds how far it writes ahead of that. A ring that cannot be opened is skipped
         (its messages are reported lost where they are read)."""
-        ring = self._rings.get(name)
-        if ring is None:
-            try:
-                ring = self._open(name)
-            except (MalformedFrameError, ShmUnavailableError):
-                return
-        received = ring.received
+        ring = self._ring_or_none(name)
+        received = ring.received if ring is not None else None
         # never past what the writer reserved: a reference beyond it is malformed (and reported where read)
         if received is not None and int(received[0]) < end <= int(ring.reserved[0]):
             received[0] = end
+
+    def _ring_or_none(self, name: str) -> _MappedRing | None:
+        """The mapped ring, opened on first use; None for one that cannot be opened (a caller that does not
+        read its bytes: where they are read, the failure is reported)."""
+        try:
+            return self._rings.get(name) or self._open(name)
+        except (MalformedFrameError, ShmUnavailableError):
+            return None
 
     def _open(self, name: str) -> _MappedRing:
         if type(name) is not str or not _NAME.fullmatch(name):
@@ -322,9 +322,6 @@ def sweep_stale_rings(directory: str = SHM_DIR) -> int:
             continue
         if _recently_handed_over(os.path.join(directory, name)):  # its broker removes it after its grace
             continue
-        try:
-            os.unlink(os.path.join(directory, name))
+        if remove_ring(name, directory):
             removed += 1
-        except OSError:
-            pass
     return removed
