@@ -1,4 +1,9 @@
-"""Encode typed messages to ZeroMQ multipart frames and back: ``[topic, msgpack header, *tensor buffers]``."""
+"""Encode typed messages to ZeroMQ multipart frames and back: ``[topic, msgpack header, *tensor buffers]``.
+
+One validator serves every receiver: ``decode_header`` (the broker's, which never touches tensor bytes) and
+``decode`` check the same header rules with the same functions (``_check_fields``, ``_parse_entry``,
+``_check_columnar``), so the broker never forwards a header that a consumer would then refuse.
+"""
 
 from __future__ import annotations
 
@@ -7,9 +12,12 @@ import time
 from typing import Any, Sequence
 
 import msgpack
+import numpy as np
 
 from mia_stream.errors import (MalformedFrameError, OversizedMessageError, SchemaVersionError, ShmOverrunError,
                                ShmUnavailableError, WireError)
+from mia_stream.schemas._batches import (BATCH_MESSAGE_TYPES, VALUE_WIRE_DTYPES, AnalysisBatch, RowGroup, StepBatch,
+                                         TokenBatch)
 from mia_stream.schemas._messages import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, Message, TensorFrame
 from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter
 from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, compress, crc32,
@@ -19,6 +27,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: larger messages are refused (broke
 _MAX_HEADER_BYTES = 16 << 20
 SHM_RING_KEY = "shm_ring"  # header field: the ring that holds the buffers of entries with a "shm" position
 _SHM_MARK = msgpack.packb(SHM_RING_KEY)  # how the key looks inside a packed header
+LEGACY_MAJOR = 1  # recordings of schema 1.x stay readable: every 1.x kind is a 2.0 kind with the same fields
+
+COLUMNAR_KINDS = frozenset(cls.KIND for cls in BATCH_MESSAGE_TYPES)  # messages that name many requests
+_I64 = np.dtype("<i8")
 
 _FIELDS = {kind: {f.name: f for f in dataclasses.fields(cls)} for kind, cls in MESSAGE_TYPES.items()}
 _REQUIRED = {
@@ -47,6 +59,12 @@ except ImportError:  # pragma: no cover - pyzmq is a dependency
     _SIZED = frozenset((bytes, memoryview))
 
 
+def _frame_sizes(frames: Sequence[Any]) -> list[int]:
+    return [len(f) if type(f) in _SIZED else _len(_buffer_of(f)) for f in frames]
+
+
+# ---------------------------------------------------------------------------------------------- encode
+
 def encode(msg: Message, *, compression: str = "none", checksum: bool = False,
            shm: ShmRingWriter | None = None) -> list[Any]:
     """Frames for ``socket.send_multipart(frames, copy=False)``: tensor buffers are not copied.
@@ -57,13 +75,16 @@ def encode(msg: Message, *, compression: str = "none", checksum: bool = False,
     """
     header: dict[str, Any] = {"v": list(SCHEMA_VERSION), "kind": msg.KIND}
     buffers: list[Any] = []
-    for name in _FIELDS[msg.KIND]:
-        value = getattr(msg, name)
-        if name == "tensors":
-            value = [_encode_tensor(t, compression, checksum, buffers, shm) for t in value]
-            if shm is not None and any("shm" in e for e in value):
-                header[SHM_RING_KEY] = shm.name
-        header[name] = value
+    if msg.KIND in COLUMNAR_KINDS:
+        _encode_columnar(msg, header, buffers, compression, checksum, shm)
+    else:
+        for name in _FIELDS[msg.KIND]:
+            value = getattr(msg, name)
+            if name == "tensors":
+                value = [_encode_tensor(t, compression, checksum, buffers, shm) for t in value]
+                if shm is not None and any("shm" in e for e in value):
+                    header[SHM_RING_KEY] = shm.name
+            header[name] = value
     try:
         packed = msgpack.packb(header, use_bin_type=True)
     except (TypeError, ValueError) as e:
@@ -73,7 +94,7 @@ def encode(msg: Message, *, compression: str = "none", checksum: bool = False,
 
 def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list, shm: ShmRingWriter | None) -> dict:
     method = t.meta.get("compression", compression)
-    raw = t.data
+    raw = t.buffer()
     entry: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
                              "layers": list(t.layers), "raw_nbytes": t.nbytes}
     if t.meta.get("checksum", checksum):
@@ -90,15 +111,57 @@ def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list, s
         entry["shm"] = pos
     if t.scale is not None:
         entry["scale"] = {"dtype": "float32", "shape": list(t.scale.shape)}
-        buffers.append(memoryview(t.scale).cast("B"))
+        buffers.append(memoryview(np.ascontiguousarray(t.scale, dtype="<f4")).cast("B"))
     extra = {k: v for k, v in t.meta.items() if k not in ("compression", "checksum")}
     if extra:
         entry["meta"] = extra
     return entry
 
 
-def _unpack_header(buf: Any, nbytes: int) -> dict:
-    """The header map of a message, with its size, msgpack form and major version checked."""
+def _col(values: Any) -> bytes:
+    """A numeric column on the wire: little-endian int64, as msgpack bin."""
+    return np.ascontiguousarray(values, dtype=_I64).tobytes()
+
+
+def _encode_columnar(msg: Message, header: dict, buffers: list, compression: str, checksum: bool,
+                     shm: ShmRingWriter | None) -> None:
+    header.update(producer_id=msg.producer_id, epoch=msg.epoch, request_ids=list(msg.request_ids),
+                  seqs=_col(msg.seqs), time_ns=msg.time_ns)
+    if isinstance(msg, StepBatch):
+        header["step"] = msg.step
+        header["steering_versions"] = _col(msg.steering_versions)
+        groups = []
+        for g in msg.groups:
+            entries = [_encode_tensor(t, compression, checksum, buffers, shm) for t in g.tensors]
+            groups.append({"part": g.part, "requests": _col(g.requests), "rows": _col(g.rows),
+                           "positions": _col(g.positions), "token_ids": _col(g.token_ids), "tensors": entries})
+            if shm is not None and any("shm" in e for e in entries):
+                header[SHM_RING_KEY] = shm.name
+        header["groups"] = groups
+    elif isinstance(msg, TokenBatch):
+        header.update(step=msg.step, counts=_col(msg.counts), token_ids=_col(msg.token_ids),
+                      first_positions=_col(msg.first_positions), finish_reasons=list(msg.finish_reasons))
+    elif isinstance(msg, AnalysisBatch):
+        header.update(analyzer=msg.analyzer, analyzer_version=msg.analyzer_version, step=msg.step,
+                      rows=_col(msg.rows), positions=_col(msg.positions), alerts=_col(msg.alerts),
+                      source_time_ns=msg.source_time_ns,
+                      values={k: _encode_value(k, v) for k, v in msg.values.items()},
+                      labels={k: list(v) for k, v in msg.labels.items()})
+
+
+def _encode_value(name: str, v: np.ndarray) -> dict:
+    dtype = "bool" if v.dtype == np.bool_ else str(v.dtype)
+    if dtype not in VALUE_WIRE_DTYPES:
+        raise MalformedFrameError(f"analysis value {name!r}: dtype {v.dtype} has no wire encoding")
+    data = np.ascontiguousarray(v, dtype=VALUE_WIRE_DTYPES[dtype][0])
+    return {"dtype": dtype, "shape": list(v.shape), "data": data.tobytes()}
+
+
+# ---------------------------------------------------------------------------------------------- header checks
+
+def _unpack_header(buf: Any, nbytes: int, legacy: bool = False) -> dict:
+    """The header map of a message, with its size, msgpack form and major version checked; ``legacy``: a
+    1.x header is accepted too (recordings)."""
     if nbytes > _MAX_HEADER_BYTES:
         raise OversizedMessageError(f"header of {nbytes} bytes exceeds {_MAX_HEADER_BYTES}")
     try:
@@ -108,66 +171,90 @@ def _unpack_header(buf: Any, nbytes: int) -> dict:
     if not isinstance(header, dict):
         raise MalformedFrameError(f"header must be a msgpack map, got {type(header).__name__}")
     version = header.get("v")
-    if (not isinstance(version, (list, tuple)) or len(version) != 2
-            or not isinstance(version[0], int) or not isinstance(version[1], int)):
-        raise MalformedFrameError(f"header field 'v' must be [major, minor], got {version!r}")
-    if version[0] != SCHEMA_VERSION[0]:
+    if (type(version) is not list or len(version) != 2
+            or type(version[0]) is not int or type(version[1]) is not int):
+        raise MalformedFrameError(f"header field 'v' must be [major, minor] ints, got {version!r}")
+    if version[0] != SCHEMA_VERSION[0] and not (legacy and version[0] == LEGACY_MAJOR):
         raise SchemaVersionError(
             f"schema major version {version[0]} is not supported by this decoder "
-            f"(it speaks {SCHEMA_VERSION[0]}.x); upgrade mia_stream on this side")
+            f"(it speaks {SCHEMA_VERSION[0]}.x"
+            f"{'' if not legacy else f' and reads {LEGACY_MAJOR}.x recordings'}); upgrade mia_stream on the "
+            "older side")
     return header
 
 
-def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-           verify: bool = True, shm: ShmRingReader | None = None) -> Message:
-    """Decode ``[topic, header, *buffers]``; tensors view the received buffers without copying.
-
-    Tensors carried in a producer's shared-memory ring are copied out of it through ``shm``. Raises a
-    ``WireError`` subclass for anything that is not a valid message of a known major version (a
-    ``SharedBufferError`` for ring bytes that cannot be read).
-    """
-    if len(frames) < 2:
-        raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {len(frames)}")
-    # Sizes by len() where that is the size in bytes, and the header unpacked from the frame itself: a
-    # zmq.Frame's .buffer (a new memoryview and weakref each time) is only taken for the tensor buffers.
-    total = 0
-    for f in frames:
-        total += len(f) if type(f) in _SIZED else _len(_buffer_of(f))
-    if total > max_message_bytes:
-        raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
-    head = frames[1]
-    if type(head) not in _SIZED:
-        head = _buffer_of(head)
-    header = _unpack_header(head, len(head) if type(head) in _SIZED else _len(head))
-    kind = header.get("kind")
-    cls = MESSAGE_TYPES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise MalformedFrameError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
-    missing = [n for n in _REQUIRED[kind] if n not in header]
-    if missing:
-        raise MalformedFrameError(f"{kind} header lacks required field(s) {missing}")
-    fields = {n: header[n] for n in _FIELDS[kind] if n in header}
-    buffers = [_buffer_of(f) for f in frames[2:]] if len(frames) > 2 else []
-    if cls is TensorFrame:
-        fields["tensors"] = _decode_tensors(header.get("tensors", []), buffers, verify, max_message_bytes,
-                                            _ring_of(header, shm))
-    elif buffers:
-        raise MalformedFrameError(f"{kind} message carries {len(buffers)} unexpected buffer frame(s)")
-    try:
-        msg = cls(**fields)
-    except TypeError as e:
-        raise MalformedFrameError(f"{kind} header: {e}") from None
-    _check_types(msg)
-    if isinstance(msg, GapNotice):
-        _check_gap_ranges(msg.missing)
-    return msg
+def _is_int(v: Any) -> bool:
+    return type(v) is int or (isinstance(v, int) and not isinstance(v, bool))
 
 
-def _check_gap_ranges(missing: list) -> None:
+_TYPE_CHECKS = {
+    "str": lambda v: isinstance(v, str),
+    "int": _is_int,
+    "bool": lambda v: isinstance(v, bool),
+    "list": lambda v: isinstance(v, list),
+    "dict": lambda v: isinstance(v, dict),
+    "str | None": lambda v: v is None or isinstance(v, str),
+    "int | None": lambda v: v is None or _is_int(v),
+}
+# The exact types msgpack gives for each annotation: one set lookup per field in the common case.
+_EXACT_TYPES = {"str": {str}, "int": {int}, "bool": {bool}, "list": {list}, "dict": {dict},
+                "str | None": {str, type(None)}, "int | None": {int, type(None)}}
+# Arrays whose elements the spec types (kind, field) -> element type; the other arrays and maps are free-form.
+_ELEMENTS = {("start", "prompt_token_ids"): int, ("tensors", "positions"): int, ("tensors", "token_ids"): int,
+             ("tokens", "token_ids"): int, ("tokens", "positions"): int, ("end", "uncaptured_positions"): int,
+             ("steer", "layers"): int, ("subscribe", "patterns"): str, ("unsubscribe", "patterns"): str}
+# Columnar kinds: their numeric columns are int64 bins (checked by _check_columnar), request ids strs.
+_COLUMNAR_TYPES = {"request_ids": "list", "seqs": "bin", "steering_versions": "bin", "groups": "list",
+                   "counts": "bin", "token_ids": "bin", "first_positions": "bin", "finish_reasons": "list",
+                   "rows": "bin", "positions": "bin", "alerts": "bin", "values": "dict", "labels": "dict"}
+# Per kind, the (field, exact types, annotation, check, element type) tuples, built once.
+_CHECKS = {kind: [(name, frozenset(_EXACT_TYPES[str(f.type)]), str(f.type), _TYPE_CHECKS[str(f.type)],
+                   _ELEMENTS.get((kind, name)))
+                  for name, f in fields.items() if str(f.type) in _TYPE_CHECKS]
+           for kind, fields in _FIELDS.items()}
+
+
+def _check_fields(kind: str, header: dict) -> None:
+    """Required fields present; every field the spec types has its type (a msgpack bool is not an int);
+    the elements of typed arrays too. The same check for ``decode`` and ``decode_header``."""
+    for name in _REQUIRED[kind]:
+        if name not in header:
+            raise MalformedFrameError(f"{kind} header lacks required field {name!r}")
+    for name, exact, ann, ok, element in _CHECKS[kind]:
+        if name not in header:
+            continue
+        value = header[name]
+        if type(value) not in exact and not ok(value):
+            raise MalformedFrameError(f"{kind}.{name} must be {ann}, got {type(value).__name__}")
+        if element is int:
+            for x in value:
+                if type(x) is not int:
+                    raise MalformedFrameError(f"{kind}.{name} must be an array of ints, got an element {x!r}")
+        elif element is str:
+            for x in value:
+                if type(x) is not str:
+                    raise MalformedFrameError(f"{kind}.{name} must be an array of strs, got an element {x!r}")
+    if kind == "gap":
+        _check_gap_ranges(header.get("missing", ()))
+    if kind in COLUMNAR_KINDS:
+        for name, ann in _COLUMNAR_TYPES.items():
+            if name in header and name in _FIELDS[kind]:
+                value = header[name]
+                ok = (type(value) is bytes if ann == "bin" else type(value) is list if ann == "list"
+                      else type(value) is dict)
+                if not ok:
+                    raise MalformedFrameError(f"{kind}.{name} must be {ann}, got {type(value).__name__}")
+    shard_ring = header.get(SHM_RING_KEY)
+    if shard_ring is not None and type(shard_ring) is not str:
+        raise MalformedFrameError(f"header field {SHM_RING_KEY!r} must be str, got {type(shard_ring).__name__}")
+
+
+def _check_gap_ranges(missing: Any) -> None:
     for r in missing:
-        if (not isinstance(r, (list, tuple)) or len(r) != 2
-                or not all(isinstance(x, int) and not isinstance(x, bool) for x in r) or r[0] > r[1]):
-            raise MalformedFrameError(f"gap.missing must hold [first_seq, last_seq] int ranges, got {r!r}")
+        if (type(r) is not list or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not int
+                or r[0] < 0 or r[0] > r[1]):
+            raise MalformedFrameError(f"gap.missing must hold [first_seq, last_seq] int ranges with "
+                                      f"0 <= first <= last, got {r!r}")
 
 
 def _entry_field(e: dict, key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
@@ -186,21 +273,314 @@ _NO_META: dict = {}  # shared defaults, never mutated
 _NO_LAYERS: list = []
 
 
-def _exact_int_tuple(values: Any) -> tuple[int, ...] | None:
-    """``tuple(values)`` when it is a list of exact ints, else None (then ``_int_list`` decides)."""
-    if type(values) is not list:
-        return None
-    for x in values:
-        if type(x) is not int:
-            return None
-    return tuple(values)
+def _int_tuple(e: dict, key: str, default: Any = dataclasses.MISSING) -> tuple[int, ...]:
+    """A list-of-ints field of an entry as a tuple (msgpack gives exact ints; a bool is not one)."""
+    values = e.get(key, default)
+    if values is dataclasses.MISSING:
+        raise MalformedFrameError(f"tensor entry lacks required field {key!r}: {e!r}")
+    if type(values) is list:
+        for x in values:
+            if type(x) is not int:
+                break
+        else:
+            return tuple(values)
+    raise MalformedFrameError(f"tensor entry field {key!r} must be a list of ints, got {values!r}")
 
 
-def _int_list(e: dict, key: str, default: Any = dataclasses.MISSING) -> tuple[int, ...]:
-    values = _entry_field(e, key, list, default)
-    if not all(isinstance(x, int) and not isinstance(x, bool) for x in values):
-        raise MalformedFrameError(f"tensor entry field {key!r} must be a list of ints, got {values!r}")
-    return tuple(values)
+class _Entry:
+    """A tensor entry's fields, validated (``_parse_entry``)."""
+
+    __slots__ = ("name", "dtype", "shape", "layers", "method", "nbytes", "raw_nbytes", "meta", "shm", "scale",
+                 "crc", "shard", "count")
+
+    def __init__(self, name, dtype, shape, layers, method, nbytes, raw_nbytes, meta, shm, scale, crc, shard, count):
+        self.name, self.dtype, self.shape, self.layers, self.method = name, dtype, shape, layers, method
+        self.nbytes, self.raw_nbytes, self.meta, self.shm, self.scale = nbytes, raw_nbytes, meta, shm, scale
+        self.crc, self.shard, self.count = crc, shard, count
+
+
+def _parse_entry(e: Any, max_message_bytes: int, has_ring: bool) -> _Entry:
+    """Every rule of a tensor entry (spec 4.1) that does not need its bytes; the same for broker and decoders."""
+    if type(e) is not dict:
+        raise MalformedFrameError(f"bad tensor entry {e!r}: must be a map")
+    # type(x) is T is the common case (msgpack builds exact types); anything else takes the checking path
+    name = e.get("name")
+    if type(name) is not str:
+        name = _entry_field(e, "name", str)
+    dtype = e.get("dtype")
+    if type(dtype) is not str:
+        dtype = _entry_field(e, "dtype", str)
+    shape = _int_tuple(e, "shape")
+    count = 1
+    for d in shape:
+        if d < 0:
+            raise MalformedFrameError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
+        count *= d
+    layers = _int_tuple(e, "layers", _NO_LAYERS)
+    method = e.get("compression", "none")
+    if type(method) is not str:
+        method = _entry_field(e, "compression", str, "none")
+    nbytes, raw_nbytes = e.get("nbytes"), e.get("raw_nbytes")
+    if type(nbytes) is not int or type(raw_nbytes) is not int:
+        nbytes, raw_nbytes = _entry_field(e, "nbytes", int), _entry_field(e, "raw_nbytes", int)
+    if nbytes < 0 or raw_nbytes < 0:
+        raise MalformedFrameError(f"tensor {name!r}: negative nbytes or raw_nbytes")
+    meta = e.get("meta", _NO_META)
+    if type(meta) is not dict:
+        meta = _entry_field(e, "meta", dict, {})
+    if dtype not in WIRE_DTYPES:
+        raise MalformedFrameError(f"tensor {name!r}: unknown dtype {dtype!r}")
+    if method not in COMPRESSIONS:
+        raise MalformedFrameError(f"tensor {name!r}: unknown compression {method!r}")
+    if raw_nbytes > max_message_bytes:  # a small lz4 payload must not inflate past the message limit
+        raise OversizedMessageError(
+            f"tensor {name!r}: {raw_nbytes} uncompressed bytes exceed the limit of {max_message_bytes}")
+    if raw_nbytes != count * WIRE_DTYPES[dtype][1]:
+        raise MalformedFrameError(f"tensor {name!r}: raw_nbytes {raw_nbytes} is not shape {list(shape)} x "
+                                  f"{WIRE_DTYPES[dtype][1]} bytes of {dtype}")
+    if method == "none" and raw_nbytes != nbytes:
+        raise MalformedFrameError(f"tensor {name!r}: uncompressed but raw_nbytes {raw_nbytes} != nbytes {nbytes}")
+    pos = None
+    if "shm" in e:
+        pos = e["shm"]
+        if type(pos) is not int or pos < 0 or not has_ring:
+            raise MalformedFrameError(f"tensor {name!r}: 'shm' must be an int position >= 0 in the header's "
+                                      f"{SHM_RING_KEY!r}, got {pos!r}")
+    scale = None
+    if "scale" in e:
+        scale_entry = _entry_field(e, "scale", dict)
+        scale = _int_tuple(scale_entry, "shape")
+        if any(d < 0 for d in scale):
+            raise MalformedFrameError(f"tensor {name!r}: negative dimension in scale shape {list(scale)}")
+        if scale_entry.get("dtype", "float32") != "float32":
+            raise MalformedFrameError(f"tensor {name!r}: scale dtype must be float32, got {scale_entry['dtype']!r}")
+    crc = _entry_field(e, "crc32", int) if "crc32" in e else None
+    shard = None
+    if "shard" in e:
+        sh = _entry_field(e, "shard", dict)
+        shard = Shard.from_wire(sh)
+        if not (0 <= shard.tp_rank < shard.tp_size and 0 <= shard.dim < max(1, len(shape))
+                and 0 <= shard.start <= shard.stop <= shard.total
+                and (not shape or shape[shard.dim] == shard.stop - shard.start)):
+            raise MalformedFrameError(f"tensor {name!r}: inconsistent shard geometry {sh!r} for shape {list(shape)}")
+    return _Entry(name, dtype, shape, layers, method, nbytes, raw_nbytes, meta, pos, scale, crc, shard, count)
+
+
+def _check_tensor_entries(entries: Any, sizes: list[int], i: int, has_ring: bool, max_message_bytes: int,
+                          stored_rows: int | None = None) -> int:
+    """Check entries against the buffer frame sizes from index ``i``; the index after them."""
+    if type(entries) is not list:
+        raise MalformedFrameError("'tensors' must be a list")
+    for e in entries:
+        p = _parse_entry(e, max_message_bytes, has_ring)
+        if stored_rows is not None and (len(p.shape) < 2 or p.shape[1] != stored_rows):
+            raise MalformedFrameError(f"tensor {p.name!r}: shape {list(p.shape)} does not have the group's "
+                                      f"{stored_rows} rows along dim 1")
+        if p.shm is None:
+            if i >= len(sizes) or sizes[i] != p.nbytes:
+                raise MalformedFrameError(f"tensor {p.name!r}: buffer missing or not {p.nbytes} bytes")
+            i += 1
+        if p.scale is not None:
+            if i >= len(sizes):
+                raise MalformedFrameError(f"tensor {p.name!r}: its scale buffer is missing")
+            n = 4
+            for d in p.scale:
+                n *= d
+            if sizes[i] != n:
+                raise MalformedFrameError(f"tensor {p.name!r}: scale buffer has {sizes[i]} bytes, its shape needs {n}")
+            i += 1
+    return i
+
+
+# ---------------------------------------------------------------------------------------------- columnar checks
+
+def _column(kind: str, header: dict, key: str, n: int | None, default: Any = dataclasses.MISSING) -> np.ndarray:
+    """A numeric column (int64 LE bin) of ``n`` values (any count when ``n`` is None)."""
+    v = header.get(key)
+    if v is None:
+        if default is dataclasses.MISSING:
+            raise MalformedFrameError(f"{kind} header lacks required field {key!r}")
+        return default
+    if type(v) is not bytes or len(v) % 8:
+        raise MalformedFrameError(f"{kind}.{key} must be a bin of little-endian int64s")
+    arr = np.frombuffer(v, _I64)
+    if n is not None and len(arr) != n:
+        raise MalformedFrameError(f"{kind}.{key} has {len(arr)} values, needs {n}")
+    return arr
+
+
+def _request_columns(kind: str, header: dict) -> tuple[list, np.ndarray]:
+    ids = header.get("request_ids")
+    if type(ids) is not list or any(type(r) is not str for r in ids):
+        raise MalformedFrameError(f"{kind}.request_ids must be an array of strs")
+    if len(set(ids)) != len(ids):
+        raise MalformedFrameError(f"{kind}.request_ids names a request twice")
+    seqs = _column(kind, header, "seqs", len(ids))
+    if len(seqs) and int(seqs.min()) < 0:
+        raise MalformedFrameError(f"{kind}.seqs must be >= 0")
+    return ids, seqs
+
+
+class _GroupPlan:
+    """A row group's validated columns (from ``_check_step_batch``), reused by ``decode``."""
+
+    __slots__ = ("g", "part", "requests", "rows", "positions", "token_ids", "stored_rows", "take", "entries")
+
+    def __init__(self, g, part, requests, rows, positions, token_ids, stored_rows, take):
+        self.g, self.part, self.requests, self.rows = g, part, requests, rows
+        self.positions, self.token_ids, self.stored_rows, self.take = positions, token_ids, stored_rows, take
+
+
+def _check_step_batch(header: dict, sizes: list[int], max_message_bytes: int) -> list[_GroupPlan]:
+    kind = "step_batch"
+    ids, _ = _request_columns(kind, header)
+    r = len(ids)
+    _column(kind, header, "steering_versions", r, None)
+    groups = header.get("groups", [])
+    if type(groups) is not list:
+        raise MalformedFrameError(f"{kind}.groups must be an array of maps")
+    has_ring = SHM_RING_KEY in header
+    seen: set[tuple[int, int]] = set()
+    plans, i = [], 0
+    for g in groups:
+        if type(g) is not dict:
+            raise MalformedFrameError(f"{kind}: a row group must be a map, got {g!r}")
+        part = g.get("part", 0)
+        if type(part) is not int or part < 0:
+            raise MalformedFrameError(f"{kind}: group part must be an int >= 0, got {part!r}")
+        requests = _column(kind, g, "requests", None)
+        rows = _column(kind, g, "rows", len(requests))
+        if len(requests) and (int(requests.min()) < 0 or int(requests.max()) >= r):
+            raise MalformedFrameError(f"{kind}: a group names a request index outside request_ids (0..{r - 1})")
+        if len(rows) and int(rows.min()) < 0:
+            raise MalformedFrameError(f"{kind}: a group has a negative row count")
+        for q in requests.tolist():
+            if (q, part) in seen:
+                raise MalformedFrameError(f"{kind}: request {ids[q]!r} has two segments of part {part}")
+            seen.add((q, part))
+        n = int(rows.sum())
+        positions = _column(kind, g, "positions", n)
+        token_ids = _column(kind, g, "token_ids", n, None)
+        stored, take = n, None
+        if "row0" in g:
+            row0 = _column(kind, g, "row0", len(requests))
+            stored = g.get("stored_rows")
+            if type(stored) is not int or stored < 0:
+                raise MalformedFrameError(f"{kind}: a group with row0 needs stored_rows, an int >= 0")
+            if len(row0) and (int(row0.min()) < 0 or int((row0 + rows).max()) > stored):
+                raise MalformedFrameError(f"{kind}: row0 + rows runs past the group's {stored} stored rows")
+            take = np.concatenate([np.arange(a, a + c, dtype=np.intp) for a, c in zip(row0.tolist(), rows.tolist())]
+                                  ) if len(row0) else np.zeros(0, dtype=np.intp)
+        plan = _GroupPlan(g, part, requests, rows, positions, token_ids, stored, take)
+        plan.entries = g.get("tensors", [])
+        i = _check_tensor_entries(plan.entries, sizes, i, has_ring, max_message_bytes, stored)
+        plans.append(plan)
+    if i != len(sizes):
+        raise MalformedFrameError(f"{len(sizes) - i} buffer frame(s) not described by the header")
+    return plans
+
+
+def _check_token_batch(header: dict) -> None:
+    kind = "token_batch"
+    ids, _ = _request_columns(kind, header)
+    r = len(ids)
+    counts = _column(kind, header, "counts", r, None)
+    if counts is not None and len(counts) and int(counts.min()) < 0:
+        raise MalformedFrameError(f"{kind}.counts must be >= 0")
+    _column(kind, header, "token_ids", int(counts.sum()) if counts is not None else r,
+            None if not r else dataclasses.MISSING)
+    _column(kind, header, "first_positions", r, None)
+    reasons = header.get("finish_reasons")
+    if reasons is not None and (type(reasons) is not list or len(reasons) != r
+                                or any(x is not None and type(x) is not str for x in reasons)):
+        raise MalformedFrameError(f"{kind}.finish_reasons must be an array of {r} str|nil")
+
+
+def _check_analysis(header: dict) -> None:
+    kind = "analysis"
+    ids, _ = _request_columns(kind, header)
+    rows = _column(kind, header, "rows", len(ids), None)
+    if rows is not None and len(rows) and int(rows.min()) < 0:
+        raise MalformedFrameError(f"{kind}.rows must be >= 0")
+    n = int(rows.sum()) if rows is not None else len(ids)
+    _column(kind, header, "positions", n, None)
+    alerts = _column(kind, header, "alerts", n, None)
+    if alerts is not None and len(alerts) and (int(alerts.min()) < 0 or int(alerts.max()) > 1):
+        raise MalformedFrameError(f"{kind}.alerts must be 0 or 1")
+    for name, v in header.get("values", {}).items():
+        if type(v) is not dict or type(v.get("dtype")) is not str or v["dtype"] not in VALUE_WIRE_DTYPES:
+            raise MalformedFrameError(f"{kind}: value {name!r} must be a map with a dtype of "
+                                      f"{sorted(VALUE_WIRE_DTYPES)}")
+        shape = _int_tuple(v, "shape")
+        if not shape or shape[0] != n or any(d < 0 for d in shape):
+            raise MalformedFrameError(f"{kind}: value {name!r} has shape {list(shape)}, needs [{n}, ...]")
+        data = v.get("data")
+        count = 1
+        for d in shape:
+            count *= d
+        if type(data) is not bytes or len(data) != count * VALUE_WIRE_DTYPES[v["dtype"]][1]:
+            raise MalformedFrameError(f"{kind}: value {name!r}: data is not {count} {v['dtype']} values")
+    for name, v in header.get("labels", {}).items():
+        if type(v) is not list or len(v) != n or any(x is not None and type(x) is not str for x in v):
+            raise MalformedFrameError(f"{kind}: label {name!r} must be an array of {n} str|nil")
+
+
+def _check_columnar(kind: str, header: dict, sizes: list[int], max_message_bytes: int) -> list | None:
+    if kind == "step_batch":
+        return _check_step_batch(header, sizes, max_message_bytes)
+    if sizes:
+        raise MalformedFrameError(f"{kind} message carries {len(sizes)} unexpected buffer frame(s)")
+    if kind == "token_batch":
+        _check_token_batch(header)
+    else:
+        _check_analysis(header)
+    return None
+
+
+# ---------------------------------------------------------------------------------------------- decode
+
+def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+           verify: bool = True, shm: ShmRingReader | None = None, legacy: bool = False) -> Message:
+    """Decode ``[topic, header, *buffers]``; tensors view the received buffers without copying.
+
+    Tensors carried in a producer's shared-memory ring are copied out of it through ``shm``. ``legacy``:
+    also accept schema 1.x messages (recordings). Raises a ``WireError`` subclass for anything that is not
+    a valid message of a known major version (a ``SharedBufferError`` for ring bytes that cannot be read).
+    """
+    if len(frames) < 2:
+        raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {len(frames)}")
+    # Sizes by len() where that is the size in bytes, and the header unpacked from the frame itself: a
+    # zmq.Frame's .buffer (a new memoryview and weakref each time) is only taken for the tensor buffers.
+    total = 0
+    for f in frames:
+        total += len(f) if type(f) in _SIZED else _len(_buffer_of(f))
+    if total > max_message_bytes:
+        raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
+    head = frames[1]
+    if type(head) not in _SIZED:
+        head = _buffer_of(head)
+    header = _unpack_header(head, len(head) if type(head) in _SIZED else _len(head), legacy)
+    kind = header.get("kind")
+    cls = MESSAGE_TYPES.get(kind) if type(kind) is str else None
+    if cls is None:
+        raise MalformedFrameError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
+    _check_fields(kind, header)
+    buffers = [_buffer_of(f) for f in frames[2:]] if len(frames) > 2 else []
+    if kind in COLUMNAR_KINDS:
+        return _decode_columnar(kind, header, buffers, verify, max_message_bytes, shm)
+    fields = {n: header[n] for n in _FIELDS[kind] if n in header}
+    if cls is TensorFrame:
+        tensors, i = _decode_tensors(header.get("tensors", []), buffers, 0, verify, max_message_bytes,
+                                     _ring_of(header, shm))
+        if i != len(buffers):
+            raise MalformedFrameError(f"{len(buffers) - i} buffer frame(s) not described by the header")
+        fields["tensors"] = tensors
+    elif buffers:
+        raise MalformedFrameError(f"{kind} message carries {len(buffers)} unexpected buffer frame(s)")
+    try:
+        return cls(**fields)
+    except TypeError as e:
+        raise MalformedFrameError(f"{kind} header: {e}") from None
 
 
 def _ring_of(header: dict, shm: ShmRingReader | None):
@@ -208,207 +588,149 @@ def _ring_of(header: dict, shm: ShmRingReader | None):
     name = header.get(SHM_RING_KEY)
     if name is None:
         return None
-    if type(name) is not str:
-        raise MalformedFrameError(f"header field {SHM_RING_KEY!r} must be str, got {type(name).__name__}")
     if shm is None:
         raise ShmUnavailableError(f"this message's tensors are in the shared-memory ring {name!r}; decode it "
                                   "with shm=ShmRingReader() on the producer's host")
     return shm, name
 
 
-def _decode_tensors(entries: Any, buffers: list, verify: bool, max_message_bytes: int,
-                    ring: tuple | None = None) -> list[Tensor]:
-    if not isinstance(entries, list):
+def _decode_tensors(entries: Any, buffers: list, i: int, verify: bool, max_message_bytes: int,
+                    ring: tuple | None = None, take: tuple | None = None) -> tuple[list[Tensor], int]:
+    """The tensors of ``entries`` whose buffers start at ``buffers[i]``; and the index after them.
+
+    ``take = (stored_rows, rows)``: each stored tensor has ``stored_rows`` along dim 1, of which only ``rows``
+    (an index array) are wanted (a consumer given some requests of a step batch)."""
+    if type(entries) is not list:
         raise MalformedFrameError("'tensors' must be a list")
-    out, i = [], 0
+    out = []
     for e in entries:
-        if not isinstance(e, dict):
-            raise MalformedFrameError(f"bad tensor entry {e!r}: must be a map")
-        # type(x) is T is the common case (msgpack builds exact types); anything else takes the checking path
-        name = e.get("name")
-        if type(name) is not str:
-            name = _entry_field(e, "name", str)
-        dtype = e.get("dtype")
-        if type(dtype) is not str:
-            dtype = _entry_field(e, "dtype", str)
-        shape = _exact_int_tuple(e.get("shape"))
-        if shape is None:
-            shape = _int_list(e, "shape")
-        for d in shape:
-            if d < 0:
-                raise MalformedFrameError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
-        layers = _exact_int_tuple(e.get("layers", _NO_LAYERS))
-        if layers is None:
-            layers = _int_list(e, "layers", [])
-        method = e.get("compression", "none")
-        if type(method) is not str:
-            method = _entry_field(e, "compression", str, "none")
-        nbytes, raw_nbytes = e.get("nbytes"), e.get("raw_nbytes")
-        if type(nbytes) is not int or type(raw_nbytes) is not int:
-            nbytes, raw_nbytes = _entry_field(e, "nbytes", int), _entry_field(e, "raw_nbytes", int)
-        meta = e.get("meta", _NO_META)
-        if type(meta) is not dict:
-            meta = _entry_field(e, "meta", dict, {})
-        if dtype not in WIRE_DTYPES:
-            raise MalformedFrameError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if method not in COMPRESSIONS:
-            raise MalformedFrameError(f"tensor {name!r}: unknown compression {method!r}")
-        if raw_nbytes > max_message_bytes:  # a small lz4 payload must not inflate past the message limit
-            raise OversizedMessageError(
-                f"tensor {name!r}: {raw_nbytes} uncompressed bytes exceed the limit of {max_message_bytes}")
-        if method == "none" and raw_nbytes != nbytes:
-            raise MalformedFrameError(f"tensor {name!r}: uncompressed but raw_nbytes {raw_nbytes} != nbytes {nbytes}")
-        if "shm" in e:
-            pos = e["shm"]
-            if type(pos) is not int or ring is None:
-                raise MalformedFrameError(f"tensor {name!r}: 'shm' must be an int position in the header's "
-                                          f"{SHM_RING_KEY!r}, got {pos!r}")
-            payload = ring[0].read(ring[1], pos, nbytes)
+        p = _parse_entry(e, max_message_bytes, ring is not None)
+        gathered = False
+        if p.shm is not None:
+            if ring is None:
+                raise MalformedFrameError(f"tensor {p.name!r}: 'shm' without the header's {SHM_RING_KEY!r}")
+            if take is not None and p.method == "none" and len(p.shape) >= 2:
+                # only this reader's rows leave the ring
+                row_bytes = WIRE_DTYPES[p.dtype][1]
+                for d in p.shape[2:]:
+                    row_bytes *= d
+                data = ring[0].gather(ring[1], p.shm, p.nbytes, p.shape[0], take[0], row_bytes, take[1])
+                gathered = True
+            else:
+                payload = ring[0].read(ring[1], p.shm, p.nbytes)
         else:
             if i >= len(buffers):
-                raise MalformedFrameError(f"tensor {name!r}: its buffer frame is missing")
+                raise MalformedFrameError(f"tensor {p.name!r}: its buffer frame is missing")
             payload = buffers[i]
             i += 1
-        if _len(payload) != nbytes:
-            raise MalformedFrameError(f"tensor {name!r}: buffer has {_len(payload)} bytes, header says {nbytes}")
-        data = decompress(payload, method, raw_nbytes)
-        if verify and "crc32" in e:
-            verify_crc32(name, data, _entry_field(e, "crc32", int))
+        if not gathered:
+            if _len(payload) != p.nbytes:
+                raise MalformedFrameError(f"tensor {p.name!r}: buffer has {_len(payload)} bytes, header says "
+                                          f"{p.nbytes}")
+            data = decompress(payload, p.method, p.raw_nbytes)
+            if verify and p.crc is not None:
+                verify_crc32(p.name, data, p.crc)
         scale = None
-        if "scale" in e:
-            import numpy as np
-
-            scale_entry = _entry_field(e, "scale", dict)
-            sshape = _int_list(scale_entry, "shape")
-            if scale_entry.get("dtype", "float32") != "float32":
-                raise MalformedFrameError(f"tensor {name!r}: scale dtype must be float32, got {scale_entry['dtype']!r}")
+        if p.scale is not None:
             if i >= len(buffers):
-                raise MalformedFrameError(f"tensor {name!r}: its scale buffer is missing")
+                raise MalformedFrameError(f"tensor {p.name!r}: its scale buffer is missing")
             try:
-                scale = np.frombuffer(buffers[i], dtype="<f4").reshape(sshape)
+                scale = np.frombuffer(buffers[i], dtype="<f4").reshape(p.scale)
             except ValueError as err:
-                raise MalformedFrameError(f"tensor {name!r}: bad scale buffer: {err}") from None
+                raise MalformedFrameError(f"tensor {p.name!r}: bad scale buffer: {err}") from None
             i += 1
-        t = Tensor(name, dtype, shape, data, layers,
-                   Shard.from_wire(e["shard"]) if e.get("shard") else None, scale, dict(meta))
-        if (type(data) is bytes or type(data) is memoryview and data.contiguous) and dtype in WIRE_DTYPES:
-            # Tensor.raw()'s size check without building the array (same error)
-            want = WIRE_DTYPES[dtype][1]
-            for d in shape:
-                want *= d
-            have = data.nbytes if type(data) is memoryview else len(data)
-            if have != want:
-                raise MalformedFrameError(
-                    f"tensor {name!r}: {have} bytes for shape {shape} {dtype} (want {want})")
-        else:
-            t.raw()  # validates size against shape and dtype
-        out.append(t)
-    if i != len(buffers):
-        raise MalformedFrameError(f"{len(buffers) - i} buffer frame(s) not described by the header")
-    return out
+        shape = p.shape
+        if take is not None:
+            shape = (shape[0], len(take[1]), *shape[2:])
+            if not gathered:
+                data = _take_rows(p, data, take)
+            if scale is not None and scale.ndim >= 2 and scale.shape[1] == take[0] and take[0] != 1:
+                scale = scale[:, take[1]]
+        have = data.nbytes if type(data) is memoryview or isinstance(data, np.ndarray) else _len(data)
+        want = WIRE_DTYPES[p.dtype][1]
+        for d in shape:
+            want *= d
+        if have != want:
+            raise MalformedFrameError(f"tensor {p.name!r}: {have} bytes for shape {shape} {p.dtype} (want {want})")
+        out.append(Tensor(p.name, p.dtype, shape, data, p.layers, p.shard, scale,
+                          dict(p.meta) if p.meta else {}))
+    return out, i
 
 
-_TYPE_CHECKS = {
-    "str": lambda v: isinstance(v, str),
-    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
-    "bool": lambda v: isinstance(v, bool),
-    "list": lambda v: isinstance(v, list),
-    "dict": lambda v: isinstance(v, dict),
-    "str | None": lambda v: v is None or isinstance(v, str),
-    "int | None": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool)),
-}
-# The exact types msgpack gives for each annotation: one set lookup per field in the common case.
-_EXACT_TYPES = {"str": {str}, "int": {int}, "bool": {bool}, "list": {list}, "dict": {dict},
-                "str | None": {str, type(None)}, "int | None": {int, type(None)}}
-# Per kind, the (field, exact types, annotation, check) tuples, built once (other annotations are not checked).
-_CHECKS = {kind: [(name, frozenset(_EXACT_TYPES[str(f.type)]), str(f.type), _TYPE_CHECKS[str(f.type)])
-                  for name, f in fields.items() if str(f.type) in _TYPE_CHECKS]
-           for kind, fields in _FIELDS.items()}
+def _take_rows(p: _Entry, data: Any, take: tuple) -> np.ndarray:
+    """Rows ``take[1]`` (dim 1) of a stored tensor's bytes, as a new ``[L, rows, ...]`` uint8 array."""
+    row_bytes = WIRE_DTYPES[p.dtype][1]
+    for d in p.shape[2:]:
+        row_bytes *= d
+    arr = np.frombuffer(data, np.uint8).reshape(p.shape[0], take[0], row_bytes)
+    return np.ascontiguousarray(arr[:, take[1]])
 
 
-def _check_types(msg: Message) -> None:
-    for name, exact, ann, ok in _CHECKS[msg.KIND]:
-        value = getattr(msg, name)
-        if type(value) not in exact and not ok(value):
-            raise MalformedFrameError(f"{msg.KIND}.{name} must be {ann}, got {type(value).__name__}")
+def _decode_columnar(kind: str, header: dict, buffers: list, verify: bool, max_message_bytes: int,
+                     shm: ShmRingReader | None) -> Message:
+    plans = _check_columnar(kind, header, _frame_sizes(buffers) if buffers else [], max_message_bytes)
+    ids, seqs = _request_columns(kind, header)
+    common = {"producer_id": header["producer_id"], "epoch": header["epoch"], "request_ids": ids, "seqs": seqs,
+              "time_ns": header.get("time_ns", 0)}
+    if kind == "step_batch":
+        ring = _ring_of(header, shm) if SHM_RING_KEY in header else None
+        groups, i = [], 0
+        for plan in plans:
+            take = (plan.stored_rows, plan.take) if plan.take is not None else None
+            tensors, i = _decode_tensors(plan.entries, buffers, i, verify, max_message_bytes, ring, take)
+            groups.append(RowGroup(plan.requests, plan.rows, plan.positions, tensors, plan.token_ids, plan.part))
+        return StepBatch(step=header["step"], groups=groups,
+                         steering_versions=_column(kind, header, "steering_versions", len(ids), None), **common)
+    if kind == "token_batch":
+        return TokenBatch(step=header["step"], counts=_column(kind, header, "counts", len(ids), None),
+                          token_ids=_column(kind, header, "token_ids", None, None),
+                          first_positions=_column(kind, header, "first_positions", len(ids), None),
+                          finish_reasons=header.get("finish_reasons"), **common)
+    values = {}
+    for name, v in header.get("values", {}).items():
+        np_dtype = VALUE_WIRE_DTYPES[v["dtype"]][0]
+        arr = np.frombuffer(v["data"], np_dtype).reshape(v["shape"])
+        values[name] = arr.astype(bool) if v["dtype"] == "bool" else arr
+    return AnalysisBatch(analyzer=header["analyzer"], analyzer_version=header.get("analyzer_version", ""),
+                         step=header.get("step", -1), rows=_column(kind, header, "rows", len(ids), None),
+                         positions=_column(kind, header, "positions", None, None),
+                         alerts=_column(kind, header, "alerts", None, None), values=values,
+                         labels=dict(header.get("labels", {})), source_time_ns=header.get("source_time_ns", 0),
+                         **common)
 
 
-_ROUTING_TYPES = (("request_id", str), ("producer_id", str), ("epoch", int), ("seq", int))
-_ROUTING = {kind: [(name, typ) for name, typ in _ROUTING_TYPES if name in fields] for kind, fields in _FIELDS.items()}
-
-
-def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> dict:
+def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+                  legacy: bool = False) -> dict:
     """Validate a message's framing and header without building tensors; return the header map.
 
-    For the broker's hot path: it checks what ``decode`` checks about the header and the buffer sizes
-    (version, kind, required fields, routing field types, one buffer per tensor of the declared size)
-    but never touches tensor bytes. Raises the same ``WireError`` subclasses as ``decode``.
+    For the broker's hot path: it checks every rule ``decode`` checks that does not need tensor bytes
+    (version, kind, required fields and their types, tensor entries, columns, one buffer per tensor of the
+    declared size), with the same functions, so what it passes every consumer accepts (ring bytes, lz4
+    content and checksums aside). Raises the same ``WireError`` subclasses as ``decode``.
     """
     n = len(frames)
     if n < 2:
         raise MalformedFrameError(f"a message has at least 2 frames (topic, header); got {n}")
-    sizes = [len(f) if type(f) in _SIZED else _len(_buffer_of(f)) for f in frames]
+    sizes = _frame_sizes(frames)
     total = sum(sizes)
     if total > max_message_bytes:
         raise OversizedMessageError(f"message of {total} bytes exceeds the limit of {max_message_bytes}")
     head = frames[1]
-    header = _unpack_header(head if type(head) in _SIZED else _buffer_of(head), sizes[1])  # msgpack reads a Frame
+    header = _unpack_header(head if type(head) in _SIZED else _buffer_of(head), sizes[1], legacy)
     kind = header.get("kind")
-    if not isinstance(kind, str) or kind not in MESSAGE_TYPES:
+    if type(kind) is not str or kind not in MESSAGE_TYPES:
         raise MalformedFrameError(f"unknown message kind {kind!r}; known: {sorted(MESSAGE_TYPES)}")
-    for name in _REQUIRED[kind]:
-        if name not in header:
-            raise MalformedFrameError(f"{kind} header lacks required field {name!r}")
-    for name, typ in _ROUTING[kind]:
-        if name in header:
-            value = header[name]
-            if type(value) is not typ and (not isinstance(value, typ) or isinstance(value, bool)):
-                raise MalformedFrameError(f"{kind}.{name} must be {typ.__name__}, got {type(value).__name__}")
-    if kind == "tensors":
-        ring = header.get(SHM_RING_KEY)
-        if ring is not None and type(ring) is not str:
-            raise MalformedFrameError(f"header field {SHM_RING_KEY!r} must be str, got {type(ring).__name__}")
-        _check_tensor_entries(header.get("tensors", []), sizes[2:], ring is not None)
+    _check_fields(kind, header)
+    if kind in COLUMNAR_KINDS:
+        _check_columnar(kind, header, sizes[2:], max_message_bytes)
+    elif kind == "tensors":
+        i = _check_tensor_entries(header.get("tensors", []), sizes[2:], 0, SHM_RING_KEY in header,
+                                  max_message_bytes)
+        if i != n - 2:
+            raise MalformedFrameError(f"{n - 2 - i} buffer frame(s) not described by the header")
     elif n > 2:
         raise MalformedFrameError(f"{kind} message carries {n - 2} unexpected buffer frame(s)")
     return header
-
-
-def _check_tensor_entries(entries: Any, sizes: list[int], has_ring: bool = False) -> None:
-    if not isinstance(entries, list):
-        raise MalformedFrameError("'tensors' must be a list")
-    i = 0
-    for e in entries:
-        try:
-            name, dtype, method = e["name"], e["dtype"], e.get("compression", "none")
-            nbytes, raw_nbytes = int(e["nbytes"]), int(e["raw_nbytes"])
-            count = 1
-            for s in e["shape"]:
-                if int(s) < 0:
-                    raise ValueError("negative dimension")
-                count *= int(s)
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            raise MalformedFrameError(f"bad tensor entry {e!r}: {err}") from None
-        if dtype not in WIRE_DTYPES:
-            raise MalformedFrameError(f"tensor {name!r}: unknown dtype {dtype!r}")
-        if method not in COMPRESSIONS:
-            raise MalformedFrameError(f"tensor {name!r}: unknown compression {method!r}")
-        if raw_nbytes != count * WIRE_DTYPES[dtype][1] or (method == "none" and nbytes != raw_nbytes):
-            raise MalformedFrameError(f"tensor {name!r}: sizes do not match shape and dtype")
-        if "shm" in e:
-            pos = e["shm"]
-            if not has_ring or type(pos) is not int or pos < 0:
-                raise MalformedFrameError(f"tensor {name!r}: 'shm' must be a position in the header's ring")
-        elif i >= len(sizes) or sizes[i] != nbytes:
-            raise MalformedFrameError(f"tensor {name!r}: buffer missing or not {nbytes} bytes")
-        else:
-            i += 1
-        if "scale" in e:
-            i += 1
-            if i > len(sizes):
-                raise MalformedFrameError(f"tensor {name!r}: its scale buffer is missing")
-    if i != len(sizes):
-        raise MalformedFrameError(f"{len(sizes) - i} buffer frame(s) not described by the header")
 
 
 # ---------------------------------------------------------------------------------------------- batches
@@ -464,6 +786,102 @@ def split_batch(frames: Sequence[Any]) -> list[list[Any]] | None:
     return out
 
 
+# ---------------------------------------------------------------------------------------------- columnar routing
+
+def columnar_requests(header: dict) -> tuple[list, list]:
+    """``(request_ids, seqs)`` of a validated columnar header (the broker routes by them)."""
+    return header["request_ids"], np.frombuffer(header["seqs"], _I64).tolist()
+
+
+def select_requests(frames: Sequence[Any], header: dict, keep: Sequence[int]) -> tuple[list, dict]:
+    """The message naming only requests ``keep`` (ascending indices into ``request_ids``) of a validated
+    columnar message, and its header. Only the header is rewritten: tensor payloads (ring references and
+    buffer frames) stay whole, and each row group says which of their rows remain (``row0``, ``stored_rows``:
+    spec section 10), so no tensor byte is copied; ``compact`` copies out just those rows."""
+    kind = header["kind"]
+    keep_arr = np.asarray(keep, dtype=np.intp)
+    remap = np.full(len(header["request_ids"]), -1, dtype=np.intp)
+    remap[keep_arr] = np.arange(len(keep_arr))
+    h = dict(header)
+    ids = header["request_ids"]
+    h["request_ids"] = [ids[i] for i in keep_arr.tolist()]
+    h["seqs"] = np.frombuffer(header["seqs"], _I64)[keep_arr].tobytes()
+    buffers = list(frames[2:])
+    if kind == "step_batch":
+        if "steering_versions" in header:
+            h["steering_versions"] = np.frombuffer(header["steering_versions"], _I64)[keep_arr].tobytes()
+        groups, kept_buffers, i = [], [], 0
+        for g in header.get("groups", []):
+            requests = np.frombuffer(g["requests"], _I64)
+            rows = np.frombuffer(g["rows"], _I64)
+            nbuf = sum((0 if "shm" in e else 1) + (1 if "scale" in e else 0) for e in g.get("tensors", []))
+            mine = remap[requests] >= 0
+            if not mine.any():  # none of its segments remain: the group and its buffers go
+                i += nbuf
+                continue
+            kept_buffers.extend(buffers[i:i + nbuf])
+            i += nbuf
+            offsets = np.zeros(len(rows) + 1, dtype=_I64)
+            np.cumsum(rows, out=offsets[1:])
+            row0 = np.frombuffer(g["row0"], _I64) if "row0" in g else offsets[:-1]
+            row_mask = np.repeat(mine, rows)
+            ng = dict(g)
+            ng["requests"] = remap[requests[mine]].astype(_I64).tobytes()
+            ng["rows"] = rows[mine].tobytes()
+            ng["positions"] = np.frombuffer(g["positions"], _I64)[row_mask].tobytes()
+            if "token_ids" in g:
+                ng["token_ids"] = np.frombuffer(g["token_ids"], _I64)[row_mask].tobytes()
+            if not mine.all():
+                ng["row0"] = row0[mine].tobytes()
+                ng["stored_rows"] = g.get("stored_rows", int(offsets[-1]))
+            groups.append(ng)
+        h["groups"] = groups
+        buffers = kept_buffers
+    elif kind == "token_batch":
+        counts = (np.frombuffer(header["counts"], _I64) if "counts" in header
+                  else np.ones(len(ids), dtype=_I64))
+        h["counts"] = counts[keep_arr].tobytes()
+        if "token_ids" in header:
+            h["token_ids"] = np.frombuffer(header["token_ids"], _I64)[np.repeat(remap >= 0, counts)].tobytes()
+        if "first_positions" in header:
+            h["first_positions"] = np.frombuffer(header["first_positions"], _I64)[keep_arr].tobytes()
+        if "finish_reasons" in header:
+            h["finish_reasons"] = [header["finish_reasons"][i] for i in keep_arr.tolist()]
+    elif kind == "analysis":
+        rows = np.frombuffer(header["rows"], _I64) if "rows" in header else np.ones(len(ids), dtype=_I64)
+        h["rows"] = rows[keep_arr].tobytes()
+        row_mask = np.repeat(remap >= 0, rows)
+        for key in ("positions", "alerts"):
+            if key in header:
+                h[key] = np.frombuffer(header[key], _I64)[row_mask].tobytes()
+        values = {}
+        for name, v in header.get("values", {}).items():
+            arr = np.frombuffer(v["data"], VALUE_WIRE_DTYPES[v["dtype"]][0]).reshape(v["shape"])[row_mask]
+            values[name] = {"dtype": v["dtype"], "shape": list(arr.shape), "data": arr.tobytes()}
+        h["values"] = values
+        idx = np.flatnonzero(row_mask).tolist()
+        h["labels"] = {name: [v[j] for j in idx] for name, v in header.get("labels", {}).items()}
+    else:
+        raise MalformedFrameError(f"select_requests: {kind!r} is not a columnar kind")
+    if kind == "step_batch" and not any("shm" in e for g in h["groups"] for e in g.get("tensors", [])):
+        h.pop(SHM_RING_KEY, None)
+    return [frames[0], msgpack.packb(h, use_bin_type=True), *buffers], h
+
+
+def has_partial_inline_rows(header: dict) -> bool:
+    """Whether a (selected) step batch sends buffer frames of which only some rows are wanted: ``compact``
+    then saves their other rows' bytes."""
+    return any("row0" in g and any("shm" not in e for e in g.get("tensors", ()))
+               for g in header.get("groups", ()))
+
+
+def compact(frames: Sequence[Any], shm: ShmRingReader | None = None) -> list[Any]:
+    """The same message with every tensor payload inline and holding exactly its wanted rows (no ``row0``):
+    what a consumer that cannot read the producer's ring, or that matches a few requests of a step, is sent.
+    Raises ``SharedBufferError`` when the ring cannot give the bytes."""
+    return encode(decode(frames, shm=shm, verify=False))
+
+
 # ---------------------------------------------------------------------------------------------- shared memory
 
 def references_shm(frames: Sequence[Any]) -> bool:
@@ -479,21 +897,31 @@ def references_shm(frames: Sequence[Any]) -> bool:
 
 
 def shm_extent(header: dict) -> tuple[str, int, int, int] | None:
-    """``(ring, lowest position, bytes, end)`` of a decoded header's ring-held buffers, or None without any.
+    """``(ring, lowest position, bytes, end)`` of a validated header's ring-held buffers, or None without any.
     The lowest position is the first to be overwritten; the bytes count as the message's size in every
-    budget; ``end`` is the highest position + nbytes (how far a receiver of this message has the ring)."""
+    budget (spec 9: of a row group that keeps ``rows`` of its ``stored_rows``, that share of each payload);
+    ``end`` is the highest position + nbytes (how far a receiver of this message has the ring)."""
     name = header.get(SHM_RING_KEY)
-    if type(name) is not str or header.get("kind") != "tensors":
+    kind = header.get("kind")
+    if type(name) is not str or kind not in ("tensors", "step_batch"):
         return None
     oldest, n, end = None, 0, 0
-    for e in header.get("tensors", ()):
-        if isinstance(e, dict) and type(e.get("shm")) is int:
-            pos = e["shm"]
-            oldest = pos if oldest is None else min(oldest, pos)
-            size = e.get("nbytes")
-            if type(size) is int:
-                n += size
-                end = max(end, pos + size)
+    if kind == "tensors":
+        lists = [(header.get("tensors", ()), 1, 1)]
+    else:
+        lists = []
+        for g in header.get("groups", ()):
+            kept = sum(np.frombuffer(g["rows"], _I64).tolist())
+            lists.append((g.get("tensors", ()), kept, g.get("stored_rows", kept)))
+    for entries, kept, stored in lists:
+        for e in entries:
+            if isinstance(e, dict) and type(e.get("shm")) is int:
+                pos = e["shm"]
+                oldest = pos if oldest is None else min(oldest, pos)
+                size = e.get("nbytes")
+                if type(size) is int:
+                    n += size if kept == stored else size * kept // max(stored, 1)
+                    end = max(end, pos + size)
     return (name, oldest, n, end) if oldest is not None else None
 
 
@@ -502,12 +930,22 @@ def shm_loss_reason(error: Exception) -> str:
     return "shm_overrun" if isinstance(error, ShmOverrunError) else "shm_unavailable"
 
 
+def shm_loss_gaps(header: dict, error: Exception, origin: str) -> list[GapNotice]:
+    """The GapNotices that replace a message (``header``) whose ring-held bytes could not be read: one per
+    request it names (a step batch names many), each naming that request's seq."""
+    epoch = header.get("epoch")
+    epoch = epoch if type(epoch) is int else 0
+    pid, reason, now = str(header.get("producer_id", "")), shm_loss_reason(error), time.time_ns()
+    if header.get("kind") in COLUMNAR_KINDS:
+        ids, seqs = columnar_requests(header)
+        return [GapNotice(rid, pid, epoch, [[seq, seq]], reason, origin, now) for rid, seq in zip(ids, seqs)]
+    seq = header.get("seq", 0)
+    return [GapNotice(str(header.get("request_id", "")), pid, epoch, [[seq, seq]], reason, origin, now)]
+
+
 def shm_loss_gap(header: dict, error: Exception, origin: str) -> GapNotice:
-    """The GapNotice that replaces a message (``header``) whose ring-held bytes could not be read."""
-    seq, epoch = header.get("seq", 0), header.get("epoch")
-    return GapNotice(str(header.get("request_id", "")), str(header.get("producer_id", "")),
-                     epoch if type(epoch) is int else 0, [[seq, seq]], shm_loss_reason(error), origin,
-                     time.time_ns())
+    """The one GapNotice that replaces a per-request message whose ring-held bytes could not be read."""
+    return shm_loss_gaps(header, error, origin)[0]
 
 
 def inline_shm(frames: Sequence[Any], shm: ShmRingReader) -> list[Any]:
@@ -518,6 +956,8 @@ def inline_shm(frames: Sequence[Any], shm: ShmRingReader) -> list[Any]:
     name = header.pop(SHM_RING_KEY, None)
     if name is None:
         return list(frames)
+    if header.get("kind") != "tensors":  # a step batch: its row groups may keep only some rows
+        return compact(frames, shm)
     if type(name) is not str or not isinstance(header.get("tensors"), list):
         raise MalformedFrameError(f"bad {SHM_RING_KEY!r} message")
     buffers, i, rest = [], 0, list(frames[2:])

@@ -206,6 +206,36 @@ class ShmRingReader:
         self.bytes_read += nbytes
         return data
 
+    def gather(self, name: str, pos: int, nbytes: int, outer: int, stored_rows: int, row_bytes: int,
+               rows: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` (dim 1) of the ``[outer, stored_rows, row_bytes]`` payload at ``pos``, copied out as a
+        new uint8 array ``[outer, len(rows), row_bytes]`` and checked like ``read``: a reader given a few
+        requests of a step copies only their rows."""
+        ring = self._rings.get(name)
+        if ring is None:
+            ring = self._open(name)
+        size = ring.size
+        offset = pos % size
+        if pos < 0 or nbytes < 0 or offset + nbytes > size or outer * stored_rows * row_bytes != nbytes:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r} or does "
+                                      f"not hold [{outer}, {stored_rows}, {row_bytes} bytes]")
+        if int(ring.reserved[0]) > pos + size:
+            raise ShmOverrunError(f"ring {name!r} was overwritten before this reader got to {nbytes} bytes at {pos}")
+        view = np.frombuffer(ring.mm, np.uint8, count=nbytes, offset=_HEADER + offset)
+        out = view.reshape(outer, stored_rows, row_bytes)[:, rows]
+        del view  # the mapping must not stay exported (close() refuses while it is)
+        copied = out.nbytes
+        self.bytes_copied += copied
+        reserved = int(ring.reserved[0])
+        if reserved < pos + nbytes:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
+                                      f"holds ({reserved})")
+        if reserved > pos + size:
+            raise ShmOverrunError(f"ring {name!r} was overwritten before this reader copied {copied} bytes at "
+                                  f"{pos} (the writer is {reserved - pos - size} bytes past them)")
+        self.bytes_read += copied
+        return out
+
     def lag(self, name: str, pos: int) -> float:
         """How far the writer of ring ``name`` is past ``pos``, in ring sizes (> 1: those bytes are gone);
         0.0 for a ring that cannot be opened (its readers will report that)."""

@@ -78,7 +78,8 @@ class Tensor:
     name: str
     dtype: str
     shape: tuple[int, ...]
-    data: Any  # bytes-like (memoryview / bytes / zmq.Frame buffer); zero-copy where possible
+    data: Any  # bytes-like (memoryview / bytes / zmq.Frame buffer), or a numpy array of the raw bits (a view
+    # into a step batch's rows); zero-copy where possible
     layers: tuple[int, ...] = ()
     shard: Shard | None = None
     scale: np.ndarray | None = None
@@ -100,11 +101,29 @@ class Tensor:
 
     @property
     def nbytes(self) -> int:
-        return len(memoryview(self.data).cast("B")) if not isinstance(self.data, bytes) else len(self.data)
+        data = self.data
+        if isinstance(data, np.ndarray):
+            return data.nbytes
+        return len(memoryview(data).cast("B")) if not isinstance(data, bytes) else len(data)
+
+    def buffer(self) -> Any:
+        """The raw bytes as one contiguous bytes-like (copied only for a non-contiguous array view)."""
+        data = self.data
+        if isinstance(data, np.ndarray):
+            return memoryview(np.ascontiguousarray(data)).cast("B")
+        return data
 
     def raw(self) -> np.ndarray:
         """Zero-copy numpy view of the stored bits (bfloat16 as uint16, float8 as uint8)."""
         np_dtype, itemsize = WIRE_DTYPES[self.dtype]
+        data = self.data
+        if isinstance(data, np.ndarray):
+            if data.dtype != np_dtype:  # bytes (e.g. rows gathered by the decoder): viewed as the dtype
+                data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).view(np_dtype)
+            if data.size != int(np.prod(self.shape, dtype=np.int64)):
+                raise MalformedFrameError(f"tensor {self.name!r}: {data.nbytes} bytes for shape {self.shape} "
+                                          f"{self.dtype}")
+            return data.reshape(self.shape)
         want = int(np.prod(self.shape, dtype=np.int64)) * itemsize
         if self.nbytes != want:
             raise MalformedFrameError(
