@@ -369,3 +369,44 @@ def test_every_refusal_of_the_spec_is_made_by_the_broker_and_nothing_refused_is_
     assert after["malformed"] == want
     assert after.get("internal_errors", 0) == 0
     assert _assert_forwarded_messages_are_valid(_drain(watchers)) == 0
+
+
+def test_a_ring_payload_that_cannot_be_read_is_a_gap_whose_origin_is_the_reader(broker_dir):
+    """Section 9: a valid header naming a ring payload no one can read (a valid ring name, no such file) is
+    lost, not malformed: a consumer that reads rings itself reports it as a gap with origin "consumer", and
+    the broker, which must put the payload inline for a consumer that does not read rings, as one with origin
+    "broker"; both name exactly the message's seq, and the stream goes on around it."""
+    from mia_stream.consumers._live import BrokerClient
+    from mia_stream.schemas import GapNotice, StreamEnd
+
+    rid = "ring-origin"
+    readers = {"consumer": BrokerClient(broker_dir, consumer_id="reads-rings", shm=True),
+               "broker": BrokerClient(broker_dir, consumer_id="inline-only", shm=False)}
+    prod = _dealer(_transport.endpoints_for(broker_dir).producers)
+    try:
+        for c in readers.values():
+            c.subscribe([rid])
+        wait_for(lambda: {"reads-rings", "inline-only"} <= set(stats(broker_dir)["consumers"]))
+        prod.send_multipart(encode(StreamStart(rid, "forger", 5)))
+        tf = encode(TensorFrame(rid, "forger", 5, 1, 0, tensors=[
+            Tensor.from_array("hs", np.ones((1, 1, 8), np.float32), layers=[0])]))
+        header = msgpack.unpackb(bytes(tf[1]), raw=False)
+        header["tensors"][0]["shm"] = 0
+        header["shm_ring"] = _RING
+        prod.send_multipart([tf[0], msgpack.packb(header, use_bin_type=True)])
+        prod.send_multipart(encode(StreamEnd(rid, "forger", 5, 2)))
+        for origin, client in readers.items():
+            got = []
+            while not got or not isinstance(got[-1], StreamEnd):
+                item = client.recv(timeout=10)
+                assert item is not None, (origin, got)
+                got.append(item[1])
+            assert [m.KIND for m in got] == ["start", "gap", "end"], (origin, got)
+            gap = got[1]
+            assert isinstance(gap, GapNotice)
+            assert (gap.missing, gap.reason, gap.origin) == ([[1, 1]], "shm_unavailable", origin)
+    finally:
+        prod.close()
+        for c in readers.values():
+            c.close()
+    assert stats(broker_dir)["totals"].get("internal_errors", 0) == 0
