@@ -743,6 +743,21 @@ def _per_request_cases():
         "ring name as a path": _reframe(tf, {"shm_ring": "../mia-stream-ring-123-0123456789ab"}),
         "ring tag too short": _reframe(tf, {"shm_ring": "mia-stream-ring-123-0123456789a"}),
         "int ring name": _reframe(tf, {"shm_ring": 5}),
+        # other entry rules (4.1, 4.3, 4.4, 4.7)
+        "dtype not a str": _with_entry(tf, dtype=[1]),
+        "unknown dtype": _with_entry(tf, dtype="float64"),
+        "unknown compression": _with_entry(tf, compression="zstd"),
+        "str crc32": _with_entry(tf, crc32="x"),
+        "shape not an array": _with_entry(tf, shape=5),
+        "raw_nbytes not prod(shape) x itemsize": _with_entry(tf, shape=[2, 3, 5]),
+        "uncompressed nbytes != raw_nbytes": _with_entry(tf, raw_nbytes=50),
+        "missing raw_nbytes": _with_entry(tf, raw_nbytes=...),
+        "entry not a map": _reframe(tf, {"tensors": [5]}, buffers=[]),
+        "scale not a map": _reframe(_with_entry(tf, scale=3), buffers=[bytes(tf[2]), b"\0" * 4]),
+        "scale of float16": _reframe(_with_entry(tf, scale={"dtype": "float16", "shape": [1]}), buffers=[
+            bytes(tf[2]), b"\0" * 4]),
+        "meta not a map": _with_entry(tf, meta=5),
+        "str tensors": _reframe(tf, {"tensors": "hs"}, buffers=[]),
         # framing
         "extra buffer": [*tf, b"x"],
         "buffer on a token frame": [*sample["tokens"], b"x"],
@@ -750,6 +765,11 @@ def _per_request_cases():
         "int map key": [b"", msgpack.packb({"v": [2, 0], "kind": "heartbeat", "sender_id": "s", "role": "r",
                                             "instance": 1, "stats": {1: 2}})],
         "unknown kind": _reframe(tf, {"kind": "no_such_kind"}),
+        "str that is not UTF-8": [b"", msgpack.packb({"v": [2, 0], "kind": "heartbeat", "sender_id": "\u00ff\u00fe",
+                                                      "role": "r", "instance": 1}).replace(
+            "\u00ff\u00fe".encode(), b"\xff\xfe\xfd\xfc")],
+        "required field only as a bin key": [b"", msgpack.packb({"v": [2, 0], "kind": "credit", b"nbytes": 5},
+                                                                use_bin_type=True)],
         "batch as a message": _reframe(sample["heartbeat"], {"kind": "batch"}),
     }
     return cases
@@ -883,6 +903,13 @@ _COLUMNAR = _columnar_cases()
 @pytest.mark.parametrize("case", sorted(_COLUMNAR))
 def test_malformed_columnar_messages_are_refused_by_every_receiver(case):
     _refused_by_all(_COLUMNAR[case])
+
+
+def test_a_bin_key_is_an_unknown_key():
+    frames = [b"", msgpack.packb({"v": [2, 0], "kind": "credit", "nbytes": 5, b"nbytes": -1, b"x": None},
+                                 use_bin_type=True)]
+    assert decode(frames).nbytes == spec_decoder.decode(frames).fields["nbytes"] == 5
+    assert _outcome(decode_header, frames) == "ok"
 
 
 def test_the_malformed_cases_are_otherwise_valid():
@@ -1095,7 +1122,8 @@ def test_ring_failures_are_losses_with_one_gap_per_request(ring):
 def test_a_file_that_is_not_a_ring_is_unavailable(ring, tmp_path):
     writer, reader = ring
     frames, _ = _ring_step(writer)
-    for content in (b"", b"x" * 100, b"NOTARING" + bytes(8000)):
+    wrong_size = b"MIASHM01" + (8192).to_bytes(8, "little") + bytes(4096 - 16 + 4096)  # says 8192, holds 4096
+    for content in (b"", b"x" * 100, b"NOTARING" + bytes(8000), wrong_size):
         (tmp_path / "mia-stream-ring-7-abcdefabcdef").write_bytes(content)
         fake = _reframe(frames, {"shm_ring": "mia-stream-ring-7-abcdefabcdef"})
         other = ShmRingReader(directory=str(tmp_path))
