@@ -602,6 +602,19 @@ def test_a_selection_keeps_ring_positions_and_a_reader_copies_only_its_rows(ring
     np.testing.assert_array_equal(spec_decoder.decode(sel).groups[0].tensors[0].values, hs[:, 16:48])
 
 
+def test_compaction_is_uncompressed_whatever_a_tensor_meta_says():
+    """10.4: a compacted selection has no compression and no crc32, also when a hand-written producer put
+    "compression"/"checksum" keys into an entry's free-form meta (the encoder reads those as overrides)."""
+    frames = encode(COLUMNAR_SAMPLES[0], compression="lz4", checksum=True)
+    header = decode_header(frames)
+    header["groups"][0]["tensors"][0]["meta"] = {"compression": "lz4", "checksum": True, "note": 1}
+    frames = [b"", msgpack.packb(header, use_bin_type=True), *frames[2:]]
+    sel, _ = select_requests(frames, decode_header(frames), [0])
+    small = decode_header(compact(sel))
+    entry = small["groups"][0]["tensors"][0]
+    assert entry["compression"] == "none" and "crc32" not in entry and entry["meta"] == {"note": 1}
+
+
 # --- 1.x recordings ------------------------------------------------------------------------------------------
 
 

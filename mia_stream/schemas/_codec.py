@@ -907,7 +907,13 @@ def compact(frames: Sequence[Any], shm: ShmRingReader | None = None) -> list[Any
     """The same message with every tensor payload inline and holding exactly its wanted rows (no ``row0``):
     what a consumer that cannot read the producer's ring, or that matches a few requests of a step, is sent.
     Raises ``SharedBufferError`` when the ring cannot give the bytes."""
-    return encode(decode(frames, shm=shm, verify=False))
+    msg = decode(frames, shm=shm, verify=False)
+    tensors = ([t for g in msg.groups for t in g.tensors] if isinstance(msg, StepBatch)
+               else getattr(msg, "tensors", ()))
+    for t in tensors:  # a wire meta naming these would be read by encode as an override (spec 10.4: none)
+        if "compression" in t.meta or "checksum" in t.meta:
+            t.meta = {k: v for k, v in t.meta.items() if k not in ("compression", "checksum")}
+    return encode(msg)
 
 
 # ---------------------------------------------------------------------------------------------- shared memory
