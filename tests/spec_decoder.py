@@ -94,7 +94,7 @@ KINDS: dict[str, dict[str, tuple[str, bool, Any]]] = {
     "end": {**_STREAM, "seq": (_N, True, None), "finish_reason": (_S, False, "stop"),
             "num_prompt_tokens": (_I, False, 0), "num_generated_tokens": (_I, False, 0),
             "frames_sent": (_I, False, 0), "frames_dropped": (_I, False, 0), "bytes_sent": (_I, False, 0),
-            "drops": (_MSI, False, {}), "uncaptured_positions": (_AI, False, []), "error": (_SN, False, None),
+            "drops": (_MSI, False, {}), "uncaptured_positions": (_A, False, []), "error": (_SN, False, None),
             "time_ns": (_I, False, 0)},
     "gap": {**_STREAM, "missing": (_A, False, []), "reason": (_S, False, ""), "origin": (_S, False, ""),
             "time_ns": (_I, False, 0)},
@@ -385,10 +385,11 @@ def _check_fields(kind: str, header: dict) -> dict:
         if not _type_ok(typ, header[name]):  # nil is a value (section 2): only |nil types take it
             raise _malformed(f"{kind}.{name} has the wrong type or range: {header[name]!r}")
         fields[name] = header[name]
-    if kind == "gap":  # 3.5
-        for r in fields["missing"]:
+    ranges = {"gap": "missing", "end": "uncaptured_positions"}.get(kind)  # 3.5, 3.4
+    if ranges is not None:
+        for r in fields[ranges]:
             if not (isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) and 0 <= r[0] <= r[1]):
-                raise _malformed(f"bad gap range {r!r}")
+                raise _malformed(f"bad {kind}.{ranges} range {r!r}")
     if "shm_ring" in header and not (isinstance(header["shm_ring"], str)
                                      and RING_NAME.fullmatch(header["shm_ring"])):
         raise _malformed(f"bad ring name {header['shm_ring']!r}")  # section 9

@@ -201,7 +201,7 @@ _EXACT_TYPES = {"str": {str}, "int": {int}, "bool": {bool}, "list": {list}, "dic
                 "str | None": {str, type(None)}, "int | None": {int, type(None)}}
 # Arrays whose elements the spec types (kind, field) -> element type; the other arrays and maps are free-form.
 _ELEMENTS = {("start", "prompt_token_ids"): int, ("tensors", "positions"): int, ("tensors", "token_ids"): int,
-             ("tokens", "token_ids"): int, ("tokens", "positions"): int, ("end", "uncaptured_positions"): int,
+             ("tokens", "token_ids"): int, ("tokens", "positions"): int,
              ("steer", "layers"): int, ("subscribe", "patterns"): str, ("unsubscribe", "patterns"): str}
 # Columnar kinds: their numeric columns are int64 bins (checked by _check_columnar), request ids strs.
 # Int fields the spec bounds below (negative values are malformed).
@@ -241,8 +241,9 @@ def _check_fields(kind: str, header: dict) -> None:
         if header.get(name, 0) < 0:
             raise MalformedFrameError(f"{kind}.{name} must be >= 0, got {header[name]}")
     if kind == "gap":
-        _check_gap_ranges(header.get("missing", ()))
+        _check_gap_ranges(header.get("missing", ()), "gap.missing")
     elif kind == "end":
+        _check_gap_ranges(header.get("uncaptured_positions", ()), "end.uncaptured_positions")
         for reason, count in header.get("drops", _NO_META).items():
             if type(reason) is not str or type(count) is not int:
                 raise MalformedFrameError(f"end.drops must map str to int, got {reason!r}: {count!r}")
@@ -259,12 +260,13 @@ def _check_fields(kind: str, header: dict) -> None:
                                   f"mia-stream-ring-<pid>-<12 hex digits>, got {header[SHM_RING_KEY]!r}")
 
 
-def _check_gap_ranges(missing: Any) -> None:
+def _check_gap_ranges(missing: Any, name: str = "gap.missing") -> None:
+    """Inclusive ``[first, last]`` int ranges (``gap.missing``, ``end.uncaptured_positions``)."""
     for r in missing:
         if (type(r) is not list or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not int
                 or r[0] < 0 or r[0] > r[1]):
-            raise MalformedFrameError(f"gap.missing must hold [first_seq, last_seq] int ranges with "
-                                      f"0 <= first <= last, got {r!r}")
+            raise MalformedFrameError(f"{name} must hold [first, last] int ranges with 0 <= first <= last, "
+                                      f"got {r!r}")
 
 
 def _entry_field(e: dict, key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
