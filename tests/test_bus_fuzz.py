@@ -15,7 +15,8 @@ from bus_helpers import account, assert_exact, events_until, processes, publish_
 from mia_stream import _transport
 from mia_stream.consumers import open_stream
 from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import ErrorNotice, StreamStart, Tensor, TensorFrame, decode, encode, encode_batch
+from mia_stream.schemas import (AnalysisBatch, ErrorNotice, RowGroup, StepBatch, StreamStart, Tensor, TensorFrame,
+                                TokenBatch, decode, encode, encode_batch)
 import numpy as np
 
 
@@ -35,8 +36,22 @@ def _dealer(endpoint: str) -> zmq.Socket:
 
 
 def _valid_frames(seq: int) -> list[bytes]:
+    """A valid message to mutate: a tensor frame, or (schema 2.0) a step batch, token batch or analysis naming
+    three requests (the broker routes those per request, with selections)."""
     arr = np.arange(64, dtype=np.float32).reshape(1, 1, 64)
-    msg = TensorFrame("fuzz-req", "fuzzer", 7, seq, seq, tensors=[Tensor.from_array("hs", arr)])
+    ids = ["fuzz-req", f"fuzz-{seq % 7}", "other"]
+    kind = seq % 4
+    if kind == 0:
+        msg = TensorFrame("fuzz-req", "fuzzer", 7, seq, seq, tensors=[Tensor.from_array("hs", arr)])
+    elif kind == 1:
+        hs = np.arange(3 * 2 * 16, dtype=np.float32).reshape(1, 6, 16)
+        msg = StepBatch("fuzzer", 7, seq, ids, [seq] * 3, groups=[
+            RowGroup([0, 1, 2], [1, 2, 3], np.arange(6), [Tensor.from_array("hs", hs, layers=(1,))])])
+    elif kind == 2:
+        msg = TokenBatch("fuzzer", 7, seq, ids, [seq] * 3, counts=[1, 0, 2], token_ids=[5, 6, 7])
+    else:
+        msg = AnalysisBatch("fuzz-analyzer", 7, "probe", ids, [seq] * 3, rows=[1, 1, 2],
+                            values={"score": np.arange(4, dtype=np.float32)}, labels={"tag": ["a", None, "b", "c"]})
     return [bytes(memoryview(f)) for f in encode(msg)]
 
 
