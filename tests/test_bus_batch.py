@@ -29,8 +29,8 @@ def broker_dir():
 
 
 def _raw_consumer(address: str, name: str, batch: bool) -> zmq.Socket:
-    """A DEALER subscribed to everything; ``batch=False`` sends a Subscribe without ``batch`` (a hand-written
-    client that does not unpack batches: a 2.0 header, since the broker refuses other majors)."""
+    """A DEALER subscribed to everything; ``batch=False`` sends a Subscribe without ``batch`` (as a 1.1 SDK did;
+    schema 2.0 keeps the field optional)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, name.encode())
@@ -70,7 +70,7 @@ def _assert_in_order_and_complete(messages: list, last_seq: int) -> None:
 
 
 def test_both_hops_batch_and_peers_without_batches_get_single_messages(broker_dir):
-    """A new publisher and a producer that sends single messages; a consumer whose Subscribe lacks ``batch``,
+    """A new publisher and an old producer (single messages); an old consumer (Subscribe without ``batch``),
     a new raw consumer and the SDK: every consumer gets every message in seq order; only the new ones get
     batches."""
     frames = 3000
