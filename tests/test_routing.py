@@ -363,6 +363,34 @@ def test_ring_messages_left_too_far_behind_their_writer_become_a_gap_per_request
 # ---------------------------------------------------------------------------------------------- rings
 
 
+def test_ring_bytes_overwritten_before_the_broker_inlines_them_are_a_gap_per_request(ring_dir):
+    ring = ShmRingWriter(size=1 << 20, min_bytes=1024, directory=ring_dir)
+    bus = Bus(shm=ShmRingReader(directory=ring_dir, writable=True))
+    try:
+        bus.prove(ring)
+        for rid in ("a", "b"):
+            bus.produce(start(rid))
+        for step in range(1, 13):  # 12 x 128 KiB through a 1 MiB ring: steps 1-4 are overwritten by the end
+            bus.produce(step_batch(step, {"a": step, "b": step}, nbytes_per_row=64 << 10), ring=ring)
+        bus.subscribe(b"inline", "*", from_start=True)  # the broker must copy the bytes out for it
+        got = bus.receive(b"inline")
+    finally:
+        ring.close()
+    events = per_request(got)
+    for rid in ("a", "b"):
+        lost = [s for e in events[rid] if e[0] == "gap" for s in e[2]]
+        assert {e[1] for e in events[rid] if e[0] == "gap"} == {"shm_overrun"}
+        assert lost == [1, 2, 3, 4]
+        assert [e[1] for e in events[rid] if e[0] == "step_batch"] == list(range(5, 13))
+    assert all(g.origin == "broker" for g in got if isinstance(g, GapNotice))
+    for m in got:
+        if isinstance(m, StepBatch):
+            assert "shm_ring" not in decode_header(encode(m))
+            check_rows(m)
+
+
+
+
 def test_ring_messages_go_whole_or_selected_to_ring_readers_and_compacted_inline_to_the_others(ring_dir):
     ring = ShmRingWriter(size=4 << 20, min_bytes=1024, directory=ring_dir)
     bus = Bus(shm=ShmRingReader(directory=ring_dir, writable=True))
