@@ -7,7 +7,6 @@ publisher), the consumers raw DEALERs that decode what they get."""
 from __future__ import annotations
 
 import collections
-import time
 
 import numpy as np
 import pytest

@@ -149,7 +149,8 @@ def test_headers_every_consumer_would_refuse_are_refused_by_the_broker_and_never
                 header = msgpack.unpackb(frames[1])
                 mutate(header["tensors"][0], header)
                 prod.send([frames[0], msgpack.packb(header), *frames[2:]])
-            prod.send(TensorFrame("r", "sloppy", 1, 9, 3, tensors=[Tensor.from_array("hs", np.ones((1, 1, 8), np.float32))]))
+            ones = Tensor.from_array("hs", np.ones((1, 1, 8), np.float32))
+            prod.send(TensorFrame("r", "sloppy", 1, 9, 3, tensors=[ones]))
             prod.send(StreamEnd("r", "sloppy", 1, 10))
             consumer.read(10, lambda ms: any(isinstance(m, StreamEnd) for _, m in ms))
             errors = [m for m in prod.poll(2.0) if isinstance(m, ErrorNotice)]

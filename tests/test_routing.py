@@ -126,7 +126,8 @@ def step_batch(step: int, seqs: dict[str, int], rows: dict[str, int] | None = No
 
 def token_batch(step: int, seqs: dict[str, int], epoch: int = 1) -> TokenBatch:
     ids = list(seqs)
-    return TokenBatch("prod", epoch, step, ids, [seqs[r] for r in ids], token_ids=[step * 100 + i for i in range(len(ids))])
+    return TokenBatch("prod", epoch, step, ids, [seqs[r] for r in ids],
+                      token_ids=[step * 100 + i for i in range(len(ids))])
 
 
 def per_request(messages: list) -> dict[str, list[tuple]]:
@@ -438,8 +439,8 @@ def test_ring_references_are_accepted_only_from_the_producer_that_proved_it_owns
         bus.subscribe(b"c", "*", shm=True)
         bus.prove(victim)
         bus.produce(start("v"))
-        bus.produce(TensorFrame("v", "prod", 1, 1, 0, tensors=[Tensor.from_array("hs", np.ones((1, 1, 1024), np.float32))]),
-                    ring=victim)
+        ones = Tensor.from_array("hs", np.ones((1, 1, 1024), np.float32))
+        bus.produce(TensorFrame("v", "prod", 1, 1, 0, tensors=[ones]), ring=victim)
         assert victim.received == 4096
         victim.put(np.zeros(8192, np.uint8))  # written, not yet sent: received must not move past 4096
         forged = encode(TensorFrame("f", "forge", 9, 1, 0, tensors=[
@@ -447,8 +448,9 @@ def test_ring_references_are_accepted_only_from_the_producer_that_proved_it_owns
         bus.produce(encode(start("f", epoch=9)), forger)
         bus.produce(forged, forger)  # unproven: waits for the forger's next heartbeat
         assert bus.totals["held_for_ring_proof"] == 1
-        bus.produce(Heartbeat("forge", "producer", 9, 0, {SHM_RING_PROOF_KEY: {"ring": victim.name, "secret": "00" * 16},
-                                                         SHM_RING_CLOSED_KEY: victim.name}), forger)
+        bad_proof = {"ring": victim.name, "secret": "00" * 16}
+        stats = {SHM_RING_PROOF_KEY: bad_proof, SHM_RING_CLOSED_KEY: victim.name}
+        bus.produce(Heartbeat("forge", "producer", 9, 0, stats), forger)
         totals = bus.totals
         assert totals["shm_ring_proof_refused"] == 1 and totals["shm_ring_not_owned"] == 1
         assert totals["shm_ring_handover_refused"] == 1 and "shm_rings_handed_over" not in totals
@@ -742,7 +744,8 @@ _TENSOR_VARIANTS = {
 
 
 def mutated_tensor_frame(mutate, seq: int = 1) -> list:
-    frames = encode(TensorFrame("a", "prod", 1, seq, 0, tensors=[Tensor.from_array("hs", np.ones((1, 1, 8), np.float32))]))
+    ones = Tensor.from_array("hs", np.ones((1, 1, 8), np.float32))
+    frames = encode(TensorFrame("a", "prod", 1, seq, 0, tensors=[ones]))
     header = msgpack.unpackb(frames[1])
     mutate(header)
     return [frames[0], msgpack.packb(header), *frames[2:]]

@@ -21,10 +21,7 @@ import msgpack
 import zmq
 
 from mia_stream import _transport
-from mia_stream.broker._routing import (CONSUMERS, DEFAULT_CONSUMER_QUEUE_BYTES, DEFAULT_LATE_JOIN_BYTES,  # noqa: F401
-                                        DEFAULT_LATE_JOIN_LINGER_S, DEFAULT_LATE_JOIN_TOTAL_BYTES,
-                                        DEFAULT_PRODUCER_TIMEOUT_S, DEFAULT_RING_GRACE_S, PRODUCERS, BrokerConfig,
-                                        Router)
+from mia_stream.broker._routing import CONSUMERS, PRODUCERS, BrokerConfig, Router
 from mia_stream.schemas import ShmRingReader
 from mia_stream.schemas._codec import batch_header
 

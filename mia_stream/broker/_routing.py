@@ -57,7 +57,8 @@ DEFAULT_CONSUMER_QUEUE_BYTES = 256 << 20  # per consumer, beyond what its credit
 DEFAULT_LATE_JOIN_BYTES = 64 << 20  # per stream
 DEFAULT_LATE_JOIN_TOTAL_BYTES = 1 << 30  # all streams together
 DEFAULT_LATE_JOIN_LINGER_S = 10.0  # how long an ended stream stays joinable from its start
-DEFAULT_PRODUCER_TIMEOUT_S = 30.0  # silent this long: its open streams end (an engine can stall for seconds, e.g. compiling)
+# silent this long: its open streams end (an engine can stall for seconds, e.g. compiling)
+DEFAULT_PRODUCER_TIMEOUT_S = 30.0
 DEFAULT_CONSUMER_TIMEOUT_S = 60.0  # no message from a consumer for this long: it is forgotten
 DEFAULT_STEER_TIMEOUT_S = 30.0
 DEFAULT_RING_GRACE_S = 10.0  # a ring its closed producer handed over stays this long for consumers still reading it
@@ -943,7 +944,9 @@ class Router:
         and recorded per stream; before its next message of a stream, a gap names that stream's drops."""
         if c.queue_bytes and kind in _DROPPABLE:
             cfg = self.config
-            limit = cfg.consumer_queue_bytes if kind == "tensors" else cfg.consumer_queue_bytes + cfg.token_reserve_bytes
+            limit = cfg.consumer_queue_bytes
+            if kind != "tensors":
+                limit += cfg.token_reserve_bytes
             if c.queue_bytes + n > limit:
                 if self._flush is not None and not self._flush(c.identity):
                     return  # it is gone
