@@ -350,9 +350,15 @@ def test_analysis_results_are_per_request_events_in_seq_order_even_after_the_end
     assert events[-1].stream is events[0].stream  # the request's stream, though it ended
     # a hole in an analysis stream: its own GapNotice, and the rest delivered
     a4 = _wire([_analysis("an", {"a": 9}, ["a"], 4)])[0]
-    assert asm.feed(a4, now=0.0) == []
+    assert asm.feed(a4, now=0.0) == [] and asm.holding
     evs = asm.feed(GapNotice("a", "an", 3, [[8, 8]], "slow_consumer", "broker"), now=0.0)
     assert [(ev.kind, ev.gap.missing if ev.gap else ev.analysis.seq) for ev in evs] == [("gap", [[8, 8]]), ("analysis", 9)]
+    assert not asm.holding
+    a6 = _wire([_analysis("an", {"a": 11}, ["a"], 6)])[0]  # seq 10 never comes: reported after the timeout
+    assert asm.feed(a6, now=5.0) == [] and asm.flush(now=5.1) == []
+    evs = asm.flush(now=5.2)
+    assert [(ev.kind, ev.gap.missing if ev.gap else ev.analysis.seq) for ev in evs] == [("gap", [[10, 10]]), ("analysis", 11)]
+    assert evs[0].gap.reason == "seq_jump" and evs[0].gap.producer_id == "an" and not asm.holding
 
     class Collect(Consumer):
         def __init__(self):

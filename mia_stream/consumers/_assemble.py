@@ -502,6 +502,7 @@ class StreamAssembler:
         self._done: collections.OrderedDict[tuple, None] = collections.OrderedDict()
         # analysis streams (request, analyzer producer, epoch): no start or end, so kept least-recently-used
         self._analysis: collections.OrderedDict[tuple, _Sequencer] = collections.OrderedDict()
+        self._analysis_held: set[tuple] = set()  # those of them holding results behind a hole
         # ended requests (and requests known only from analysis results): what analysis events refer to
         self._recent: collections.OrderedDict[str, RequestStream] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
@@ -510,7 +511,7 @@ class StreamAssembler:
     def holding(self) -> bool:
         """Something waits for time to pass (call ``flush`` periodically while this is true)."""
         return (bool(self._waiting) or any(s.held for s in self._seq.values())
-                or any(s.held for s in self._analysis.values()))
+                or bool(self._analysis_held))
 
     def feed(self, msg: Message, now: float | None = None) -> list[Event]:
         now = self._now = time.monotonic() if now is None else now
@@ -549,9 +550,8 @@ class StreamAssembler:
         out = []
         for key, sq in list(self._seq.items()):
             out += self._handle(key, sq.flush(now, self.reorder_timeout_s))
-        for key, sq in list(self._analysis.items()):
-            if sq.held:
-                out += self._handle_analysis(key, sq.flush(now, self.reorder_timeout_s))
+        for key in list(self._analysis_held):
+            out += self._handle_analysis(key, self._analysis[key].flush(now, self.reorder_timeout_s))
         for rs, since in list(self._waiting.values()):
             if now - since >= self.rank_wait_s:
                 out += self._try_end(rs, give_up=True)
@@ -563,9 +563,8 @@ class StreamAssembler:
         for key, sq in list(self._seq.items()):
             if sq.held:
                 out += self._handle(key, sq._release(True, self._now))
-        for key, sq in list(self._analysis.items()):
-            if sq.held:
-                out += self._handle_analysis(key, sq._release(True, self._now))
+        for key in list(self._analysis_held):
+            out += self._handle_analysis(key, self._analysis[key]._release(True, self._now))
         for rs, _since in list(self._waiting.values()):  # nothing more will come: not from unstarted ranks
             out += self._try_end(rs, give_up=True)
         for rid, merger in list(self._mergers.items()):
@@ -657,7 +656,7 @@ class StreamAssembler:
             sq.expected = first_seq
         self._analysis[key] = sq
         if len(self._analysis) > _ANALYSIS_STREAMS:
-            self._analysis.popitem(last=False)
+            self._analysis_held.discard(self._analysis.popitem(last=False)[0])
         return sq
 
     def _expand_analysis(self, b: AnalysisBatch, now: float) -> list[Event]:
@@ -669,6 +668,12 @@ class StreamAssembler:
         return out
 
     def _handle_analysis(self, key: tuple, msgs: list) -> list[Event]:
+        """Events of what an analysis stream's sequencer released (called after each of its operations)."""
+        sq = self._analysis.get(key)
+        if sq is not None and sq.held:
+            self._analysis_held.add(key)
+        else:
+            self._analysis_held.discard(key)
         out: list[Event] = []
         for m in msgs:
             if isinstance(m, GapNotice):
