@@ -472,10 +472,10 @@ class _Merger:
 # ---------------------------------------------------------------------------------------------- assembler
 
 class _Rank:
-    __slots__ = ("stream", "rank")
+    __slots__ = ("stream", "rank", "started")
 
-    def __init__(self, stream: RequestStream, rank: int):
-        self.stream, self.rank = stream, rank
+    def __init__(self, stream: RequestStream, rank: int, started: bool = False):
+        self.stream, self.rank, self.started = stream, rank, started  # started: by its StreamStart
 
 
 class StreamAssembler:
@@ -646,12 +646,17 @@ class StreamAssembler:
         if sq is not None:
             self._analysis.move_to_end(key)
             return sq
-        sq = self._seq.pop(key, None)  # a gap notice came first and was taken for a request stream's
+        r = self._ranks.get(key)
+        # a gap notice that came first was taken for a request stream's; a stream that started is one (an
+        # analyzer publishing under its engine's producer id breaks the spec: its results get a stream apart)
+        sq = self._seq.pop(key, None) if r is None or not r.started else None
         if sq is not None:
             self._ranks.pop(key, None)
             if not sq.held and sq.expected == 0 and sq.known:
                 sq.expected = min(sq.known[0][0], first_seq)
         else:
+            if r is not None and r.started:
+                self.counters["analysis_under_a_request_stream_key"] += 1
             sq = _Sequencer(key, self.reorder_window)
             sq.expected = first_seq
         self._analysis[key] = sq
@@ -799,7 +804,7 @@ class StreamAssembler:
         if rs is None or (rs.ended and m.tp_rank == 0):
             rs = self._requests[rid] = RequestStream(rid, tp_size=max(1, m.tp_size))
         rank = m.tp_rank if 0 <= m.tp_rank < max(1, m.tp_size) else 0
-        self._ranks[key] = _Rank(rs, rank)
+        self._ranks[key] = _Rank(rs, rank, started=True)
         rs.starts[rank] = m
         rs.tp_size = max(rs.tp_size, m.tp_size, 1)
         if rs.tp_size > 1 and rid not in self._mergers and not self.batches:
