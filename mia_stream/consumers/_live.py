@@ -195,8 +195,8 @@ class BrokerClient:
             got = self._accept_one(m)
             if got is None:
                 continue
-            if type(got) is list:  # a lost columnar message: one gap notice per request it named
-                if first is None:
+            if type(got) is list:  # a lost columnar message: one gap notice per request it named (maybe none)
+                if got and first is None:
                     first, got = got[0], got[1:]
                 self._unbatched.extend(got)
             elif first is None:
