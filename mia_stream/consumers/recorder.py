@@ -26,6 +26,7 @@ from typing import Any, Sequence
 
 import msgpack
 
+from mia_stream import settings
 from mia_stream.consumers.recording import (BUS_TOPIC, MESSAGE_ENCODING, METADATA_NAME, PART_GLOB, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
 from mia_stream.errors import WireError
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    source = args.bind_pull or args.broker or os.environ.get("MIA_STREAM_BROKER", "")
+    source = args.bind_pull or args.broker or settings.get_address("MIA_STREAM_BROKER") or ""
     with Recorder(args.out, chunk_bytes=args.chunk_bytes, rotate_bytes=args.rotate_bytes,
                   max_channels=args.max_channels, flush_interval_s=args.flush_interval,
                   patterns=args.patterns, source=source) as rec:
