@@ -240,7 +240,7 @@ def test_a_stalled_sidecar_loses_steps_counted_and_announced_never_silently(monk
             spec = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, GEO)
             rt.add_request("e1", "rt-stall", spec, [1, 2, 3])
             _step(rt, 1, 0, [1, 2, 3]); rt.on_sampled(1, ["e1"], [[4]])
-            assert rt.wait_drained(10)
+            assert rt.wait_drained(60)  # the sidecar has started and published step 1
             side = rt._sidecar.proc.pid
             os.kill(side, signal.SIGSTOP)
             try:
@@ -270,3 +270,36 @@ def test_a_stalled_sidecar_loses_steps_counted_and_announced_never_silently(monk
     # every step made one tensor frame and one token frame: each arrived or is counted as dropped
     assert len(frames) + len(tokens) + dropped == 2 * steps
     assert len(frames) < steps and [p for e in frames for p in e.frame.positions][:3] == [0, 1, 2]
+
+
+def test_admission_refuses_what_the_engine_settings_cannot_serve_and_names_the_setting():
+    """``check_admission`` (run by the frontend before the engine sees a request) against explicit settings: a
+    switched-off feature, and a capture whose step, scheduled alone, cannot fit the aperture or the host ring."""
+    from mia_stream.errors import CaptureSpecError, SteeringSpecError
+    from mia_stream.producer._runtime import check_admission
+
+    geo = ModelGeometry(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    hs_all = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, geo)
+    hs_last = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "last_prompt"}}}, geo)
+    qk = parse_spec({"capture": {"qk": {"layers": [1], "heads": "all", "positions": "generated"}}}, geo)
+    steer = parse_spec({"steer": [{"layer": 1, "op": "add", "vector": [1.0] * 64}]}, geo)
+
+    def cfg(**kw):
+        base = dict(aperture_rows=None, host_ring_bytes=512 << 20, steer_slots=4, max_ops_per_layer=2,
+                    capture_qk=True, steering=True)
+        return RuntimeConfig(**{**base, **kw})
+
+    for spec in (hs_all, hs_last, qk, steer):  # the defaults serve everything
+        check_admission(spec, 5000, geo, cfg(), max_tokens=4096, itemsize=4)
+    with pytest.raises(SteeringSpecError, match="MIA_STREAM_STEERING=0"):
+        check_admission(steer, 10, geo, cfg(steering=False), 4096, 4)
+    with pytest.raises(CaptureSpecError, match="MIA_STREAM_CAPTURE_QK=0"):
+        check_admission(qk, 10, geo, cfg(capture_qk=False), 4096, 4)
+    # an explicit aperture smaller than a prompt's first step: its prefill frames would be lost every time
+    with pytest.raises(CaptureSpecError, match="needs up to 3000 rows .* MIA_STREAM_APERTURE_ROWS=2048"):
+        check_admission(hs_all, 3000, geo, cfg(aperture_rows=2048), 4096, 4)
+    check_admission(hs_all, 2048, geo, cfg(aperture_rows=2048), 4096, 4)  # fits exactly
+    check_admission(hs_last, 3000, geo, cfg(aperture_rows=2048), 4096, 4)  # one row a step
+    # 4096 rows x 4 layers x 64 x 4 bytes = 4 MiB: more than a 1 MiB host ring holds in one step
+    with pytest.raises(CaptureSpecError, match="MIA_STREAM_HOST_RING_MB=1"):
+        check_admission(hs_all, 5000, geo, cfg(host_ring_bytes=1 << 20), 4096, 4)
