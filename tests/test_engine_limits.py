@@ -116,8 +116,9 @@ def test_default_settings_keep_every_row_of_a_full_prefill_step(run, hf_model):
         assert [p for f in frames for p in f.positions] == list(range(len(full) - 1))
         for f in frames:
             rows_per_step[f.step] += len(f.positions)
-    # the burst's first step computed more rows than the old 2048-row aperture held, all captured
-    assert max(rows_per_step.values()) == out["max_num_batched_tokens"]
+    # a step of the burst computed more rows than the old 2048-row aperture held (the full budget, 4096, when
+    # all 64 requests reached the engine before its first step), all captured
+    assert 2048 < max(rows_per_step.values()) <= out["max_num_batched_tokens"], rows_per_step
     for rid in list(out["burst"])[:2]:  # the rows are the right ones
         info = out["burst"][rid]
         full = info["prompt_token_ids"] + info["token_ids"]
