@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,6 +231,10 @@ def main() -> int:
                 serve.wait(120)
             except subprocess.TimeoutExpired:
                 os.killpg(serve.pid, signal.SIGKILL)
+        if serve is None or serve.returncode == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # kept when the server failed: its log is there
+        else:
+            print(f"server log kept in {tmp}", file=sys.stderr)
     return 0
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,8 +50,11 @@ def test_an_address_with_a_running_broker_is_refused(broker_address):
 def test_vllm_failing_to_start_stops_the_broker():
     run_dir = tempfile.mkdtemp(prefix="mia-serve-fail-", dir="/tmp")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "mia_stream.cli", "serve", "--address", run_dir,
-                          "--no-such-vllm-option"], env=_env(), capture_output=True, text=True, timeout=300)
+    try:
+        out = subprocess.run([sys.executable, "-m", "mia_stream.cli", "serve", "--address", run_dir,
+                              "--no-such-vllm-option"], env=_env(), capture_output=True, text=True, timeout=300)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
     assert out.returncode == 1, out.stderr[-2000:]
     assert "vllm exited with status" in out.stderr and "mia-stream serve: stopped broker, vllm" in out.stderr
     from mia_stream.broker import fetch_stats

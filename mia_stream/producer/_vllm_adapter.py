@@ -173,8 +173,9 @@ def served_spec_error(err: SpecError) -> SpecError:
     Why: vLLM 0.32's ``AsyncLLM.generate`` re-raises only its own client errors (``VLLMClientError``); any
     other exception, ``ValueError`` included, becomes an ``EngineGenerateError``: an HTTP 500 with an empty
     message, which the ``openai`` client even retries. ``VLLMValidationError`` maps to 400 with the message
-    (``error.param`` = "mia_stream"); where it still derives from ``ValueError`` (0.16-0.17 docs), the
-    ``ValueError`` base keeps the 400 of vLLMs that map ``ValueError`` itself.
+    (``error.param`` = "mia_stream"). vLLMs from before that hierarchy (vLLM PR 49665, July 2026) re-raise
+    any ``ValueError`` from ``generate`` and answer it with a 400, and their ``VLLMValidationError`` derives
+    from ``ValueError``: the ``ValueError`` base keeps the 400 there (0.26's sources were not available here).
     """
     cls = type(err)
     served = _SERVED_ERROR_CLASSES.get(cls)
