@@ -16,7 +16,8 @@ every round has a fresh random prompt (no prefix-cache reuse). Rows:
 - ``steer 1 layer``: one ``add`` op, no capture (tokens still stream).
 
 Printed per row (medians over rounds): output tokens/s of the round (all requests' generated tokens over the
-round's wall time) and its ratio to ``no spec``; time to first token and request latency p50/p99 (all rounds'
+round's wall time) and its ratio to ``no spec``; the median of per-round ratios (each round's row against the
+same round's ``no spec``: they ran seconds apart, so load that changes between rounds cancels); time to first token and request latency p50/p99 (all rounds'
 requests); and from the consumer process: captured rows received / expected, rows lost (gaps), and the lag
 from a frame's engine timestamp to the consumer, p50/p99.
 """
@@ -147,9 +148,9 @@ def _report(results: dict, consumer: dict, args) -> str:
     base = np.median([r["tokens"] / r["wall"] for r in results["no spec"]])
     lines = [f"concurrency {args.concurrency}, prompt ~{args.prompt_words} random words, {args.max_tokens} generated "
              f"tokens per request, {args.rounds} rounds (medians of rounds; latencies over all requests)", "",
-             "| row | output tok/s | vs no spec | TTFT p50 / p99 ms | latency p50 / p99 ms | rows received / "
-             "expected | rows lost | consumer lag p50 / p99 ms |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| row | output tok/s | vs no spec | per-round ratio, median [min-max] | TTFT p50 / p99 ms | "
+             "latency p50 / p99 ms | rows received / expected | rows lost | consumer lag p50 / p99 ms |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for row, rounds in results.items():
         tps = float(np.median([r["tokens"] / r["wall"] for r in rounds]))
         ttft = [t for r in rounds for t in r["ttft"]]
@@ -159,7 +160,11 @@ def _report(results: dict, consumer: dict, args) -> str:
         got = f"{c.get('rows', 0)} / {c.get('expected', 0)}" if captured else "-"
         lag = c.get("lag_ms") or []
         lag_s = f"{_pct(lag, 50):.0f} / {_pct(lag, 99):.0f}" if captured else "-"
-        lines.append(f"| {row} | {tps:.1f} | {tps / base:.3f} | {_pct(ttft, 50) * 1e3:.0f} / {_pct(ttft, 99) * 1e3:.0f}"
+        # each round's row against the same round's no-spec row: the two ran seconds apart, under the same load
+        ratios = [(r["tokens"] / r["wall"]) / (b["tokens"] / b["wall"]) for r, b in zip(rounds, results["no spec"])]
+        per_round = f"{np.median(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"
+        lines.append(f"| {row} | {tps:.1f} | {tps / base:.3f} | {per_round} | "
+                     f"{_pct(ttft, 50) * 1e3:.0f} / {_pct(ttft, 99) * 1e3:.0f}"
                      f" | {_pct(lat, 50) * 1e3:.0f} / {_pct(lat, 99) * 1e3:.0f} | {got} | "
                      f"{c.get('lost', 0) if ROWS[row] is not None else '-'} | {lag_s} |")
     return "\n".join(lines)
