@@ -18,6 +18,9 @@
     │   └── BrokerTimeoutError     no answer from the broker in time
     ├── SteeringCommandError       a steering command the producer refused (unknown request, not authorised…)
     ├── ModelError                 a model dir that is missing or corrupt
+    ├── AnalyzerError              an analyzer that cannot run (mia_stream.analyzers)
+    │   ├── AnalyzerConfigError (ValueError)  a malformed analyzer config or probe file
+    │   └── AnalyzerInputError     a stream lacking what the analyzer needs (layers, Q/K, spans)
     └── UnsupportedVLLMError       a vLLM version or runner the producer adapter does not support
 """
 
@@ -93,6 +96,18 @@ class SteeringCommandError(MiaStreamError):
 
 
 class ModelError(MiaStreamError):
+    pass
+
+
+class AnalyzerError(MiaStreamError):
+    """An analyzer that cannot run; the message names the missing or bad piece in one line."""
+
+
+class AnalyzerConfigError(AnalyzerError, ValueError):
+    pass
+
+
+class AnalyzerInputError(AnalyzerError):
     pass
 
 
