@@ -295,6 +295,7 @@ def test_a_third_party_analyzer_registers_through_the_entry_point_group(tmp_path
     spec = _cli("token_norm", "--print-spec", env={"PYTHONPATH": str(site)})
     assert json.loads(spec.stdout) == {"capture": {"hidden_states": {"layers": [15], "positions": "generated"}}}
     assert _cli("--list").stdout.count("token_norm") == 0  # not installed: not listed
+    assert TOKEN_NORM.strip() in (ROOT / "README.md").read_text()  # the README shows this very analyzer
 
 
 def test_bad_configs_and_probe_files_are_one_line_errors(tmp_path):
@@ -494,3 +495,22 @@ def test_a_lagging_analyzer_shows_its_drops_in_broker_stats_and_the_producer_nev
     assert slow.returncode == 0, err
     lost = int(err.strip().splitlines()[-1].split(", ")[-1].split()[0])
     assert lost > 0 and "1 request(s)" in err
+
+
+def test_an_analyzer_reads_only_its_positions_of_a_stream_that_captures_more():
+    """A stream capturing every position feeds an analyzer configured for generated positions: the prompt rows
+    (step 0's prefill) are not reduced; each request's own prompt length decides."""
+    rng = np.random.default_rng(4)
+    msgs, ref = _synthetic_streams(rng, n_requests=3, steps=4, prompt=5)
+    _, got = _run_in_process(create("hidden_states", {"layers": [2], "positions": "generated"}), msgs)
+    res = _by_request(got)
+    for r, (rid, parts) in enumerate(sorted(ref.items())):
+        prompt = 5 + r
+        pos = [p for ps, _ in parts for p in ps]
+        hs = np.concatenate([h for _, h in parts], axis=1)[2]
+        gen = [i for i, p in enumerate(pos) if p >= prompt]
+        steps = [a for a in res[rid] if a.step >= 0]
+        assert [p for a in steps for p in a.positions] == [pos[i] for i in gen] == list(range(prompt, prompt + 3))
+        final = [a for a in res[rid] if a.step == -1][0]
+        np.testing.assert_allclose(final.values["mean"][0][0], hs[gen].mean(0), rtol=1e-5, atol=1e-6)
+        assert final.values["tokens"][0] == 3 and final.values["last_position"][0] == prompt + 2

@@ -84,6 +84,7 @@ class AnalyzerRunner:
             return
         rid = start.request_id
         self.counters["requests"] += 1
+        self.analyzer.prompt_lengths[rid] = len(start.prompt_token_ids)
         try:
             self.analyzer.on_start(start)
         except AnalyzerInputError as e:
@@ -135,6 +136,7 @@ class AnalyzerRunner:
         self.counters["requests_ended"] += 1
         self._emit(out, -1, getattr(end, "time_ns", 0))
         self._seqs.pop(rid, None)
+        self.analyzer.prompt_lengths.pop(rid, None)
 
     # ------------------------------------------------------------------------------------ internals
 
@@ -149,6 +151,7 @@ class AnalyzerRunner:
         self.analyzer.on_end(rid, None, Results())  # frees whatever state it had; its results are void
         self._emit(out, -1, 0)
         self._seqs.pop(rid, None)
+        self.analyzer.prompt_lengths.pop(rid, None)
 
     def _note_unstarted(self, rids: Sequence[str]) -> None:
         for rid in rids:
