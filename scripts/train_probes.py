@@ -110,7 +110,8 @@ def load_captures(work: Path) -> dict:
     z = np.load(work / "captures.npz")
     meta = json.loads((work / "items.json").read_text())
     off = np.concatenate([[0], np.cumsum(z["gen_lengths"])])
-    gen = [z["gen_rows"][off[i]:off[i + 1]] for i in range(len(z["gen_lengths"]))]
+    rows = z["gen_rows"]  # read once: each z[...] decompresses the whole array again
+    gen = [rows[off[i]:off[i + 1]] for i in range(len(off) - 1)]
     return {"items": meta["items"], "texts": meta["texts"], "labels": z["labels"], "last_prompt": z["last_prompt"],
             "idx_b": z["idx_b"].tolist(), "gen": gen}
 

@@ -114,8 +114,16 @@ class AnalyzerRunner:
         self._emit(out, batch.step, batch.time_ns)
 
     def on_tokens(self, batch: TokenBatch) -> None:
-        if not any(rid in self._accepted for rid in batch.request_ids):
+        keep = [rid in self._accepted for rid in batch.request_ids]
+        if not any(keep):
             return
+        if not all(keep):
+            idx = [i for i, k in enumerate(keep) if k]
+            off = batch.offsets.tolist()
+            batch = TokenBatch(batch.producer_id, batch.epoch, batch.step, [batch.request_ids[i] for i in idx],
+                               batch.seqs[idx], batch.counts[idx],
+                               [t for i in idx for t in batch.token_ids[off[i]:off[i + 1]].tolist()],
+                               batch.first_positions[idx], [batch.finish_reasons[i] for i in idx], batch.time_ns)
         out = Results()
         self.analyzer.on_tokens(batch, out)
         self._emit(out, batch.step, batch.time_ns)
@@ -215,7 +223,7 @@ class AnalysisPublisher:
     def _announce(self, rids: Iterable[str]) -> None:
         for rid in rids:
             missing = self._lost.pop(rid)
-            gap = GapNotice(rid, self.producer_id, self.epoch, missing, "analyzer_queue_full", "producer",
+            gap = GapNotice(rid, self.producer_id, self.epoch, missing, "analysis_dropped", "producer",
                             time.time_ns())
             if not self.publisher.publish(gap):
                 self._lost[rid] = missing
@@ -241,8 +249,16 @@ def result_dict(a: Any) -> dict:
     """One request's analysis result as plain data (what ``--print`` writes)."""
     return {"request_id": a.request_id, "analyzer": a.analyzer, "version": a.analyzer_version, "seq": a.seq,
             "step": a.step, "positions": list(a.positions),
-            "values": {k: np.asarray(v).tolist() for k, v in sorted(a.values.items())},
+            "values": {k: _plain(v) for k, v in sorted(a.values.items())},
             "labels": {k: list(v) for k, v in sorted(a.labels.items())}, "alerts": list(a.alerts)}
+
+
+def _plain(v: Any) -> Any:
+    """An analysis value as JSON data: nested lists, NaN (a row without that value) as null."""
+    arr = np.asarray(v)
+    if arr.dtype.kind == "f" and np.isnan(arr).any():
+        return np.where(np.isnan(arr), None, arr.astype(object)).tolist()
+    return arr.tolist()
 
 
 def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = ("*",), from_start: bool = True,
