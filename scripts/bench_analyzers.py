@@ -7,13 +7,15 @@
 Input: synthetic ``StepBatch`` messages of ``--requests`` decoding requests (one row each), ``--layers`` captured
 layers of ``--hidden`` bfloat16 values per row (8B geometry by default: 1 x 4096), encoded as the wire carries
 them; fresh random rows every round. Each round times, in this process, what an analyzer process does per step:
-decode the message (inline payload), run the analyzer (``AnalyzerRunner.on_batch``: vectorized numpy, its
-``Results`` -> one ``AnalysisBatch``), encode the result for publishing. Analyzers are measured side by side in
+decode the message (inline payload), assemble it, run the analyzer (vectorized numpy; its ``Results`` -> one
+``AnalysisBatch``), encode the result for publishing. Analyzers are measured side by side in
 one run, interleaved round by round. Probes of the benched width are random (cost does not depend on weights).
 
-``--per-request`` also times today's per-request path for comparison: the same step as 256 ``tensors`` messages
-through the SDK's assembler and the analyzers' event adapter (what the runner does until the SDK's batch API
-lands). Socket I/O and the broker are not in these numbers (the bus at this load: scripts/bench_load.py).
+Each step goes the way ``run_analyzer`` takes it: ``decode`` -> the SDK's assembler in batch mode (seq checks
+per request) -> ``AnalyzerRunner.feed``. ``--per-request`` also times, side by side, the same step sent as 256
+per-request ``tensors`` messages (a producer that does not send step batches; the SDK hands them over as
+one-request batches). Socket I/O and the broker are not in these numbers (the bus at this load:
+scripts/bench_load.py).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mia_stream.analyzers import AnalyzerRunner, create  # noqa: E402
+from mia_stream.consumers import StreamAssembler  # noqa: E402
 from mia_stream.analyzers._probe import LinearProbe  # noqa: E402
 from mia_stream.schemas import RowGroup, StepBatch, StreamStart, Tensor, decode, encode  # noqa: E402
 
@@ -88,69 +91,44 @@ def main(argv=None) -> int:
     prompt = 100
     tmp = Path(tempfile.mkdtemp(prefix="mia-bench-an-"))
     configs = _probe_files(tmp, args.hidden, layers[0], args.num_layers, rng)
-    runners = {}
+    starts = [StreamStart(rid, "bench", 1, 0, capture={"hidden_states": {"layers": layers, "positions": "all"}},
+                          num_layers=args.num_layers, hidden_size=args.hidden, prompt_token_ids=list(range(prompt)))
+              for rid in ids]
+    paths = {}  # label -> (assembler, runner, per_request)
     for name in args.analyzers:
-        an = create(name, configs[name] if name != "hidden_states" else {"layers": layers})
-        r = AnalyzerRunner(an, [lambda b: encode(b)])  # what publishing costs: the encode
-        for rid in ids:
-            r.on_start(StreamStart(rid, "bench", 1, capture={"hidden_states": {"layers": layers,
-                                                                                "positions": "all"}},
-                                   num_layers=args.num_layers, hidden_size=args.hidden,
-                                   prompt_token_ids=list(range(prompt))))
-        runners[name] = r
-    times = {name: [] for name in runners}
-    if args.per_request:
-        times["hidden_states via per-request events"] = []
+        for per_request in ((False, True) if args.per_request else (False,)):
+            an = create(name, configs[name] if name != "hidden_states" else {"layers": layers})
+            runner = AnalyzerRunner(an, [lambda b: encode(b)])  # what publishing costs: the encode
+            asm = StreamAssembler(batches=True)  # the SDK's batch mode, as run_analyzer reads it
+            for st in starts:
+                for ev in asm.feed(st):
+                    runner.feed(ev)
+            label = f"{name}{' (per-request messages)' if per_request else ''}"
+            paths[label] = (asm, runner, per_request)
+    times = {label: [] for label in paths}
     for rnd in range(args.warmup + args.rounds):
-        wire = encode(_step(rng, ids, rnd, layers, args.hidden, prompt))
-        for name, r in runners.items():
+        batch = _step(rng, ids, rnd, layers, args.hidden, prompt)
+        wire = encode(batch)
+        wires = [encode(f) for f in batch.frames()] if args.per_request else []  # a per-request producer's
+        for label, (asm, runner, per_request) in paths.items():
             t0 = time.perf_counter()
-            r.on_batch(decode(wire))
+            for w in (wires if per_request else (wire,)):
+                for ev in asm.feed(decode(w)):
+                    runner.feed(ev)
             dt = time.perf_counter() - t0
             if rnd >= args.warmup:
-                times[name].append(dt)
-        if args.per_request:
-            dt = _per_request(decode(wire), layers, args, prompt, rnd)
-            if rnd >= args.warmup:
-                times["hidden_states via per-request events"].append(dt)
+                times[label].append(dt)
+        for label, (asm, runner, _) in paths.items():
+            assert runner.counters["request_steps"] == len(ids) * (rnd + 1), (label, runner.counters)
     print(f"# {args.requests} requests x 1 row, {args.layers} layer(s) x {args.hidden} bf16 per row, "
           f"{args.rounds} rounds (+{args.warmup} warm-up)")
-    print(f"{'analyzer':<40} {'ms/step (median)':>16} {'p90 ms':>8} {'us/request-step':>16} "
+    print(f"{'analyzer':<48} {'ms/step (median)':>16} {'p90 ms':>8} {'us/request-step':>16} "
           f"{'request-steps/s':>16} {'steps/s at R':>13}")
     for name, ts in times.items():
         med, p90 = statistics.median(ts), float(np.percentile(ts, 90))
-        print(f"{name:<40} {med * 1e3:>16.2f} {p90 * 1e3:>8.2f} {med / args.requests * 1e6:>16.2f} "
+        print(f"{name:<48} {med * 1e3:>16.2f} {p90 * 1e3:>8.2f} {med / args.requests * 1e6:>16.2f} "
               f"{args.requests / med:>16.0f} {1 / med:>13.1f}")
     return 0
-
-
-_PR_STATE: dict = {}
-
-
-def _per_request(batch: StepBatch, layers, args, prompt, rnd) -> float:
-    """The same step as per-request ``tensors`` messages through the assembler and the event adapter."""
-    from mia_stream.analyzers._adapter import EventAdapter
-    from mia_stream.consumers import StreamAssembler
-
-    if not _PR_STATE:
-        an = create("hidden_states", {"layers": layers})
-        runner = AnalyzerRunner(an, [lambda b: encode(b)])
-        asm = StreamAssembler()
-        adapter = EventAdapter(runner)
-        for rid in batch.request_ids:
-            for ev in asm.feed(StreamStart(rid, "bench", 1, 0, capture={"hidden_states": {
-                    "layers": layers, "positions": "all"}}, num_layers=args.num_layers, hidden_size=args.hidden,
-                    prompt_token_ids=list(range(prompt)))):
-                adapter.feed(ev)
-        _PR_STATE.update(asm=asm, adapter=adapter)
-    asm, adapter = _PR_STATE["asm"], _PR_STATE["adapter"]
-    wires = [encode(f) for f in batch.frames()]  # what a per-request producer sends (not timed)
-    t0 = time.perf_counter()
-    for w in wires:
-        for ev in asm.feed(decode(w)):
-            adapter.feed(ev)
-    adapter.flush()
-    return time.perf_counter() - t0
 
 
 if __name__ == "__main__":

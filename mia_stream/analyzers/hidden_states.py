@@ -102,7 +102,7 @@ class HiddenStates(Analyzer):
             kept, off = segments_of(g.rows, mask)
             has_rows = kept > 0
             seg_requests, seg_rows, off = g.requests[has_rows], kept[has_rows], off[has_rows]
-            slots = table.slots([ids[i] for i in seg_requests.tolist()])
+            slots = table.rows_of(table.slots([ids[i] for i in seg_requests.tolist()]))
             table["count"][slots] += seg_rows
             if want_mean:
                 # one float32 sum per request segment (independent of the other requests of the step), kept in
