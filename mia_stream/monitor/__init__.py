@@ -23,7 +23,6 @@ import socket
 import sys
 from typing import Any
 
-from mia_stream.monitor._detok import Tokenizers
 from mia_stream.monitor._ingest import Ingest
 from mia_stream.monitor._server import MonitorServer, is_loopback
 from mia_stream.monitor._state import MonitorState
@@ -42,9 +41,9 @@ def build(source: Any, *, patterns=("*",), keys: Any = None, token: str | None =
           from_start: bool = True) -> tuple[MonitorState, Ingest, MonitorServer]:
     """The monitor's three parts for ``source`` (a broker address or a recording path); not started."""
     recording = _is_recording(source)
-    state = MonitorState(recording=recording, keep_ended=keep_ended, score_key=score)
-    ingest = Ingest(state, source, patterns=patterns, keys=keys, tokenizers=Tokenizers(tokenizer),
-                    from_start=from_start, consumer_id=f"monitor-{os.getpid()}")
+    state = MonitorState(recording=recording, keep_ended=keep_ended, score_key=score, tokenizer=tokenizer)
+    ingest = Ingest(state, source, patterns=patterns, keys=keys, from_start=from_start,
+                    consumer_id=f"monitor-{os.getpid()}")
     server = MonitorServer(state, token=token, max_rate=max_rate, source=str(source or "default broker"))
     return state, ingest, server
 
@@ -81,6 +80,10 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     source = args.source or os.environ.get("MIA_STREAM_BROKER")
+    if source and "://" not in source and not os.path.exists(source):
+        print(f"mia-stream monitor: {source!r} is neither a broker run dir nor a recording (no such path)",
+              file=sys.stderr)
+        return 2
     token = args.token
     if token is None and not is_loopback(args.host):
         token = secrets.token_urlsafe(24)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 log = logging.getLogger("mia_stream.monitor")
 
@@ -28,7 +28,9 @@ def _load(name: str) -> Any:
         return Tokenizer.from_file(str(path))
     if (path / "tokenizer.json").is_file():
         return Tokenizer.from_file(str(path / "tokenizer.json"))
-    from transformers import AutoTokenizer  # slow import (seconds): only for what tokenizer.json cannot serve
+    if name.startswith(("/", ".", "~")) and not path.exists():
+        raise FileNotFoundError(f"no such file or directory: {name}")
+    from transformers import AutoTokenizer  # slow import (5-15 s here): only for what tokenizer.json cannot serve
 
     tok = AutoTokenizer.from_pretrained(name, local_files_only=True)
     backend = getattr(tok, "backend_tokenizer", None)
@@ -38,34 +40,48 @@ def _load(name: str) -> Any:
 
 
 class Tokenizers:
-    """Loaded tokenizers by name, shared by every request that names the same one (thread-safe)."""
+    """Tokenizers by name, loaded on threads of their own (a ``transformers`` fallback can take seconds: neither
+    the ingest nor the web server waits for it); ``on_loaded`` is called when one finished loading or failed."""
 
-    def __init__(self, override: str | None = None):
+    def __init__(self, override: str | None = None, on_loaded: Callable[[], None] | None = None):
         self.override = override
+        self.on_loaded = on_loaded
         self._loaded: dict[str, tuple[Any, str | None]] = {}
+        self._loading: set[str] = set()
         self._lock = threading.Lock()
 
-    def get(self, *names: str) -> tuple[Any, str | None]:
-        """(tokenizer or None, why not) for the first usable of ``names`` (the override, when set, wins)."""
+    def lookup(self, *names: str) -> tuple[Any, str | None, bool]:
+        """(tokenizer or None, why not, final) for the first usable of ``names`` (the override, when set, wins).
+        Never blocks: a name not loaded yet starts loading and gives (None, "loading ...", False)."""
         candidates = [self.override] if self.override else [n for n in names if n]
         if not candidates:
-            return None, "the stream names no tokenizer or model"
+            return None, "the stream names no tokenizer or model", True
         errors = []
         for name in candidates:
             with self._lock:
                 hit = self._loaded.get(name)
-            if hit is None:
-                try:
-                    hit = (_load(name), None)
-                except Exception as e:  # any loader failure is a per-stream notice, never a crash
-                    hit = (None, f"cannot load tokenizer {name!r}: {type(e).__name__}: {e}")
-                    log.warning("mia-stream monitor: %s", hit[1])
-                with self._lock:
-                    self._loaded[name] = hit
+                if hit is None:
+                    if name not in self._loading:
+                        self._loading.add(name)
+                        threading.Thread(target=self._load, args=(name,), name="monitor-tokenizer",
+                                         daemon=True).start()
+                    return None, f"loading tokenizer {name}", False
             if hit[0] is not None:
-                return hit
+                return hit[0], None, True
             errors.append(hit[1])
-        return None, "; ".join(errors)
+        return None, "; ".join(errors), True
+
+    def _load(self, name: str) -> None:
+        try:
+            hit = (_load(name), None)
+        except Exception as e:  # any loader failure is a per-stream notice, never a crash
+            hit = (None, f"cannot load tokenizer {name!r}: {type(e).__name__}: {e}")
+            log.warning("mia-stream monitor: %s", hit[1])
+        with self._lock:
+            self._loaded[name] = hit
+            self._loading.discard(name)
+        if self.on_loaded is not None:
+            self.on_loaded()
 
 
 class PieceDecoder:

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from mia_stream.consumers import BrokerClient, StreamAssembler
-from mia_stream.monitor._detok import PieceDecoder, Tokenizers
 from mia_stream.monitor._state import MonitorState
 
 log = logging.getLogger("mia_stream.monitor")
@@ -42,16 +41,14 @@ class Ingest:
     """Reads ``source`` into ``state`` on a thread of its own (``start``/``stop``)."""
 
     def __init__(self, state: MonitorState, source: Any, *, patterns=("*",), keys: Any = None,
-                 tokenizers: Tokenizers | None = None, from_start: bool = True, batches: bool | None = None,
+                 from_start: bool = True, batches: bool | None = None,
                  consumer_id: str | None = None):
         self.state, self.source, self.patterns, self.keys = state, source, tuple(patterns), keys
-        self.tokenizers = tokenizers or Tokenizers()
         self.from_start = from_start
         self.batches = _batches_supported() if batches is None else batches
         self.consumer_id = consumer_id
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self._rank0: dict[str, bool] = {}  # producer id -> whether it is TP rank 0 (its tokens count)
         self.client: BrokerClient | None = None
         self.error: BaseException | None = None
 
@@ -143,16 +140,12 @@ class Ingest:
         elif kind == "analysis":
             st.on_analysis(ev.analysis, received_ns)
         elif kind == "start":
-            self._on_start(ev.stream.start if ev.stream is not None else ev.start, received_ns)
+            st.on_start(ev.stream.start, received_ns)
         elif kind == "gap":
             st.on_gap(ev.gap, received_ns)
         elif kind == "end":
             st.on_end(ev.end, received_ns)
 
-    def _on_start(self, start: Any, received_ns: int | None) -> None:
-        self._rank0[start.producer_id] = start.tp_rank == 0
-        tok, why = self.tokenizers.get(start.tokenizer, start.model)
-        self.state.on_start(start, PieceDecoder(tok) if tok is not None else None, why, received_ns)
 
     def _on_batch(self, batch: Any, received_ns: int | None) -> None:
         kind, st = batch.KIND, self.state
@@ -170,8 +163,6 @@ class Ingest:
                     st.on_norms(ids[i], batch.producer_id, batch.step, g.positions[a:b], layers, norms[:, a:b],
                                 batch.time_ns, received_ns)
         elif kind == "token_batch":
-            if not self._rank0.get(batch.producer_id, True):
-                return  # TP: the tokens that count come from rank 0
             off = batch.offsets.tolist()
             toks = batch.token_ids.tolist()
             firsts = batch.first_positions.tolist()

@@ -23,6 +23,8 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mia_stream.monitor._detok import PieceDecoder, Tokenizers
+
 # a request keeps at most this many positions of per-layer norms (the newest; older ones are dropped, counted)
 MAX_NORM_POSITIONS = 4096
 # per-layer profiles wider than this are not a "per-layer" value (e.g. a mean hidden state): not shown
@@ -49,6 +51,7 @@ class RequestRecord:
         self.tags: dict = {}
         self.model = self.tokenizer_name = ""
         self.producer_id = ""
+        self.stream_key: tuple = ()
         self.tp_size = 1
         self.t_start = 0
         self.t_end: int | None = None
@@ -93,8 +96,10 @@ class RequestRecord:
 class MonitorState:
     """All requests of one source, live or recorded (``recording=True``: keeps every request and the ticks)."""
 
-    def __init__(self, *, recording: bool = False, keep_ended: int = 256, score_key: str | None = None):
+    def __init__(self, *, recording: bool = False, keep_ended: int = 256, score_key: str | None = None,
+                 tokenizer: str | None = None):
         self.recording = recording
+        self.tokenizers = Tokenizers(tokenizer, on_loaded=self._tokenizer_loaded)
         self.keep_ended = keep_ended
         self.lock = threading.RLock()
         self.on_change: Callable[[], None] | None = None
@@ -179,20 +184,29 @@ class MonitorState:
 
     # ------------------------------------------------------------------------------------------ ingest
 
-    def on_start(self, start: Any, decoder: Any = None, detok_note: str | None = None,
-                 received_ns: int | None = None) -> None:
+    def _tokenizer_loaded(self) -> None:
         with self.lock:
+            self.version += 1
+        self._changed()
+
+    def on_start(self, start: Any, received_ns: int | None = None) -> None:
+        with self.lock:
+            rec = self.requests.get(start.request_id)
+            if (rec is not None and rec.started and rec.t_end is not None and not start.resent
+                    and (start.producer_id, start.epoch) != rec.stream_key):
+                self.requests.pop(rec.rid)  # a new request under an ended one's id: it starts over
+                self._ended.pop(rec.rid, None)
+                self.counters["ids_reused"] += 1
             rec = self._record(start.request_id)
-            if rec.started and start.tp_rank != 0:
-                return  # another TP rank's start of a request we know: rank 0's holds everything shown
             first = not rec.started
+            rec.stream_key = (start.producer_id, start.epoch)
             rec.started = True
             rec.tags = dict(start.tags or {})
             rec.model, rec.tokenizer_name = start.model, start.tokenizer
             rec.producer_id, rec.tp_size = start.producer_id, start.tp_size
             rec.t_start = rec.t_start or self._tau(start.time_ns, received_ns)
             if first:
-                rec.decoder, rec.detok_note = decoder, detok_note
+                self.tokenizers.lookup(start.tokenizer, start.model)  # starts loading it, if new
                 prompt = list(start.prompt_token_ids)
                 rec.n_prompt = len(prompt)
                 rec.tok_ids = prompt + rec.tok_ids
@@ -219,6 +233,14 @@ class MonitorState:
             if not positions or len(positions) != n:
                 base = rec.tok_pos[-1] + 1 if rec.tok_pos else 0
                 positions = list(range(base, base + n))
+            elif rec.tok_pos and positions[0] <= rec.tok_pos[-1]:
+                # a position already shown (another TP rank's tokens, a duplicate): positions only grow
+                keep = [i for i, p in enumerate(positions) if p > rec.tok_pos[-1]]
+                if not keep:
+                    self.counters["tokens_repeated"] += n
+                    return
+                token_ids, positions = [token_ids[i] for i in keep], [positions[i] for i in keep]
+                n = len(token_ids)
             rec.tok_ids.extend(int(t) for t in token_ids)
             rec.tok_pos.extend(int(p) for p in positions)
             rec.tok_tau.extend([tau_m] * n)
@@ -378,16 +400,18 @@ class MonitorState:
         """What the page needs for the chosen request: what is new since ``cursor`` (None: everything) and the
         cursor to pass next time. With ``at`` (a recording's tick) always everything up to that time."""
         n = len(rec.tok_ids) if at is None else bisect.bisect_right(rec.tok_tau, at)
+        keep = (lambda tau: True) if at is None else (lambda tau: tau <= at)
+        if rec.decoder is None:
+            tok, note, final = self.tokenizers.lookup(rec.tokenizer_name, rec.model)
+            rec.detok_note = note if tok is not None or not final else f"{note}: showing token ids"
+            if final:
+                rec.decoder = PieceDecoder(tok)
+            else:
+                n = 0  # tokens are sent once their text can be
+        if len(rec.pieces) < n:
+            rec.pieces.extend(rec.decoder.extend(rec.tok_ids[len(rec.pieces):]))
         full = at is not None or cursor is None or cursor["t"] > n
         cur = _EMPTY_CURSOR if full else cursor
-        keep = (lambda tau: True) if at is None else (lambda tau: tau <= at)
-        if len(rec.pieces) < n:
-            if rec.decoder is None:
-                from mia_stream.monitor._detok import PieceDecoder
-
-                rec.decoder = PieceDecoder(None)
-                rec.detok_note = rec.detok_note or "no tokenizer: showing token ids"
-            rec.pieces.extend(rec.decoder.extend(rec.tok_ids[len(rec.pieces):]))
         out: dict = {"id": rec.rid, "reset": full}
         out["tokens"] = [[rec.tok_pos[i], rec.pieces[i], rec.tok_tau[i] // 1_000_000, rec.tok_step[i],
                           1 if i < rec.n_prompt else 0] for i in range(cur["t"], n)]

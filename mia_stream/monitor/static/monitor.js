@@ -52,6 +52,7 @@
       setText($("source"), h.source);
       setText($("mode"), h.recording ? "recording" : "live");
       $("timeline").hidden = !h.recording;
+      setText($("broker-title"), h.recording ? "recording" : "broker");
       sendView();
     });
     es.addEventListener("update", (e) => {
@@ -221,7 +222,7 @@
       D.tokens.push(pos);
       frag.appendChild(span);
       if (!(pos in M.shownAt)) M.shownAt[pos] = now;
-      if (!prompt && !M.recording && tauMs > 0) M.latency.push(now - tauMs);
+      if (!prompt && !M.recording && !d.reset && tauMs > 0) M.latency.push(now - tauMs);  // live arrivals only
     }
     if (M.latency.length > 5000) M.latency.splice(0, 2500);
     text.appendChild(frag);
