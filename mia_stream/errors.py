@@ -18,6 +18,8 @@
     │   └── BrokerTimeoutError     no answer from the broker in time
     ├── SteeringCommandError       a steering command the producer refused (unknown request, not authorised…)
     ├── ModelError                 a model dir that is missing or corrupt
+    ├── SettingError (ValueError)  a MIA_STREAM_* environment setting that does not parse
+    ├── SpanError (ValueError)     a prompt whose parts cannot be mapped to token spans (mia_stream.spans)
     └── UnsupportedVLLMError       a vLLM version or runner the producer adapter does not support
 """
 
@@ -94,6 +96,12 @@ class SteeringCommandError(MiaStreamError):
 
 class ModelError(MiaStreamError):
     pass
+
+
+class SettingError(MiaStreamError, ValueError):
+    """A ``MIA_STREAM_*`` environment variable that does not parse; the message names it and the form it takes."""
+class SpanError(MiaStreamError, ValueError):
+    """A chat prompt whose parts cannot be found in its rendering (``mia_stream.spans``)."""
 
 
 class UnsupportedVLLMError(MiaStreamError):

@@ -32,6 +32,7 @@ from typing import Any, Sequence
 import msgpack
 import numpy as np
 
+from mia_stream import settings
 from mia_stream.consumers.recording import (BUS_TOPIC, INDEX_ATTACHMENT, INDEX_MEDIA_TYPE, MESSAGE_ENCODING,
                                             METADATA_NAME, PART_GLOB, PRODUCER_TOPIC_PREFIX, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
@@ -473,7 +474,7 @@ def main(argv: list[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    source = args.bind_pull or args.broker or os.environ.get("MIA_STREAM_BROKER", "")
+    source = args.bind_pull or args.broker or settings.get_address("MIA_STREAM_BROKER") or ""
     with Recorder(args.out, chunk_bytes=args.chunk_bytes, rotate_bytes=args.rotate_bytes,
                   max_channels=args.max_channels, flush_interval_s=args.flush_interval,
                   patterns=args.patterns, source=source) as rec:

@@ -6,7 +6,9 @@ API-server process never imports runner code it would not import anyway. Three p
 
 - frontend (``InputProcessor.process_inputs``): validates and normalizes ``extra_args["mia_stream"]``
   (a bad spec raises to the caller before the engine sees it), turns off prefix-cache reads for requests
-  that capture prompt positions, and salts the cache of every streamed request;
+  that capture prompt positions, and salts the cache of every streamed request; in the API server,
+  ``AsyncLLM.generate`` checks the spec when it is called, so a bad spec over HTTP is a 400 carrying the
+  spec error's text, streamed or not (``served_spec_error``);
 - engine core (``Scheduler``): numbers steps, records finish reasons, and applies live steering commands
   and aborts at step boundaries, attaching them to ``SchedulerOutput`` so every TP rank applies them at the
   same step;
@@ -30,6 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mia_stream import settings
 from mia_stream.errors import SpecError, UnsupportedVLLMError
 from mia_stream.producer.spec import SPEC_KEY, ModelGeometry, parse_spec, parse_steer_ops
 
@@ -41,7 +44,7 @@ _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
 def check_vllm_version(version: str) -> None:
-    if os.environ.get("MIA_STREAM_ALLOW_ANY_VLLM") == "1":
+    if settings.get_flag("MIA_STREAM_ALLOW_ANY_VLLM"):
         return
     if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
         raise UnsupportedVLLMError(
@@ -92,7 +95,9 @@ def install() -> None:
     check_vllm_version(vllm.__version__)
     patches = {
         "vllm.v1.engine.input_processor": _patch_input_processor,
+        "vllm.v1.engine.async_llm": _patch_async_llm,
         "vllm.v1.core.sched.scheduler": _patch_scheduler,
+        "vllm.v1.worker.gpu_worker": _patch_worker,
         "vllm.v1.worker.gpu_model_runner": _patch_v1_runner,
         "vllm.v1.worker.cpu_model_runner": _patch_cpu_runner,
         "vllm.v1.worker.gpu.model_runner": _patch_v2_runner,
@@ -123,18 +128,41 @@ def _spec_of(sampling_params) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ frontend
+class _Admission:
+    """The engine's start-time settings a request must fit (``_runtime.check_admission``), read once per frontend:
+    the workers read the same settings from the same environment when the engine starts."""
+
+    def __init__(self, vllm_config):
+        import torch
+
+        from mia_stream.producer._runtime import RuntimeConfig
+
+        self.geo = geometry_of(vllm_config.model_config)
+        self.cfg = RuntimeConfig()  # a setting that does not parse fails the engine's start here, with its name
+        self.max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self.itemsize = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+
+    def check(self, spec, prompt_len: int) -> None:
+        from mia_stream.producer._runtime import check_admission
+
+        check_admission(spec, prompt_len, self.geo, self.cfg, self.max_tokens, self.itemsize, self.tp_size)
+
+
 def _patch_input_processor(module) -> None:
     cls = module.InputProcessor
-    orig = cls.process_inputs
+    orig, orig_init = cls.process_inputs, cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        self._mia_admission = _Admission(self.vllm_config)
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         raw = _spec_of(params)
         if raw is None:
             return orig(self, request_id, prompt, params, *args, **kwargs)
-        try:
-            spec = parse_spec(raw, geometry_of(self.model_config))
-        except SpecError as e:
-            raise ValueError(f"mia_stream: {e}") from e
+        admission = self.__dict__.get("_mia_admission") or _Admission(self.vllm_config)
+        spec = _checked_spec(raw, admission)
         # vLLM deep-copies the params: hand it the normalized spec (vectors as float32 bytes), not the caller's
         # float lists (a deepcopy of 32 ops x 4096 floats took tens of ms per request), and never touch the
         # caller's object (it may be shared by several prompts)
@@ -142,6 +170,12 @@ def _patch_input_processor(module) -> None:
         params = copy.copy(params)
         params.extra_args = dict(params.extra_args or {}, **{SPEC_KEY: wire})
         request = orig(self, request_id, prompt, params, *args, **kwargs)
+        if spec.captures:  # the request is built, not yet in the engine: refusing it here leaves no trace
+            ids = request.prompt_token_ids
+            try:
+                admission.check(spec, len(ids) if ids is not None else admission.max_tokens)
+            except SpecError as e:
+                raise served_spec_error(e) from e
         sp = request.sampling_params
         wire = dict(wire, id=spec.stream_id or str(request_id))
         sp.extra_args = dict(sp.extra_args or {}, **{SPEC_KEY: wire})
@@ -152,7 +186,90 @@ def _patch_input_processor(module) -> None:
             request.cache_salt = salt if not request.cache_salt else f"{request.cache_salt}|{salt}"
         return request
 
-    cls.process_inputs = process_inputs
+    cls.__init__, cls.process_inputs = __init__, process_inputs
+
+
+def _checked_spec(raw, admission: _Admission):
+    """The parsed spec, checked against the features the engine was started with (steering and Q/K capture
+    switched off: refused before any tokenizing), or the spec error as the exception vLLM's API server
+    answers with a 400."""
+    try:
+        spec = parse_spec(raw, admission.geo)
+        if spec.steer or spec.qk_layers:
+            admission.check(spec, 0)
+        return spec
+    except SpecError as e:
+        raise served_spec_error(e) from e
+
+
+_SERVED_ERROR_CLASSES: dict[type, type] = {}
+
+
+def served_spec_error(err: SpecError) -> SpecError:
+    """``err`` as an exception that is both the same ``SpecError`` subclass (so a ``ValueError`` for
+    ``vllm.LLM`` callers) and vLLM's ``VLLMValidationError``, with the text ``mia_stream: <err>``.
+
+    Why: vLLM 0.32's ``AsyncLLM.generate`` re-raises only its own client errors (``VLLMClientError``); any
+    other exception, ``ValueError`` included, becomes an ``EngineGenerateError``: an HTTP 500 with an empty
+    message, which the ``openai`` client even retries. ``VLLMValidationError`` maps to 400 with the message
+    (``error.param`` = "mia_stream"). vLLMs from before that hierarchy (vLLM PR 49665, July 2026) re-raise
+    any ``ValueError`` from ``generate`` and answer it with a 400, and their ``VLLMValidationError`` derives
+    from ``ValueError``: the ``ValueError`` base keeps the 400 there (0.26's sources were not available here).
+    """
+    cls = type(err)
+    served = _SERVED_ERROR_CLASSES.get(cls)
+    if served is None:
+        try:
+            from vllm.exceptions import VLLMValidationError
+        except ImportError:  # no client-error class in this vLLM: a plain ValueError is its 400
+            served = cls
+        else:
+            def __str__(self):  # the spec error's text only (VLLMValidationError appends "(parameter=...)")
+                return Exception.__str__(self)
+
+            served = type(f"Served{cls.__name__}", (VLLMValidationError, cls),
+                          {"__str__": __str__, "__module__": __name__})
+        _SERVED_ERROR_CLASSES[cls] = served
+    message = f"mia_stream: {err}"
+    if served is cls:
+        return cls(message)
+    return served(message, parameter=SPEC_KEY)
+
+
+def _patch_async_llm(module) -> None:
+    """Check the spec when ``AsyncLLM.generate`` is called, not when its generator first runs.
+
+    The OpenAI server calls ``generate`` to get an async generator and, for ``stream=true``, starts
+    iterating it only inside the streaming response, after the 200 status went out: a spec error raised
+    there (``process_inputs``) reaches the client as an error event in a 200 stream. Raised at the call, it
+    propagates out of the endpoint handler and vLLM's exception handlers answer 400 for streamed and
+    unstreamed requests alike. The checked spec replaces the raw one (a copy of the params; vectors as float32
+    bytes), so ``process_inputs`` re-parses it cheaply.
+    """
+    cls = getattr(module, "AsyncLLM", None)
+    orig = getattr(cls, "generate", None)
+    if orig is None:
+        raise UnsupportedVLLMError(
+            "mia_stream: vllm.v1.engine.async_llm.AsyncLLM.generate not found; this vLLM's API server would "
+            "answer a bad spec with an HTTP 500 (set MIA_STREAM_ALLOW_ANY_VLLM=1 only with a supported vLLM)")
+
+    def generate(self, *args, **kwargs):
+        in_kwargs = "sampling_params" in kwargs
+        params = kwargs["sampling_params"] if in_kwargs else (args[1] if len(args) > 1 else None)
+        raw = _spec_of(params) if hasattr(params, "extra_args") else None
+        if raw is not None:
+            admission = getattr(getattr(self, "input_processor", None), "_mia_admission", None)
+            spec = _checked_spec(raw, admission or _Admission(self.vllm_config))
+            params = copy.copy(params)
+            params.extra_args = dict(params.extra_args, **{SPEC_KEY: spec.to_wire()})
+            if in_kwargs:
+                kwargs["sampling_params"] = params
+            else:
+                args = (args[0], params, *args[2:])
+        return orig(self, *args, **kwargs)
+
+    generate.__wrapped__ = orig
+    cls.generate = generate
 
 
 # ------------------------------------------------------------------------------------------ engine core
@@ -172,7 +289,13 @@ class _EngineControl:
         self.streams: dict[str, str] = {}  # stream id -> engine request id
         self.ops: dict[str, tuple] = {}  # engine request id -> (ops, version)
         self.aborts = _ABORTING  # engine request ids to stop at their next step (one set per process)
-        self.publisher = make_publisher(self.control_id, on_command=self._on_command)
+        self.steering = settings.get_flag("MIA_STREAM_STEERING")
+        # it sends no tensors: no shared-memory ring (one would be 256 MiB of /dev/shm for nothing)
+        self.publisher = make_publisher(self.control_id, on_command=self._on_command, shm_bytes=0)
+
+    def close(self) -> None:
+        """At the engine core's shutdown: a last moment for queued acks, then the socket and thread go."""
+        self.publisher.close(timeout=0.2)
 
     def _on_command(self, cmd) -> None:
         with self._lock:
@@ -193,6 +316,8 @@ class _EngineControl:
                 err = f"unknown or finished request {cmd.request_id!r}"
             elif cmd.action == "abort":
                 self.aborts.add(eid)
+            elif not self.steering:
+                err = "this engine was started with MIA_STREAM_STEERING=0: it has no steering ops (only abort works)"
             else:
                 ops, version = self.ops.get(eid, ((), 0))
                 try:
@@ -316,7 +441,17 @@ def _patch_scheduler(module) -> None:
         _SCHEDULERS.append(self)
         control(self)
 
-    cls.__init__ = __init__
+    orig_shutdown = getattr(cls, "shutdown", lambda self: None)
+
+    def shutdown(self, *args, **kwargs):  # EngineCore.shutdown calls it after the workers have exited
+        try:
+            return orig_shutdown(self, *args, **kwargs)
+        finally:
+            ctl = self.__dict__.get("_mia_control")
+            if ctl is not None:
+                ctl.close()
+
+    cls.__init__, cls.shutdown = __init__, shutdown
     cls.schedule, cls._free_request, cls.add_request = schedule, _free_request, add_request
     module.check_stop = check_stop
 
@@ -440,6 +575,29 @@ def _attach(runner, model) -> None:
     _LOCAL_RUNTIMES.append(runtime)
     logger.info("mia_stream: producer %s attached (%d layers, aperture rows %d)", producer_id, geo.num_layers,
                 runtime.cfg.aperture_rows)
+
+
+_RUNTIME_CLOSE_S = 1.0  # the forwarder hands the sidecar what is queued; then the worker goes on exiting
+
+
+def _patch_worker(module) -> None:
+    """``Worker.shutdown`` (the base of vLLM CPU's worker too), which vLLM calls as the worker leaves its busy loop:
+    the producer runtimes of this process close there, inside vLLM's shutdown grace. The drain sidecar is not
+    waited for: it publishes what it was handed and removes (or hands the broker) its ring on its own."""
+    cls = module.Worker
+    orig = getattr(cls, "shutdown", None)
+    if orig is None:  # then only the runtime's atexit hook closes it
+        return
+
+    def shutdown(self, *args, **kwargs):
+        try:
+            for rt in list(_LOCAL_RUNTIMES):
+                rt.close(_RUNTIME_CLOSE_S, wait=False)
+        except Exception:
+            logger.exception("mia_stream: closing the producer runtime failed")
+        return orig(self, *args, **kwargs)
+
+    cls.shutdown = shutdown
 
 
 def _register_new(runtime, req_id: str, prompt_token_ids, sampling_params) -> None:

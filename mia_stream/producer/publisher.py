@@ -44,7 +44,7 @@ from typing import Any, Callable
 
 import zmq
 
-from mia_stream import _transport
+from mia_stream import _transport, settings
 from mia_stream.errors import WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
@@ -72,11 +72,8 @@ _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
 
 
 def _env_bytes(name: str, default: int) -> int:
-    env = os.environ.get(name, "").strip()
-    try:
-        return int(env) if env else default
-    except ValueError:
-        raise ValueError(f"{name} must be a byte count, got {env!r}") from None
+    value = settings.get_size(name)
+    return default if value is None else value
 
 
 class _PubStream:
