@@ -37,14 +37,15 @@ def _is_recording(source: Any) -> bool:
 
 
 def build(source: Any, *, patterns=("*",), keys: Any = None, token: str | None = None, score: str | None = None,
-          tokenizer: str | None = None, keep_ended: int = 256, max_rate: float = 10.0,
+          tokenizer: str | None = None, keep_ended: int = 256, max_rate: float = 10.0, list_rate: float = 2.0,
           from_start: bool = True) -> tuple[MonitorState, Ingest, MonitorServer]:
     """The monitor's three parts for ``source`` (a broker address or a recording path); not started."""
     recording = _is_recording(source)
     state = MonitorState(recording=recording, keep_ended=keep_ended, score_key=score, tokenizer=tokenizer)
     ingest = Ingest(state, source, patterns=patterns, keys=keys, from_start=from_start,
                     consumer_id=f"monitor-{os.getpid()}")
-    server = MonitorServer(state, token=token, max_rate=max_rate, source=str(source or "default broker"))
+    server = MonitorServer(state, token=token, max_rate=max_rate, list_rate=list_rate,
+                           source=str(source or "default broker"))
     return state, ingest, server
 
 
@@ -76,6 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                                         "stream names; never downloaded)")
     ap.add_argument("--keep", type=int, default=256, help="ended requests kept on the page (live; default 256)")
     ap.add_argument("--max-rate", type=float, default=10.0, help="updates per second per page (default 10)")
+    ap.add_argument("--list-rate", type=float, default=2.0, help="request-list updates per second per page "
+                                                                 "(default 2)")
     ap.add_argument("--log-level", default="warning")
     args = ap.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     state, ingest, server = build(source, patterns=args.patterns, keys=args.keys, token=token, score=args.score,
-                                  tokenizer=args.tokenizer, keep_ended=args.keep, max_rate=args.max_rate)
+                                  tokenizer=args.tokenizer, keep_ended=args.keep, max_rate=args.max_rate,
+                                  list_rate=args.list_rate)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")

@@ -81,12 +81,15 @@ class Ingest:
         asm = StreamAssembler(batches=True) if self.batches else StreamAssembler()
         try:
             client.subscribe(self.patterns, self.from_start)
+            holding, next_check = False, 0.0
             while not self._stop.is_set():
-                got = client.recv(0.05 if asm.holding else 0.2)
+                got = client.recv(0.05 if holding else 0.2)
                 now = time.monotonic()
                 events = asm.feed(got[1], now) if got is not None else []
-                if asm.holding:
-                    events += asm.flush(now)
+                if now >= next_check:  # ``holding`` walks every stream: at most every 50 ms, not per message
+                    holding, next_check = asm.holding, now + 0.05
+                    if holding:
+                        events += asm.flush(now)
                 if events:
                     received = time.time_ns()
                     for ev in events:
@@ -152,27 +155,19 @@ class Ingest:
         if kind == "step_batch":
             ids = batch.request_ids
             for g in batch.groups:
-                if not g.has("hs"):
-                    continue
-                t = g.tensor("hs")
-                norms = hs_norms(t)  # [L, N]: every request of the group at once
-                layers = tuple(t.layers)
-                off = g.offsets.tolist()
-                for j, i in enumerate(g.requests.tolist()):
-                    a, b = off[j], off[j + 1]
-                    st.on_norms(ids[i], batch.producer_id, batch.step, g.positions[a:b], layers, norms[:, a:b],
-                                batch.time_ns, received_ns)
+                if g.has("hs"):
+                    t = g.tensor("hs")
+                    st.on_norm_columns(batch.producer_id, batch.step, batch.time_ns,
+                                       [ids[i] for i in g.requests.tolist()], g.offsets.tolist(), g.positions,
+                                       tuple(t.layers), hs_norms(t), received_ns)  # every request at once
         elif kind == "token_batch":
             off = batch.offsets.tolist()
-            toks = batch.token_ids.tolist()
             firsts = batch.first_positions.tolist()
-            for i, rid in enumerate(batch.request_ids):
-                a, b = off[i], off[i + 1]
-                st.on_tokens(rid, batch.producer_id, batch.step, toks[a:b], list(range(firsts[i], firsts[i] + b - a)),
-                             batch.time_ns, received_ns)
+            positions = [p for i in range(len(firsts)) for p in range(firsts[i], firsts[i] + off[i + 1] - off[i])]
+            st.on_token_columns(batch.producer_id, batch.step, batch.time_ns, batch.request_ids, off,
+                                batch.token_ids.tolist(), positions, received_ns)
         elif kind == "analysis":
-            for result in batch.results():
-                st.on_analysis(result, received_ns)
+            st.on_analysis_batch(batch, received_ns)
 
 
 def _producer_of(frame: Any) -> str:

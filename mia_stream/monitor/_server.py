@@ -2,10 +2,11 @@
 
 Routes: ``/`` the page, ``/static/*`` its script and style (package data), ``/api/events`` the event stream
 (first event ``hello`` with the page's client id, then ``update`` events), ``/api/view`` (POST: which request the
-page shows and, on a recording, the timeline tick), ``/api/snapshot`` (GET: one full update, for scripts).
+page shows and, on a recording, the timeline tick), ``/api/snapshot`` (GET: one full update, for scripts),
+``/api/ticks`` (a recording's timeline), ``/api/stats`` (the monitor's own counters).
 
-Pushes are coalesced: a page gets an update when something changed, at most ``max_rate`` per second, holding
-only what changed since its last one (request rows by version; for the chosen request the tokens, scores,
+Pushes are coalesced: a page gets an update when something changed, at most ``max_rate`` per second (the
+request list at most ``list_rate`` per second), holding only what changed since its last one (request rows by version; for the chosen request the tokens, scores,
 alerts and norms appended since). With a token (``--token``, or generated when bound beyond loopback) every
 request must carry it: ``?token=`` once (it is then kept in an HttpOnly cookie), the cookie, or an
 ``Authorization: Bearer`` header. Without one, only ``Host`` headers naming a loopback address are served (a
@@ -65,16 +66,23 @@ class _Page:
         self.overview_sent = None
         self.dirty = asyncio.Event()
         self.dirty.set()
-        self.full = True  # next update replaces everything (new page, new tick)
+        self.full = True  # the next update is the page's first: everything
+        self.detail_reset = False  # the next update sends the chosen request from its start (a new choice)
+        self.rows_force = False  # the next update sends every row (a new tick: the list as of then)
+        self.rows_due = 0.0  # monotonic time from which the list may be sent again
+        self.rows_stale = False  # the list changed since it was last sent
 
 
 class MonitorServer:
     """Builds the FastAPI app for one ``MonitorState``."""
 
     def __init__(self, state: MonitorState, *, token: str | None = None, max_rate: float = 10.0,
-                 source: str = "", max_rows: int = 2000):
+                 list_rate: float = 2.0, source: str = "", max_rows: int = 2000):
         self.state, self.token, self.source = state, token, source
         self.min_interval = 1.0 / max_rate if max_rate > 0 else 0.0
+        # The request list changes with every step of every request; re-laying out 256 rows is the page's
+        # dominant cost (measured: scripts/bench_monitor.py), so it is sent at most list_rate times a second.
+        self.list_interval = 1.0 / list_rate if list_rate > 0 else 0.0
         self.max_rows = max_rows
         self.pages: dict[str, _Page] = {}
         self.loop: asyncio.AbstractEventLoop | None = None
@@ -125,25 +133,30 @@ class MonitorServer:
         """The update ``page`` needs now (None: nothing changed)."""
         st = self.state
         with st.lock:
-            full = page.full
-            page.full = False
-            if not full and st.version == page.state_version:
+            full, reset, force_rows = page.full, page.full or page.detail_reset, page.full or page.rows_force
+            page.full = page.detail_reset = page.rows_force = False
+            now = time.monotonic()
+            if st.version != page.state_version:
+                page.rows_stale = True
+            elif not reset and not force_rows and not (page.rows_stale and now >= page.rows_due):
                 return None
             page.state_version = st.version
             at = page.at
             update: dict = {"server_ms": time.time() * 1000, "full": full}
-            recs = st.visible(at)[:self.max_rows]
+            rows, gone = [], []
             if full:
                 page.rows_sent = {}
-            rows, shown = [], set()
-            for rec in recs:
-                shown.add(rec.rid)
-                if page.rows_sent.get(rec.rid) != rec.version or at is not None:
-                    rows.append(st.row(rec, at))
-                    page.rows_sent[rec.rid] = rec.version
-            gone = [rid for rid in page.rows_sent if rid not in shown]
-            for rid in gone:
-                del page.rows_sent[rid]
+            if force_rows or (page.rows_stale and now >= page.rows_due):
+                page.rows_stale, page.rows_due = False, now + self.list_interval
+                shown = set()
+                for rec in st.visible(at)[:self.max_rows]:
+                    shown.add(rec.rid)
+                    if page.rows_sent.get(rec.rid) != rec.version or at is not None:
+                        rows.append(st.row(rec, at))
+                        page.rows_sent[rec.rid] = rec.version
+                gone = [rid for rid in page.rows_sent if rid not in shown]
+                for rid in gone:
+                    del page.rows_sent[rid]
             update["rows"], update["gone"] = rows, gone
             overview = st.overview(at)
             if overview != page.overview_sent:
@@ -155,9 +168,9 @@ class MonitorServer:
                     update["detail"] = {"id": page.select, "missing": True, "reset": True}
                     page.cursor = None
                 else:
-                    detail, page.cursor = st.detail(rec, at, None if full else page.cursor)
+                    detail, page.cursor = st.detail(rec, at, None if reset else page.cursor)
                     update["detail"] = detail
-            if st.recording and full:
+            if st.recording and force_rows:
                 update["ticks"] = len(st.ticks())
                 update["tick"] = page.tick
         if not full and not rows and not gone and "overview" not in update and not _has_news(update.get("detail")):
@@ -170,7 +183,13 @@ class MonitorServer:
         last = 0.0
         try:
             while True:
-                await page.dirty.wait()
+                if page.rows_stale:  # the list waits for its next slot even if nothing else changes
+                    try:
+                        await asyncio.wait_for(page.dirty.wait(), max(0.0, page.rows_due - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        pass
+                else:
+                    await page.dirty.wait()
                 page.dirty.clear()
                 wait = last + self.min_interval - time.monotonic()
                 if wait > 0:
@@ -225,17 +244,18 @@ class MonitorServer:
             if page is None:
                 return JSONResponse({"error": "unknown client (reconnect the event stream)"}, status_code=404)
             select = body.get("select")
-            page.select = str(select) if select else None
+            select = str(select) if select else None
+            if select != page.select:
+                page.select, page.detail_reset = select, True
             tick = body.get("tick")
             if server.state.recording and tick is not None:
                 ticks = server.state.ticks()
                 if not ticks:
                     return JSONResponse({"error": "the recording has no steps (yet)"}, status_code=409)
-                page.tick = max(0, min(int(tick), len(ticks) - 1))
-                page.at = ticks[page.tick][0]
-            elif not server.state.recording:
-                page.at, page.tick = None, None
-            page.full = True
+                tick = max(0, min(int(tick), len(ticks) - 1))
+                if tick != page.tick:
+                    page.tick, page.at = tick, ticks[tick][0]
+                    page.detail_reset = page.rows_force = True
             page.dirty.set()
             return JSONResponse({"ok": True, "tick": page.tick})
 
@@ -253,6 +273,14 @@ class MonitorServer:
         @app.get("/api/ticks")
         async def ticks() -> JSONResponse:
             return JSONResponse([[tau // 1_000_000, step, prod] for tau, step, prod in server.state.ticks()])
+
+        @app.get("/api/stats")
+        async def stats() -> JSONResponse:
+            """The monitor's own counters (pages, pushes, bytes pushed, what the ingest counted)."""
+            with server.state.lock:
+                counters = dict(server.state.counters)
+            return JSONResponse({"pages": len(server.pages), "pushes": server.pushes, "push_bytes": server.push_bytes,
+                                 "counters": counters})
 
         app.mount("/static", StaticFiles(directory=str(static)), name="static")
         return app

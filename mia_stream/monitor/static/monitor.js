@@ -108,13 +108,15 @@
       insertOrdered(e);
       if (id === M.select) tr.classList.add("selected");
     }
+    // only what changed is written: every write to 256 rows costs style and layout work in the page
     const vals = [id, tags, state, prompt, gen, fmt(tps), drops, fmt(lag), alerts, fmt(top, 3)];
-    for (let i = 0; i < COLS; i++) setText(e.cells[i], vals[i] + "");
-    e.cells[1].title = tags;
-    e.tr.classList.toggle("ended", state !== "running" && state !== "no start");
-    e.cells[8].classList.toggle("alerting", alerts > 0);
+    const old = e.data;
+    for (let i = 0; i < COLS; i++) if (!old || old[i] !== r[i]) setText(e.cells[i], vals[i] + "");
+    if (!old || old[1] !== tags) e.cells[1].title = tags;
+    if (!old || old[2] !== state) e.tr.classList.toggle("ended", state !== "running" && state !== "no start");
+    if (!old || (old[8] > 0) !== (alerts > 0)) e.cells[8].classList.toggle("alerting", alerts > 0);
     e.data = r;
-    filterRow(e);
+    if (!old || old[2] !== state || old[1] !== tags) filterRow(e);
   }
 
   function insertOrdered(e) {  // newest (highest arrival order) first
@@ -128,7 +130,8 @@
     const q = filterInput.value.trim().toLowerCase();
     const [id, tags, state] = e.data;
     const show = (!q || id.toLowerCase().includes(q) || tags.toLowerCase().includes(q)) && (!runningOnly.checked || state === "running");
-    e.tr.style.display = show ? "" : "none";
+    const display = show ? "" : "none";
+    if (e.tr.style.display !== display) e.tr.style.display = display;
   }
   const refilter = () => { for (const e of M.rows.values()) filterRow(e); };
   filterInput.addEventListener("input", refilter);
