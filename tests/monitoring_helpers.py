@@ -110,7 +110,7 @@ class PtyScreen:
 
 
 def monitor_argv(source: str, *extra: str) -> list:
-    return [sys.executable, "-m", "mia_stream.terminal_monitor", "--terminal", "--source", str(source), *extra]
+    return [sys.executable, "-m", "mia_stream.cli", "monitor", "--terminal", "--source", str(source), *extra]
 
 
 def hex_rgb(color: str) -> tuple[int, int, int]:

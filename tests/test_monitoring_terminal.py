@@ -139,7 +139,7 @@ def test_the_recording_view_printed_to_a_file_is_the_final_view(model_dir, tmp_p
     (["--source", "/tmp", "--lines", "0"], "--lines must be >= 1 and --speed >= 0"),
 ])
 def test_bad_arguments_are_one_line_errors(args, message):
-    out = subprocess.run([sys.executable, "-m", "mia_stream.terminal_monitor", "--terminal", *args],
+    out = subprocess.run([sys.executable, "-m", "mia_stream.cli", "monitor", "--terminal", *args],
                          capture_output=True, text=True, env=_env(), timeout=60)
     assert out.returncode == 2
     assert out.stderr.strip() == f"mia-stream monitor --terminal: {message}", out.stderr
