@@ -175,3 +175,18 @@ def test_actions_become_steering_commands(tmp_path, monkeypatch):
                                                       "scale": 4.0}]
     assert cmd2.command_id != steer.command_for("r2").command_id  # a fresh id per command
     assert steer.describe() == "steer it (replace 1 op(s) at layer(s) [5])"
+
+
+def test_a_detectors_policy_defaults_to_its_own_threshold_and_checks_the_value_name():
+    p = AlertPolicy.for_analyzer(None, "token_probe config", threshold=0.7, values=("risk", "window_risk"))
+    assert (p.value, p.threshold, p.window, p.min_hits, p.cooldown, p.action) == ("risk", 0.7, 1, 1, None, None)
+    out = p.judge(["a", "b"], [0, 1, 0], {"risk": np.asarray([0.69, 0.71, 0.9], np.float32),
+                                          "window_risk": np.zeros(3, np.float32)})
+    assert out.tolist() == [False, True, True]
+    q = AlertPolicy.for_analyzer({"value": "window_risk", "window": 2, "min_hits": 2}, "token_probe config",
+                                 threshold=0.7, values=("risk", "window_risk"))
+    assert (q.value, q.threshold) == ("window_risk", 0.7)
+    with pytest.raises(AnalyzerConfigError, match=r"^token_probe config: alert.value must be one of the per-token "
+                                                  r"values \['risk', 'window_risk'\], got 'p_hallucination'$"):
+        AlertPolicy.for_analyzer({"value": "p_hallucination"}, "token_probe config", threshold=0.5,
+                                 values=("risk", "window_risk"))

@@ -17,12 +17,19 @@ Config (the ``alert`` object of a detector's config, or of ``AlertWatcher``), ev
      "cooldown": null,       # null: one alert per request; 0: every qualifying row; N: at most one per N rows
      "action": null}         # null | "abort" | {"steer": [ops], "command": "add"|"replace"}  (see _actions)
 
-Rows whose risk is NaN (not scored) neither count nor alert. A request's alerts depend only on its own rows, in
+Rows whose risk is NaN (not scored) neither count nor alert. Scores are compared as float64: judge the values as
+published (``judge``: float32 columns), so an analyzer and a downstream ``AlertWatcher`` agree to the bit. A request's alerts depend only on its own rows, in
 stream order, so live and replayed streams give identical alerts whatever else shares their steps.
 
-    policy = AlertPolicy.from_config(config["alert"], "token_probe config")
-    alerts = policy.update(batch.request_ids, row_requests, risk)     # bool per row
-    policy.release(request_id)                                         # at the request's end
+In a detector (``defaults`` gets ``"alert": None``; its ``on_end`` releases the request)::
+
+    self.alert_policy = AlertPolicy.for_analyzer(config["alert"], f"{self.name} config",
+                                                 threshold=self.threshold, values=("risk", "window_risk"))
+    alerts = self.alert_policy.judge(batch.request_ids, row_requests, values)   # bool per row
+    self.alert_policy.release(request_id)                                        # at the request's end
+
+``mia_stream.analyzers.run_analyzer`` (``mia-stream analyze``) takes the action of ``analyzer.alert_policy``
+on live streams (``_actions.AlertActor``).
 """
 
 from __future__ import annotations
@@ -76,6 +83,21 @@ class AlertPolicy:
         # the number of the row (1-based) that last alerted (0: none yet); new rows start zeroed
         self._table = RequestTable(ring=((self.window,), np.float64), head=((), np.int64), seen=((), np.int64),
                                    hits=((), np.int64), alerted=((), np.int64))
+
+    @classmethod
+    def for_analyzer(cls, raw: Any, where: str, *, threshold: float, values: Sequence[str] = ()) -> "AlertPolicy":
+        """The policy of a detector: its ``alert`` config (None: alert on every row whose ``values[0]`` (else
+        "risk") reaches ``threshold``, the detector's own threshold, also the default when ``raw`` names none).
+        ``values``: the per-row score columns the detector publishes; ``alert.value`` must name one of them."""
+        default_value = values[0] if values else "risk"
+        raw = {} if raw is None else raw
+        if isinstance(raw, dict):
+            raw = {"value": default_value, "threshold": threshold, **raw}
+        policy = cls.from_config(raw, where)
+        if values and policy.value not in values:
+            raise AnalyzerConfigError(f"{where}: alert.value must be one of the per-token values {list(values)}, "
+                                      f"got {policy.value!r}")
+        return policy
 
     @classmethod
     def from_config(cls, raw: Any, where: str = "alert config") -> "AlertPolicy | None":
@@ -152,6 +174,13 @@ class AlertPolicy:
             rows = scored[sel]
             alerts[rows] = self._step(slot_of[rr_s[sel]], r[rows])
         return alerts
+
+    def judge(self, request_ids: Sequence[str], row_requests: Any, values: dict) -> np.ndarray:
+        """``update`` on the policy's score column of ``values`` (name -> one entry per row)."""
+        risk = risk_column(values, self.value)
+        if risk is None:
+            raise AnalyzerConfigError(f"alert.value {self.value!r} is not among the results {sorted(values)}")
+        return self.update(request_ids, row_requests, risk)
 
     def _step(self, slots: np.ndarray, risk: np.ndarray) -> np.ndarray:
         """One new scored row for each of ``slots`` (distinct requests): update their windows, return alerts."""
