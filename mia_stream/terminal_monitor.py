@@ -200,7 +200,7 @@ class TerminalMonitor:
             return False
         from tokenizers.decoders import DecodeStream
 
-        return tok, DecodeStream(skip_special_tokens=False)
+        return tok, DecodeStream(skip_special_tokens=True)
 
     # ------------------------------------------------------------------------------------------ render
 
@@ -256,8 +256,10 @@ class TerminalMonitor:
         if scored:
             head.append(f"  risk {last:.2f} (max {max(scored):.2f})")
         if v.alerts:
-            first = min(v.alerts)
-            head.append(f"  ALERT at position {first} ({v.alerts[first]})", style="bold red")
+            where = [p for p in sorted(v.alerts) if p >= 0]
+            first = where[0] if where else -1
+            at = f"at position {first}" if first >= 0 else "on the answer"
+            head.append(f"  ALERT {at} ({v.alerts[first]})", style="bold red")
         if v.gaps:
             head.append(f"  {v.gaps} lost", style="yellow")
         block = [head]
@@ -323,7 +325,8 @@ def run(source: Any, *, patterns: Sequence[str] = ("*",), score: str | None = No
 
     from mia_stream.consumers import _is_recording, _Source
 
-    console = console or Console()
+    if console is None:  # not a terminal (a file, a pipe): one final view, as wide as COLUMNS or 160
+        console = Console() if sys.stdout.isatty() else Console(width=int(os.environ.get("COLUMNS") or 160))
     mon = TerminalMonitor(score, tokenizer, numbers, lines)
     recording = _is_recording(source)
     options = {} if recording else {"keys": keys, "consumer_id": f"terminal-monitor-{os.getpid()}"}
