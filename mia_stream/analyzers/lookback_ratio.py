@@ -36,6 +36,8 @@ Config: ``probe``, ``threshold``, ``window`` (of ``window_risk``), ``answer_scor
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 
 from mia_stream.analyzers._base import Needs, RequestTable, layer_rows
@@ -68,6 +70,78 @@ def lookback_ratios(q: np.ndarray, keys: np.ndarray, positions: np.ndarray, prom
     return lr.reshape(n_layers, m, heads).transpose(1, 0, 2)
 
 
+class KeyCache:
+    """Each request's keys of the layers read, every position so far, and the lookback ratios of its generated
+    rows: what the analyzer computes live and what training reads from a recording (one code path)."""
+
+    def __init__(self, layers: Sequence[int]):
+        self.layers = list(layers)
+        self.keys: dict[str, list] = {}  # request id -> [keys [L, capacity, KV, D] float32, positions held]
+
+    def release(self, request_id: str) -> None:
+        self.keys.pop(request_id, None)
+
+    def _append(self, rid: str, k: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """Add a request's key rows (positions contiguous from what it holds; a recomputed position replaces
+        its old row); return its keys so far ``[L, T, KV, D]``."""
+        entry = self.keys.get(rid)
+        held = 0 if entry is None else entry[1]
+        first = int(positions[0])
+        if first > held or (np.diff(positions) != 1).any():
+            raise AnalyzerInputError(f"request {rid!r}: Q/K of positions {held}..{first - 1} were not captured (a "
+                                     f"reused prefix cache or a gap); lookback_ratio needs every position")
+        end = first + len(positions)
+        if entry is None or entry[0].shape[1] < end:
+            cap = max(end, 2 * (entry[0].shape[1] if entry else 64))
+            buf = np.zeros((k.shape[0], cap, k.shape[2], k.shape[3]), np.float32)
+            if entry is not None:
+                buf[:, :held] = entry[0][:, :held]
+            entry = self.keys[rid] = [buf, held]
+        entry[0][:, first:end] = k
+        entry[1] = end
+        return entry[0][:, :end]
+
+    def group_ratios(self, batch: StepBatch, g, prompt_lengths: dict, scored_up_to=None):
+        """The lookback ratios of ``g``'s generated rows: (row_requests, positions, LR ``[M, L, H]`` float64);
+        None when it has none. ``scored_up_to(rid)``: the first position not yet scored (recomputed rows of a
+        preempted request are scored once)."""
+        if not (g.has("q") and g.has("k")):
+            return None
+        tq, tk = g.tensor("q"), g.tensor("k")
+        q_all = tq.numpy()[layer_rows(tq, self.layers)]  # [L, N, H, D]
+        k_all = tk.numpy()[layer_rows(tk, self.layers)]  # [L, N, KV, D]
+        ids = batch.request_ids
+        out_rr, out_pos, out_lr = [], [], []
+        for i, off, n in zip(g.requests.tolist(), g.offsets.tolist(), g.rows.tolist()):
+            rid = ids[i]
+            pos = g.positions[off:off + n]
+            keys = self._append(rid, k_all[:, off:off + n], pos)
+            plen = prompt_lengths.get(rid, 0)
+            gen = pos >= plen
+            if scored_up_to is not None:
+                gen &= pos >= scored_up_to(rid)
+            if not plen or not gen.any():
+                continue
+            out_lr.append(lookback_ratios(q_all[:, off:off + n][:, gen], keys, pos[gen], plen))
+            out_rr.append(np.full(int(gen.sum()), i, np.int64))
+            out_pos.append(pos[gen])
+        if not out_lr:
+            return None
+        return np.concatenate(out_rr), np.concatenate(out_pos), np.concatenate(out_lr)
+
+
+def window_means(lr: np.ndarray, window: int) -> np.ndarray:
+    """Per row of one request's LR vectors ``[G, F]`` (in generation order), the mean over its last ``window``
+    rows: the features the logistic model reads (what the analyzer's ring buffer computes, summed in the same
+    slot order so training and live features agree)."""
+    out = np.empty_like(lr, dtype=np.float64)
+    ring = np.zeros((window, lr.shape[1]))
+    for r in range(len(lr)):
+        ring[r % window] = lr[r]
+        out[r] = ring.sum(axis=0) / min(r + 1, window)
+    return out
+
+
 class LookbackRatio(RiskDetector):
     """Lookback Lens (Chuang et al. 2024): prompt-vs-generated attention per head -> logistic model, windowed."""
 
@@ -91,11 +165,11 @@ class LookbackRatio(RiskDetector):
             raise AnalyzerConfigError(f"lookback_ratio config: 'emit_ratios' must be true or false, "
                                       f"got {config['emit_ratios']!r}")
         self.emit_ratios = config["emit_ratios"]
-        self.layers, self.heads, self.feature_window = list(layers), heads, window
+        self.heads, self.feature_window = heads, window
         self.v, self.c = probe.folded(np.float64)
         self._needs = Needs(qk_layers=tuple(sorted(set(layers))), qk_heads="all", qk_positions="all")
         self.features = RequestTable(ring=((window, len(layers) * heads), np.float64), count=((), np.int64))
-        self.keys: dict[str, list] = {}  # request id -> [keys [L, capacity, KV, D] float32, positions held]
+        self.cache = KeyCache(layers)
 
     def start_request(self, start: StreamStart) -> None:
         if start.num_heads and start.num_heads != self.heads:
@@ -103,56 +177,21 @@ class LookbackRatio(RiskDetector):
                                      f"{self.heads} heads per layer, the stream's model has {start.num_heads}")
 
     def end_request(self, request_id: str) -> None:
-        self.keys.pop(request_id, None)
+        self.cache.release(request_id)
         self.features.release(request_id)
 
-    def _append_keys(self, rid: str, k: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        """Add a request's key rows (positions contiguous from what it holds; a recomputed position replaces
-        its old row); return its keys so far ``[L, T, KV, D]``."""
-        entry = self.keys.get(rid)
-        held = 0 if entry is None else entry[1]
-        first = int(positions[0])
-        if first > held or (np.diff(positions) != 1).any():
-            raise AnalyzerInputError(f"request {rid!r}: Q/K of positions {held}..{first - 1} were not captured (a "
-                                     f"reused prefix cache or a gap); lookback_ratio needs every position")
-        end = first + len(positions)
-        if entry is None or entry[0].shape[1] < end:
-            cap = max(end, 2 * (entry[0].shape[1] if entry else 64))
-            buf = np.zeros((k.shape[0], cap, k.shape[2], k.shape[3]), np.float32)
-            if entry is not None:
-                buf[:, :held] = entry[0][:, :held]
-            entry = self.keys[rid] = [buf, held]
-        entry[0][:, first:end] = k
-        entry[1] = end
-        return entry[0][:, :end]
+    def _scored_up_to(self, rid: str) -> int:
+        slot = self.table.slot(rid)
+        return int(self.table["next_pos"][slot]) if slot is not None else 0
 
     def score(self, batch: StepBatch, g):
-        if not (g.has("q") and g.has("k")):
+        found = self.cache.group_ratios(batch, g, self.prompt_lengths, self._scored_up_to)
+        if found is None:
             return None
-        tq, tk = g.tensor("q"), g.tensor("k")
-        q_all = tq.numpy()[layer_rows(tq, self.layers)]  # [L, N, H, D]
-        k_all = tk.numpy()[layer_rows(tk, self.layers)]  # [L, N, KV, D]
-        if q_all.shape[2] != self.heads:
-            raise AnalyzerInputError(f"q rows with {q_all.shape[2]} heads, the probe needs {self.heads}")
-        ids = batch.request_ids
-        out_rr, out_pos, out_lr = [], [], []
-        for j, (i, off, n) in enumerate(zip(g.requests.tolist(), g.offsets.tolist(), g.rows.tolist())):
-            rid = ids[i]
-            pos = g.positions[off:off + n]
-            keys = self._append_keys(rid, k_all[:, off:off + n], pos)
-            plen = self.prompt_lengths.get(rid, 0)
-            slot = self.table.slot(rid)
-            done = int(self.table["next_pos"][slot]) if slot is not None else 0  # recomputed rows: scored once
-            gen = (pos >= plen) & (pos >= done)
-            if not plen or not gen.any():
-                continue
-            out_lr.append(lookback_ratios(q_all[:, off:off + n][:, gen], keys, pos[gen], plen))
-            out_rr.append(np.full(int(gen.sum()), i, np.int64))
-            out_pos.append(pos[gen])
-        if not out_lr:
-            return None
-        rr, pos, lr = np.concatenate(out_rr), np.concatenate(out_pos), np.concatenate(out_lr)  # lr [M, L, H]
-        feats = self._window_features(ids, rr, lr.reshape(len(lr), -1))
+        rr, pos, lr = found  # lr [M, L, H]
+        if lr.shape[2] != self.heads:
+            raise AnalyzerInputError(f"q rows with {lr.shape[2]} heads, the probe needs {self.heads}")
+        feats = self._window_features(batch.request_ids, rr, lr.reshape(len(lr), -1))
         risk = sigmoid((feats * self.v).sum(axis=1) + self.c)
         extra = {"lookback": lr.mean(axis=(1, 2)).astype(np.float32)}
         if self.emit_ratios:
