@@ -179,10 +179,10 @@ def test_actions_become_steering_commands(tmp_path, monkeypatch):
 
 def test_a_detectors_policy_defaults_to_its_own_threshold_and_checks_the_value_name():
     p = AlertPolicy.for_analyzer(None, "token_probe config", threshold=0.7, values=("risk", "window_risk"))
-    assert (p.value, p.threshold, p.window, p.min_hits, p.cooldown, p.action) == ("risk", 0.7, 1, 1, None, None)
-    out = p.judge(["a", "b"], [0, 1, 0], {"risk": np.asarray([0.69, 0.71, 0.9], np.float32),
-                                          "window_risk": np.zeros(3, np.float32)})
-    assert out.tolist() == [False, True, True]
+    assert (p.value, p.threshold, p.window, p.min_hits, p.cooldown, p.action) == ("risk", 0.7, 1, 1, 0, None)
+    out = p.judge(["a", "b"], [0, 1, 0, 1], {"risk": np.asarray([0.69, 0.71, 0.9, 0.8], np.float32),
+                                             "window_risk": np.zeros(4, np.float32)})
+    assert out.tolist() == [False, True, True, True]  # every row at or above the threshold is flagged
     q = AlertPolicy.for_analyzer({"value": "window_risk", "window": 2, "min_hits": 2}, "token_probe config",
                                  threshold=0.7, values=("risk", "window_risk"))
     assert (q.value, q.threshold) == ("window_risk", 0.7)
@@ -190,3 +190,32 @@ def test_a_detectors_policy_defaults_to_its_own_threshold_and_checks_the_value_n
                                                   r"values \['risk', 'window_risk'\], got 'p_hallucination'$"):
         AlertPolicy.for_analyzer({"value": "p_hallucination"}, "token_probe config", threshold=0.5,
                                  values=("risk", "window_risk"))
+
+
+def test_the_detectors_take_their_alerts_from_the_shared_policy(tmp_path):
+    """token_probe (issue 15's detectors share _risk.RiskDetector) with a debounced alert config: its published
+    alert flags are the policy's rules applied to its published risks."""
+    from mia_stream.analyzers import create
+    from mia_stream.analyzers._probe import sigmoid
+    from test_hallucination_detectors import _hs_batch, _probe_file, _run, _start
+
+    rng = np.random.default_rng(3)
+    probe, path = _probe_file(tmp_path, "token_probe", rng=rng)
+    cap = {"hidden_states": {"layers": [0, 1], "positions": "all"}}
+    hs = rng.standard_normal((2, 40, 8)).astype(np.float32) * 3
+    batches = [_hs_batch(0, ["a"], [np.arange(2)], hs[:, :2])]
+    batches += [_hs_batch(s, ["a"], [np.asarray([s + 1])], hs[:, s + 1:s + 2]) for s in range(1, 39)]
+    risk_ref = sigmoid(probe.logits(hs[1, 2:40]))
+    threshold = float(np.quantile(risk_ref, 0.6))
+    for alert, want in [(None, [bool(r >= threshold) for r in risk_ref.astype(np.float32)]),
+                        ({"window": 3, "min_hits": 2, "cooldown": None}, None)]:
+        analyzer = create("token_probe", {"probe": str(path), "threshold": threshold, "alert": alert})
+        rows = [a for a in _run(analyzer, [_start("a", 2, cap)], batches, ["a"])["a"] if a.step >= 0]
+        risk = np.concatenate([a.values["risk"] for a in rows])
+        got = [x for a in rows for x in a.alerts]
+        if want is None:
+            want = reference_alerts(risk.astype(np.float64).tolist(), threshold, "tokens", 3, 2, None)
+            assert sum(want) == 1
+        assert got == want and sum(got) >= 1
+    with pytest.raises(AnalyzerConfigError, match=r"^token_probe config: alert.window must be an integer"):
+        create("token_probe", {"probe": str(path), "alert": {"window": 0}})

@@ -86,13 +86,15 @@ class AlertPolicy:
 
     @classmethod
     def for_analyzer(cls, raw: Any, where: str, *, threshold: float, values: Sequence[str] = ()) -> "AlertPolicy":
-        """The policy of a detector: its ``alert`` config (None: alert on every row whose ``values[0]`` (else
-        "risk") reaches ``threshold``, the detector's own threshold, also the default when ``raw`` names none).
-        ``values``: the per-row score columns the detector publishes; ``alert.value`` must name one of them."""
+        """The policy of a detector: its ``alert`` config (None: flag every row whose ``values[0]`` (else "risk")
+        reaches ``threshold``, the detector's own threshold, also the default when ``raw`` names none). A
+        detector flags every qualifying row unless the config sets a ``cooldown`` (default 0 here, not null):
+        the flags mark the rows; an action is taken on a request's first one. ``values``: the per-row score
+        columns the detector publishes; ``alert.value`` must name one of them."""
         default_value = values[0] if values else "risk"
         raw = {} if raw is None else raw
         if isinstance(raw, dict):
-            raw = {"value": default_value, "threshold": threshold, **raw}
+            raw = {"value": default_value, "threshold": threshold, "cooldown": 0, **raw}
         policy = cls.from_config(raw, where)
         if values and policy.value not in values:
             raise AnalyzerConfigError(f"{where}: alert.value must be one of the per-token values {list(values)}, "

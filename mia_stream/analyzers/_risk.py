@@ -12,7 +12,9 @@ was sampled)
     ``span_risk``    float32, the largest ``risk`` within the current word so far (a word: a token whose text
                      starts with a space, a newline or a non-alphanumeric character begins a new one; without
                      token ids or a tokenizer each token is its own word)
-    alert flag       ``risk >= threshold``
+    alert flag       the detector's alert policy (config ``alert``, ``analyzers/_alerts.py``): by default
+                     ``risk >= threshold``; debounced (k of the last n tokens), on ``window_risk`` or
+                     ``span_risk``, and acting on the first alert (abort, steer) as the config says
 
 at the request's end, one row (position -1, step -1)
     ``answer_risk``  float32, the request's score: ``risk_max``, ``risk_mean`` or ``risk_last`` as the config's
@@ -32,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from mia_stream.analyzers._alerts import AlertPolicy
 from mia_stream.analyzers._base import Analyzer, RequestTable, Results
 from mia_stream.analyzers._probe import LinearProbe, load_probe, resolve_probe_path
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
@@ -62,7 +65,7 @@ class RiskDetector(Analyzer):
     """Base of the detectors: subclasses load their probe (``load``), say what they need, and score rows
     (``score``); this class aggregates and publishes."""
 
-    defaults: dict = {"probe": "", "threshold": None, "window": 4, "answer_score": None}
+    defaults: dict = {"probe": "", "threshold": None, "window": 4, "answer_score": None, "alert": None}
     default_answer_score = "max"
 
     # ---------------------------------------------------------------------------------- subclass API
@@ -103,6 +106,10 @@ class RiskDetector(Analyzer):
         self._word_starts: dict[str, np.ndarray | None] = {}
         self._request_words: dict[str, np.ndarray | None] = {}
         self.load(probe, config)
+        # issue 15 part B: the per-token alerts come from the shared policy (default: risk >= threshold)
+        self.alert_policy = AlertPolicy.for_analyzer(config.get("alert"), f"{self.name} config",
+                                                     threshold=self.threshold,
+                                                     values=("risk", "window_risk", "span_risk"))
 
     def needs(self):
         return self._needs
@@ -131,6 +138,7 @@ class RiskDetector(Analyzer):
                 self._aggregate(batch.request_ids, *scored, out)
 
     def on_end(self, request_id: str, end: StreamEnd | None, out: Results) -> None:
+        self.alert_policy.release(request_id)
         slot = self.table.slot(request_id)
         self._request_words.pop(request_id, None)
         self.end_request(request_id)
@@ -194,7 +202,7 @@ class RiskDetector(Analyzer):
             return
         values = {"risk": risk.astype(np.float32), "window_risk": window_risk.astype(np.float32),
                   "span_risk": span_risk.astype(np.float32), **extra}
-        out.add(ids, row_requests, positions, values, alerts=risk >= self.threshold)
+        out.add(ids, row_requests, positions, values, alerts=self.alert_policy.judge(ids, row_requests, values))
 
     def _starts(self, ids: list, row_requests: np.ndarray, token_ids: Any) -> np.ndarray:
         """Per row, whether its token begins a word (True where unknown)."""

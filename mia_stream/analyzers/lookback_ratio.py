@@ -148,7 +148,7 @@ class LookbackRatio(RiskDetector):
     name = "lookback_ratio"
     version = "1"
     defaults = {"probe": DEFAULT_PROBE, "threshold": None, "window": 4, "answer_score": None,
-                "emit_ratios": False}
+                "emit_ratios": False, "alert": None}
 
     def load(self, probe: LinearProbe, config: dict) -> None:
         extra = probe.extra

@@ -47,7 +47,8 @@ class SemanticEntropyProbe(RiskDetector):
 
     name = "semantic_entropy_probe"
     version = "1"
-    defaults = {"probe": DEFAULT_PROBE, "threshold": None, "window": 4, "answer_score": None}
+    defaults = {"probe": DEFAULT_PROBE, "threshold": None, "window": 4, "answer_score": None,
+                "alert": None}
     default_answer_score = "last"
 
     def load(self, probe: LinearProbe, config: dict) -> None:

@@ -62,7 +62,8 @@ class TokenProbe(RiskDetector):
 
     name = "token_probe"
     version = "1"
-    defaults = {"probe": DEFAULT_PROBE, "threshold": None, "window": 4, "answer_score": None}
+    defaults = {"probe": DEFAULT_PROBE, "threshold": None, "window": 4, "answer_score": None,
+                "alert": None}
 
     def load(self, probe: LinearProbe, config: dict) -> None:
         if probe.position != "generated":
