@@ -48,7 +48,7 @@ def _log(msg: str) -> None:
 
 def default_capture(num_layers: int) -> dict:
     """Every other layer's residual (and the last) at every position, Q/K of every layer at every position:
-    about 5 MB a request for the embedded model (27-token prompts, 24 answer tokens at most)."""
+    about 7 MB a request for the embedded model (43-token prompts, 24 answer tokens at most)."""
     hs_layers = sorted(set(range(0, num_layers, 2)) | {num_layers - 1})
     return {"hidden_states": {"layers": hs_layers, "positions": "all"},
             "qk": {"layers": "all", "heads": "all", "positions": "all"}}
@@ -86,8 +86,8 @@ def _entropy(top: dict) -> float:
 
 
 def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | None = None, samples: int = 10,
-            temperature: float = 1.0, max_tokens: int = 24, model: str | None = None, seed: int = 0,
-            max_num_seqs: int = 32, capture: dict | None = None, command: str = "") -> dict:
+            temperature: float = 0.5, max_tokens: int = 24, model: str | None = None, seed: int = 0,
+            max_num_seqs: int = 64, capture: dict | None = None, command: str = "") -> dict:
     """Run the questions, record them into ``out_dir/recording``, write ``out_dir/labels.jsonl``; returns
     a summary (counts, accuracy, sizes, times)."""
     from transformers import AutoTokenizer
@@ -130,7 +130,7 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
         t0 = time.time()
         # no prefix caching: every prompt position is computed, so captured (lookback ratios need every key)
         llm = LLM(model_dir, dtype="float32", enforce_eager=True, max_model_len=512, seed=seed,
-                  max_num_seqs=max_num_seqs, max_num_batched_tokens=1024, enable_prefix_caching=False,
+                  max_num_seqs=max_num_seqs, max_num_batched_tokens=512, enable_prefix_caching=False,
                   max_logprobs=LOGPROBS)
         t_engine = time.time() - t0
         _log(f"engine up in {t_engine:.0f} s; {len(items)} questions, greedy, capture {json.dumps(spec_capture)}")
@@ -208,7 +208,7 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
               "hidden_size": int(config["hidden_size"]),
               "capture": spec_capture, "max_tokens": max_tokens, "greedy": "temperature 0",
               "samples": samples, "sample_temperature": temperature, "logprobs": LOGPROBS, "seed": seed,
-              "sets": list(sets), "limit": limit, "system_prompt": hd.SYSTEM_PROMPT, "requests": len(records),
+              "sets": list(sets), "limit": limit, "instruction": datasets.INSTRUCTION, "requests": len(records),
               "test_fraction": TEST_FRACTION, "engine": "vLLM, float32, enforce_eager, no prefix caching",
               "command": command, "date": time.strftime("%Y-%m-%d")}
     with open(out / "labels.jsonl", "w") as fh:

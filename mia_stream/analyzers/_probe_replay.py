@@ -47,7 +47,7 @@ def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
     test = ds.requests("test").tolist()
     rids = [ds.records[r]["request_id"] for r in test]
     name, tokens, ends = analyzer_results(recording, probe_path, rids)
-    ty, ts, ay, as_ = [], [], [], []
+    ty, ts, ay, as_, sets = [], [], [], [], []
     for r, rid in zip(test, rids):
         rec = ds.records[r]
         P = rec["prompt_len"]
@@ -59,5 +59,8 @@ def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
         if rid in ends:
             ay.append(ds.labels[r])
             as_.append(ends[rid]["answer_risk"])
+            sets.append(rec.get("set"))
+    ay, as_, sets = np.asarray(ay), np.asarray(as_), np.asarray(sets)
+    per_set = {s: _auc(ay[sets == s], as_[sets == s]) for s in sorted(set(sets.tolist()))}
     return {"analyzer": name, "token_auc": _auc(ty, ts) if ts else None, "answer_auc": _auc(ay, as_),
-            "requests": len(ay), "tokens": len(ts)}
+            "requests": len(ay), "tokens": len(ts), "answer_auc_per_set": per_set}

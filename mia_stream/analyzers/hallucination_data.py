@@ -35,7 +35,6 @@ from typing import Iterable, Sequence
 from mia_stream.analyzers import datasets
 
 SETS = ("arithmetic", "capitals", "elements", "populations")
-SYSTEM_PROMPT = "Answer in a few words."
 POPULATION_TOLERANCE = 0.3  # relative
 ARITHMETIC_LEVELS = (  # (name, op, range of a, range of b): graded difficulty
     ("add1", "+", (1, 9), (1, 9)),
@@ -137,9 +136,10 @@ def question_set(sets: Sequence[str] = SETS, limit: int | None = None, seed: int
 
 
 def chat_messages(item: dict) -> list[dict]:
-    """The instruction as the system prompt: a 27-token prompt instead of 43 with the template's default
-    system prompt (the capture of every prompt position is most of a request's recording)."""
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": item["question"]}]
+    """The question with the instruction in the user message and the template's default system prompt
+    (``datasets.chat_messages``, as the other probes were trained): on a 100-question pilot, a system prompt
+    holding the instruction instead made the model describe the country rather than name its capital."""
+    return datasets.chat_messages(item)
 
 
 # ------------------------------------------------------------------------------------------------ answers

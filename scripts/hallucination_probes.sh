@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Reproduce the hallucination detectors' data, shipped probes and results (docs/hallucination.md):
+#
+#   scripts/hallucination_probes.sh [DIR]          # collect (engine), train the three probes, evaluate
+#   SKIP_COLLECT=1 scripts/hallucination_probes.sh DIR   # train and evaluate again from DIR's recording
+#   NO_SHIP=1 ...                                  # write the probes into DIR instead of the package
+#
+# DIR (default /tmp/mia-hallucination) gets recording/ (about 5 GB), labels.jsonl, the features cache,
+# eval.json and eval.txt. Nothing downloads: the questions come from the seed and the fact packages.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DIR=${1:-/tmp/mia-hallucination}
+PY=${PYTHON:-.venv/bin/python}
+[ -x "$PY" ] || PY=python
+probe() { nice -n 5 "$PY" -m mia_stream.cli probe "$@"; }
+
+if [ -z "${SKIP_COLLECT:-}" ]; then
+  probe collect "$DIR"
+fi
+ship=(--ship)
+[ -n "${NO_SHIP:-}" ] && ship=()
+out() { if [ -n "${NO_SHIP:-}" ]; then echo --out "$DIR/$1.json"; fi; }
+probe train --data "$DIR" --detector token_probe --layer best "${ship[@]}" $(out token-probe) > "$DIR/train-token_probe.json"
+probe train --data "$DIR" --detector semantic_entropy_probe --layer best "${ship[@]}" $(out semantic-entropy-probe) \
+  > "$DIR/train-semantic_entropy_probe.json"
+probe train --data "$DIR" --detector lookback_ratio "${ship[@]}" $(out lookback-ratio) > "$DIR/train-lookback_ratio.json"
+if [ -n "${NO_SHIP:-}" ]; then
+  probe eval --data "$DIR" --json "$DIR/eval.json" --analyzers "$DIR"/token-probe.json \
+    "$DIR"/semantic-entropy-probe.json "$DIR"/lookback-ratio.json | tee "$DIR/eval.txt"
+else
+  probe eval --data "$DIR" --json "$DIR/eval.json" --analyzers | tee "$DIR/eval.txt"
+fi
