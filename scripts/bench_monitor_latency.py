@@ -67,7 +67,7 @@ def subscriber(address: str, analyzer: str, patterns: list[str], out: str) -> in
     """Collect (kind, round-free) latency samples until SIGTERM; write them as JSON."""
     from mia_stream.consumers import open_batches
 
-    samples = {"score": [], "publish": [], "frames": [], "steps": [], "rows": 0}
+    samples = {"score": [], "publish": [], "frames": [], "steps": [], "rows": 0, "step_requests": []}
     stop = False
 
     def _term(*_):
@@ -87,6 +87,7 @@ def subscriber(address: str, analyzer: str, patterns: list[str], out: str) -> in
                 b = ev.batch
                 if b.KIND == "step_batch":
                     samples["frames"].append((b.step, now - b.time_ns))
+                    samples["step_requests"].append(len(b.request_ids))
                     samples["steps"].append((b.producer_id, b.step, b.time_ns))
                 elif b.KIND == "analysis" and b.analyzer == analyzer and b.step >= 0 and b.source_time_ns:
                     samples["score"].append((b.step, now - b.source_time_ns))
@@ -111,7 +112,8 @@ def summarize(samples: dict) -> dict:
         order = sorted(ts)
         steps += [ts[b] - ts[a] for a, b in zip(order, order[1:]) if b == a + 1]
     ms = 1e-6
-    out = {"messages": len(score), "rows": samples["rows"]}
+    out = {"messages": len(score), "rows": samples["rows"],
+           "requests_per_step": float(np.mean(samples["step_requests"])) if samples["step_requests"] else 0.0}
     for name, xs in (("score", score), ("publish", publish), ("frames", frames), ("step", steps)):
         out[name] = (pct(xs, 50) * ms, pct(xs, 99) * ms, len(xs))
     out["p99_in_steps"] = out["score"][1] / out["step"][0] if out["step"][0] else float("nan")
@@ -120,7 +122,7 @@ def summarize(samples: dict) -> dict:
 
 def line(tag: str, s: dict) -> str:
     f = lambda k: f"{s[k][0]:6.1f} / {s[k][1]:6.1f}"  # noqa: E731
-    return (f"{tag:<7} msgs {s['messages']:4d} rows {s['rows']:5d} | score p50/p99 {f('score')} ms | publish "
+    return (f"{tag:<7} msgs {s['messages']:4d} rows {s['rows']:5d} ({s['requests_per_step']:.1f} requests/step_batch) | score p50/p99 {f('score')} ms | publish "
             f"{f('publish')} ms | frames {f('frames')} ms | step p50/p99 {f('step')} ms | score p99 = "
             f"{s['p99_in_steps']:.2f} decode steps")
 
@@ -170,7 +172,7 @@ def main(argv=None) -> int:
         print(f"engine up in {time.monotonic() - t0:.0f} s ({'eager' if args.eager else 'torch.compile'}); "
               f"detector {args.analyzer}, capture {json.dumps(capture)}", flush=True)
         rng = random.Random(args.seed)
-        total = {"score": [], "publish": [], "frames": [], "steps": [], "rows": 0}
+        total = {"score": [], "publish": [], "frames": [], "steps": [], "rows": 0, "step_requests": []}
         for r in range(args.rounds):
             out = str(run_dir / f"round{r}.json")
             sub = subprocess.Popen([sys.executable, __file__, "--subscriber", str(run_dir), args.analyzer, out])
@@ -187,7 +189,7 @@ def main(argv=None) -> int:
             sub.wait(30)
             samples = json.loads(Path(out).read_text())
             print(line(f"round {r}", summarize(samples)), flush=True)
-            for k in ("score", "publish", "frames", "steps"):
+            for k in ("score", "publish", "frames", "steps", "step_requests"):
                 total[k] += samples[k]
             total["rows"] += samples["rows"]
         print(line("all", summarize(total)), flush=True)

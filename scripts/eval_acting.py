@@ -262,6 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--layer", type=int, default=16, help="the steered layer (and the direction's)")
     ap.add_argument("--scales", default="2,4,8", help="steering scales tried on training questions")
     ap.add_argument("--train-subset", type=int, default=150, help="training questions used to pick the scale")
+    ap.add_argument("--limit", type=int, help="held-out questions used (default: all; a quick check)")
     ap.add_argument("--out", help="write the results as JSON here")
     ap.add_argument("--watch", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -275,6 +276,8 @@ def main(argv=None) -> int:
     items = datasets.capital_questions()
     tr, te = datasets.group_split(items, 0.3, SEED)
     train, test = [items[i] for i in tr], [items[i] for i in te]
+    if args.limit:
+        test = test[:args.limit]
     rng = random.Random(SEED)
     subset = rng.sample(train, min(args.train_subset, len(train)))
     scales = [float(s) for s in args.scales.split(",") if s]
