@@ -87,8 +87,10 @@ def _bus_main(address: str, conn, ready) -> None:
 
 
 def _bus_take(msg, streams, stream, lat, keep) -> int:
-    from mia_stream.schemas import GapNotice, StreamEnd, StreamStart, TensorFrame, TokenFrame
+    from mia_stream.schemas import GapNotice, StepBatch, StreamEnd, StreamStart, TensorFrame, TokenBatch, TokenFrame
 
+    if isinstance(msg, (StepBatch, TokenBatch)):  # a step's frames of every request (schema 2.0)
+        return sum(_bus_take(m, streams, stream, lat, keep) for m in msg.frames())
     now = time.time_ns()
     if isinstance(msg, TensorFrame):
         s = stream(msg.request_id)
