@@ -91,6 +91,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rate", type=float, default=100.0, help="--bus: steps/s the producer is paced at")
     ap.add_argument("--seconds", type=float, default=10.0, help="--bus: how long the producer runs")
     ap.add_argument("--publish", action="store_true", help="--bus: the analyzer publishes its results")
+    ap.add_argument("--broker-args", default="", help="--bus: extra arguments for mia-stream broker")
     args = ap.parse_args(argv)
     if args.bus:
         return bus(args)
@@ -174,7 +175,8 @@ def bus(args) -> int:
         cfg.write_text(json.dumps(configs[name]))
         procs = []
         try:
-            broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run],
+            broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run,
+                                       *args.broker_args.split()],
                                       stdout=subprocess.PIPE, text=True, env=env)
             procs.append(broker)
             assert "ready" in broker.stdout.readline()
