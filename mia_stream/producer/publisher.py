@@ -7,15 +7,24 @@ thread sends it with NOBLOCK, several queued messages as one batch when the brok
 accepts batches. ``close()`` drains for a moment and stops.
 
 Sequence numbers belong to the caller: stamp each stream message with ``seq=publisher.next_seq(request_id)``
-(StreamStart first, so it gets 0) and ``producer_id``/``epoch`` with ``publisher.producer_id``/``epoch``.
-A message the queue has no room for is dropped and counted per stream and reason; before the stream's next
-message (and at the latest before its StreamEnd) the publisher sends a ``GapNotice(origin="producer")`` that
-names the dropped seqs exactly. ``drops_for(request_id)`` gives the counts by reason; they are added to the
-``frames_dropped`` and ``drops`` of the stream's StreamEnd (which carry the caller's own drops, e.g. the
-engine's, when it publishes it).
+(StreamStart first, so it gets 0) and ``producer_id``/``epoch`` with ``publisher.producer_id``/``epoch``; a
+columnar message (``StepBatch``, ``TokenBatch``, ``AnalysisBatch``: one message for many requests) holds one
+seq of each request it names (``seqs=publisher.next_seqs(request_ids)``).
+A message the queue has no room for is dropped and counted per stream and reason (a columnar message: for
+every request it names); before the stream's next message (and at the latest before its StreamEnd) the
+publisher sends a ``GapNotice(origin="producer")`` that names the dropped seqs exactly, one per stream.
+``drops_for(request_id)`` gives the counts by reason. The stream's StreamEnd carries the caller's count of
+the messages it handed to ``publish`` (``frames_sent``, the end included) and of the seqs it dropped itself
+(``frames_dropped``, e.g. the engine's, each named by a GapNotice); the publisher moves its own drops from
+``frames_sent`` to ``frames_dropped`` (and adds them to ``drops``), so ``frames_sent + frames_dropped`` stays
+the number of seqs the stream used.
 
-Tensor frames are dropped first: they may use ``queue_bytes``; every other message (start, tokens, end,
-gap, ack) may also use a reserve of ``queue_bytes // 16`` (at least 1 MiB) on top.
+Tensor frames and step batches are dropped first: they may use ``queue_bytes``; every other message (start,
+tokens, token batches, end, gap, ack) may also use a reserve of ``queue_bytes // 16`` (at least 1 MiB) on top.
+
+``publish(msg, borrowed=region)``: the message's tensors may view ``region`` (e.g. the drain's host ring),
+which the caller reuses once ``publish`` returns; what of it does not go into the shared-memory ring is
+copied here, once, into a buffer of the message's own.
 
 With a shared-memory ring (tensors of 16 KiB and more, to a broker on this host) the sockets no longer push
 back on a producer that outruns its broker, and the ring overwrites without waiting. So a tensor frame is
@@ -42,6 +51,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
 import zmq
 
 from mia_stream import _transport
@@ -69,6 +79,8 @@ _RING_HANDOVER_WAIT_S = 2.0  # close() waits this long at most for the broker to
 _RING_AHEAD_STALL_S = 3.0
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
+_COLUMNAR_KINDS = frozenset(("step_batch", "token_batch", "analysis"))  # one seq of each request they name
+_BULK_KINDS = frozenset(("tensors", "step_batch"))  # dropped first; their payloads may go into the ring
 
 
 def _env_bytes(name: str, default: int) -> int:
@@ -77,6 +89,20 @@ def _env_bytes(name: str, default: int) -> int:
         return int(env) if env else default
     except ValueError:
         raise ValueError(f"{name} must be a byte count, got {env!r}") from None
+
+
+def _own_borrowed(frames: list, region: Any) -> None:
+    """Replace the buffer frames that lie inside ``region`` (memory the caller reuses) by copies."""
+    base = np.frombuffer(region, np.uint8) if not isinstance(region, np.ndarray) else region
+    lo = base.ctypes.data
+    hi = lo + base.nbytes
+    for i in range(2, len(frames)):
+        f = frames[i]
+        if type(f) is bytes or not len(memoryview(f)):
+            continue
+        addr = np.frombuffer(f, np.uint8).ctypes.data
+        if lo <= addr < hi:
+            frames[i] = bytes(f)
 
 
 class _PubStream:
@@ -162,22 +188,47 @@ class FramePublisher:
             st.next_seq += 1
             return seq
 
-    def publish(self, msg: Message) -> bool:
-        """Queue ``msg`` for the broker; never blocks. False if it was dropped (counted, and announced)."""
+    def next_seqs(self, request_ids) -> list[int]:
+        """``next_seq`` of each of ``request_ids`` (the seqs of a columnar message), under one lock."""
+        out = []
+        with self._lock:
+            streams = self._streams
+            for rid in request_ids:
+                st = streams.get(rid)
+                if st is None:
+                    st = streams[rid] = _PubStream(rid)
+                out.append(st.next_seq)
+                st.next_seq += 1
+        return out
+
+    copies_borrowed = True  # publish(..., borrowed=) is understood (the drain relies on it)
+
+    def publish(self, msg: Message, *, borrowed: Any = None) -> bool:
+        """Queue ``msg`` for the broker; never blocks. False if it was dropped (counted, and announced).
+
+        ``borrowed``: a buffer (e.g. a numpy array) the message's tensors may view and that the caller reuses
+        after this returns; what of it stays inline is copied first (see the module docstring)."""
         kind = msg.KIND
-        rid = getattr(msg, "request_id", None) if kind in _STREAM_KINDS else None
+        if kind in _STREAM_KINDS:
+            rids, seqs = (msg.request_id,), (msg.seq,)
+        elif kind in _COLUMNAR_KINDS:
+            rids, seqs = msg.request_ids, msg.seqs.tolist()
+        else:
+            rids, seqs = (), ()
         if kind == "end":
             with self._lock:
-                st = self._streams.get(rid)
+                st = self._streams.get(msg.request_id)
                 if st is not None and st.drops:  # the caller's drops (e.g. the engine's) plus the publisher's
                     drops = collections.Counter(msg.drops or {})
                     drops.update(st.drops)
+                    mine = sum(st.drops.values())
                     msg.drops = dict(drops)
-                    msg.frames_dropped = (msg.frames_dropped or 0) + sum(st.drops.values())
+                    msg.frames_dropped = (msg.frames_dropped or 0) + mine
+                    msg.frames_sent = max(0, (msg.frames_sent or 0) - mine)  # they were counted as sent
         ring = self.shm_ring
         ring_end = 0
         ahead = False
-        if ring is not None and kind == "tensors" and self.broker_shm:
+        if ring is not None and kind in _BULK_KINDS and self.broker_shm:
             ahead = self._ring_too_far_ahead(ring)
             if ahead:  # dropped below, before any byte is copied into the ring
                 frames, n = None, 0
@@ -192,35 +243,31 @@ class FramePublisher:
         else:
             frames = encode(msg, **self._encode_opts)
             n = _transport.frames_nbytes(frames)
+        if borrowed is not None and frames is not None and len(frames) > 2:
+            _own_borrowed(frames, borrowed)
         with self._lock:
             self.counters["published"] += 1
-            st = None
-            if rid is not None:
-                st = self._streams.get(rid)
-                if st is None:
-                    st = self._streams[rid] = _PubStream(rid)
-                    st.next_seq = msg.seq + 1
-                if kind == "start":
-                    st.start = msg
-                    st.ended = False
+            streams = [self._stream_of(rid, seq, kind, msg) for rid, seq in zip(rids, seqs)]
             if self._closed:
-                return self._drop(st, msg, "publisher_closed")
+                return self._drop(streams, seqs, "publisher_closed")
             if ahead:
-                return self._drop(st, msg, "shm_ahead_of_broker")
+                return self._drop(streams, seqs, "shm_ahead_of_broker")
             if n > self.max_message_bytes:
-                return self._drop(st, msg, "oversized")
-            limit = self.queue_bytes if kind == "tensors" else self.queue_bytes + self.control_reserve
+                return self._drop(streams, seqs, "oversized")
+            limit = self.queue_bytes if kind in _BULK_KINDS else self.queue_bytes + self.control_reserve
             if self._queued and self._queued + n > limit:
-                return self._drop(st, msg, "queue_full")
-            if st is not None and st.pending:
-                self._announce_gaps(st)
+                return self._drop(streams, seqs, "queue_full")
+            for st in streams:
+                if st.pending:  # this message's stream lost seqs before it: say so first
+                    self._announce_gaps(st)
+            st = streams[0] if streams else None
             self._append(frames, n, end_of=st if kind == "end" else None)
             if ring_end:
                 self._ring_sent_end = ring_end
             if kind == "end" and st is not None:
                 st.ended, st.end, st.ended_at = True, msg, time.monotonic()
-                self._streams.pop(rid, None)
-                self._ended[rid] = st
+                self._streams.pop(st.request_id, None)
+                self._ended[st.request_id] = st
                 if len(self._ended) > _ENDED_MEMORY:
                     self._ended.popitem(last=False)
             return True
@@ -354,13 +401,23 @@ class FramePublisher:
 
     # ------------------------------------------------------------------------------------------ internals (lock held)
 
-    def _drop(self, st: _PubStream | None, msg: Message, reason: str) -> bool:
+    def _stream_of(self, rid: str, seq: int, kind: str, msg: Message) -> _PubStream:
+        st = self._streams.get(rid)
+        if st is None:
+            st = self._streams[rid] = _PubStream(rid)
+            st.next_seq = seq + 1
+        if kind == "start":
+            st.start = msg
+            st.ended = False
+        return st
+
+    def _drop(self, streams: list, seqs, reason: str) -> bool:
+        """Count a dropped message; each stream it held a seq of announces that seq before its next message."""
         self.counters["dropped"] += 1
         self.counters[f"dropped_{reason}"] += 1
-        if st is not None:
+        for st, seq in zip(streams, seqs):
             st.drops[reason] += 1
             ranges = st.pending.setdefault(reason, [])
-            seq = msg.seq
             if ranges and ranges[-1][1] == seq - 1:
                 ranges[-1][1] = seq
             else:

@@ -110,6 +110,8 @@ class Tensor:
         """The raw bytes as one contiguous bytes-like (copied only for a non-contiguous array view)."""
         data = self.data
         if isinstance(data, np.ndarray):
+            if data.size == 0:  # memoryview cannot cast a view with a 0 in its shape (a TP rank with no head)
+                return b""
             return memoryview(np.ascontiguousarray(data)).cast("B")
         return data
 
