@@ -149,12 +149,12 @@ class _Group:
 class _StepPlan:
     """One step item, grouped (``StepDrain._plan``); the message is built from it at publication."""
 
-    __slots__ = ("step", "time_ns", "mark", "eids", "index", "versions", "groups", "host", "parts", "hs", "qk",
+    __slots__ = ("step", "time_ns", "mark", "eids", "sids", "index", "versions", "groups", "parts", "hs", "qk",
                  "hs_tokens", "qk_tokens")
 
 
 class _TokenPlan:
-    __slots__ = ("step", "time_ns", "eids", "counts", "firsts", "token_ids", "live")
+    __slots__ = ("step", "time_ns", "eids", "sids", "counts", "firsts", "token_ids", "live")
 
 
 class _GapPlan:
@@ -177,6 +177,8 @@ class StepDrain:
         self._streams: dict[str, _Stream] = {}
         self._held: list = []  # the newest step's plans, in arrival order (hold_last_step)
         self._held_step: int | None = None
+        self._streams_epoch = 0  # bumped by every start and end: a cached step grouping is then stale
+        self._grouping_cache: tuple | None = None
         # a FramePublisher copies what stays inline of a message's ring views (publish(..., borrowed=));
         # for any other publisher the drain copies them before publishing
         self._publisher_copies = bool(getattr(publisher, "copies_borrowed", False))
@@ -204,6 +206,7 @@ class StepDrain:
             self._flush_held()
 
     def _on_start(self, eid: str, msg: StreamStart, info: dict) -> None:
+        self._streams_epoch += 1
         self._streams[eid] = _Stream(msg.request_id, info["prompt_len"], tuple(info.get("qk_heads") or ()))
         msg.producer_id, msg.epoch = self.publisher.producer_id, self.publisher.epoch
         # the engine hands steering vectors over as float32 bytes; the wire carries the op format's lists
@@ -216,19 +219,20 @@ class StepDrain:
         streams = self._streams
         plan = _TokenPlan()
         plan.step, plan.time_ns = step, time.time_ns()
-        kept, counts, firsts, flat = [], [], [], []
+        kept, sids, counts, firsts, flat = [], [], [], [], []
         for eid, toks in zip(eids, token_lists):
             st = streams.get(eid)
             if st is None or not toks:
                 continue
             kept.append(eid)
+            sids.append(st.stream_id)
             counts.append(len(toks))
             firsts.append(st.prompt_len + st.generated)
             st.generated += len(toks)
             flat.extend(toks)
         if not kept:
             return
-        plan.eids, plan.live = kept, np.ones(len(kept), dtype=bool)
+        plan.eids, plan.sids, plan.live = kept, sids, np.ones(len(kept), dtype=bool)
         plan.counts, plan.firsts = np.asarray(counts, _I64), np.asarray(firsts, _I64)
         plan.token_ids = np.asarray(flat, _I64)
         self._publish_or_hold(step, plan)
@@ -257,6 +261,7 @@ class StepDrain:
             return
         self._publish_held_of(eid, num_tokens)
         del self._streams[eid]
+        self._streams_epoch += 1
         sid = st.stream_id
         generated = st.generated if num_tokens is None else min(st.generated, num_tokens - st.prompt_len)
         seq = self.publisher.next_seq(sid)
@@ -340,15 +345,15 @@ class StepDrain:
                                 plan.reason, "producer", time.time_ns()))
 
     def _publish_tokens(self, plan: _TokenPlan, mask: np.ndarray) -> None:
-        streams = self._streams
-        keep = [i for i in np.flatnonzero(mask).tolist() if plan.eids[i] in streams]
-        if not keep:
-            return
-        counts = plan.counts
-        ids = [streams[plan.eids[i]].stream_id for i in keep]
-        if len(keep) == len(plan.eids):
-            token_ids, firsts = plan.token_ids, plan.firsts
+        """Publish the requests ``mask`` keeps (their streams are live: an end takes its request out first)."""
+        if mask.all():
+            ids, counts, token_ids, firsts = plan.sids, plan.counts, plan.token_ids, plan.firsts
         else:
+            keep = np.flatnonzero(mask).tolist()
+            if not keep:
+                return
+            ids = [plan.sids[i] for i in keep]
+            counts = plan.counts
             off = np.zeros(len(counts) + 1, dtype=_I64)
             np.cumsum(counts, out=off[1:])
             token_ids = np.concatenate([plan.token_ids[off[i]:off[i + 1]] for i in keep])
@@ -430,9 +435,56 @@ class StepDrain:
 
     # ---------------------------------------------------------------- grouping a step
     def _plan(self, it: StepItem) -> _StepPlan | None:
-        """Group the step's segments by (part, hs layers, Q/K layers, Q/K heads); None if it names no stream."""
-        streams = self._streams
+        """The step's segments in row groups; None if it names no stream."""
         hs, qk = it.hs, it.qk
+        grouping = self._grouping(hs, qk)
+        if grouping is None:
+            return None
+        eids, sids, index, versions, specs = grouping
+        plan = _StepPlan()
+        plan.step, plan.time_ns, plan.mark, plan.parts = it.step, it.time_ns, it.mark, it.parts
+        plan.eids, plan.sids, plan.index, plan.versions, plan.hs, plan.qk = eids, sids, index, versions, hs, qk
+        plan.groups = [_Group(*spec) for spec in specs]  # fresh: holding takes ended requests out of them
+        ids = it.token_ids
+        if isinstance(ids, tuple):  # the step's input ids came with the rows (copied from the device)
+            _, off, n, dtype = ids
+            ids = self.ring.view(off, n * np.dtype(dtype).itemsize).view(dtype)
+        ids = None if ids is None else np.asarray(ids, _I64)  # a copy out of the ring: small
+        has_hs = any(spec[5] is not None for spec in specs)
+        has_qk = any(spec[6] is not None for spec in specs)
+        plan.hs_tokens = ids[np.asarray(hs.token_rows, _I64)] if ids is not None and has_hs else None
+        plan.qk_tokens = ids[np.asarray(qk.token_rows, _I64)] if ids is not None and has_qk else None
+        return plan
+
+    def _grouping(self, hs: Segments, qk: Segments):
+        """``(eids, stream ids, index, steering versions, group specs)`` of a step, or None; a steady decode
+        step (the same requests and layer sets as the last, no stream started or ended since) reuses the last
+        one's."""
+        sig = (hs.eids, hs.layer_set, hs.steer_version, hs.layer_sets,
+               qk.eids, qk.layer_set, qk.steer_version, qk.layer_sets)
+        c = self._grouping_cache
+        if (c is not None and c[0] == self._streams_epoch and c[1] == sig
+                and self._same_positions_again(c[3], hs, qk)):
+            return c[2]
+        grouping, both = self._group(hs, qk)
+        self._grouping_cache = (self._streams_epoch, sig, grouping, both)
+        return grouping
+
+    @staticmethod
+    def _same_positions_again(both, hs: Segments, qk: Segments) -> bool:
+        """Whether requests with hidden-state and Q/K segments still pair them as the cached grouping did
+        (checked for one-row segments only; otherwise the grouping is recomputed)."""
+        if both is None:
+            return True
+        i, j, same = both
+        if not ((np.asarray(hs.count)[i] == 1).all() and (np.asarray(qk.count)[j] == 1).all()):
+            return False
+        now = (np.asarray(hs.positions)[np.asarray(hs.row0)[i]] == np.asarray(qk.positions)[np.asarray(qk.row0)[j]])
+        return bool((now == same).all())
+
+    def _group(self, hs: Segments, qk: Segments):
+        """Group the step's segments by (part, hs layers, Q/K layers, Q/K heads)."""
+        streams = self._streams
         index: dict[str, int] = {}
         eids: list[str] = []
         versions: list[int] = []
@@ -454,8 +506,10 @@ class StepDrain:
                     versions.append(qk.steer_version[j])
                 qk_of[r] = j
         if not eids:
-            return None
+            return None, None
+        sids = [streams[eid].stream_id for eid in eids]
         keys: dict[tuple, list] = {}  # key -> [request indices, hs segments, qk segments]
+        both: list[tuple] = []
         if not qk_of:  # hidden states only (the common case): one group per layer set
             for r, i in hs_of.items():
                 g = keys.setdefault((0, hs.layer_set[i], -1, None), [[], [], None])
@@ -465,29 +519,21 @@ class StepDrain:
             for r, eid in enumerate(eids):
                 i, j = hs_of.get(r), qk_of.get(r)
                 heads = streams[eid].qk_heads if j is not None else None
-                if i is not None and j is not None and not self._same_positions(hs, i, qk, j):
+                same = i is not None and j is not None and self._same_positions(hs, i, qk, j)
+                if i is not None and j is not None:
+                    both.append((i, j, same))
+                if i is not None and j is not None and not same:
                     self._add(keys, (0, hs.layer_set[i], -1, None), r, i, None)
                     self._add(keys, (1, -1, qk.layer_set[j], heads), r, None, j)
                 else:
                     self._add(keys, (0, hs.layer_set[i] if i is not None else -1,
                                      qk.layer_set[j] if j is not None else -1, heads), r, i, j)
-        plan = _StepPlan()
-        plan.step, plan.time_ns, plan.mark, plan.parts = it.step, it.time_ns, it.mark, it.parts
-        plan.eids, plan.index, plan.versions, plan.hs, plan.qk = eids, index, versions, hs, qk
-        plan.groups = []
-        for (part, hs_ls, qk_ls, heads), (req, hs_seg, qk_seg) in keys.items():
-            plan.groups.append(_Group(part, hs.layer_sets[hs_ls] if hs_ls >= 0 else None,
-                                      qk.layer_sets[qk_ls] if qk_ls >= 0 else None, heads,
-                                      np.asarray(req, _I64), None if hs_seg is None else np.asarray(hs_seg, _I64),
-                                      None if qk_seg is None else np.asarray(qk_seg, _I64)))
-        ids = it.token_ids
-        if isinstance(ids, tuple):  # the step's input ids came with the rows (copied from the device)
-            _, off, n, dtype = ids
-            ids = self.ring.view(off, n * np.dtype(dtype).itemsize).view(dtype)
-        ids = None if ids is None else np.asarray(ids, _I64)  # a copy out of the ring: small
-        plan.hs_tokens = ids[np.asarray(hs.token_rows, _I64)] if ids is not None and hs_of else None
-        plan.qk_tokens = ids[np.asarray(qk.token_rows, _I64)] if ids is not None and qk_of else None
-        return plan
+        specs = [(part, hs.layer_sets[hs_ls] if hs_ls >= 0 else None, qk.layer_sets[qk_ls] if qk_ls >= 0 else None,
+                  heads, np.asarray(req, _I64), None if hs_seg is None else np.asarray(hs_seg, _I64),
+                  None if qk_seg is None else np.asarray(qk_seg, _I64))
+                 for (part, hs_ls, qk_ls, heads), (req, hs_seg, qk_seg) in keys.items()]
+        pairs = tuple(np.asarray(x) for x in zip(*both)) if both else None
+        return (eids, sids, index, versions, specs), pairs
 
     @staticmethod
     def _add(keys: dict, key: tuple, r: int, i: int | None, j: int | None) -> None:
@@ -539,11 +585,13 @@ class StepDrain:
             used[g.req[m]] = True
         if not used.any():
             return None
-        new_index = np.cumsum(used) - 1
-        streams = self._streams
-        keep = np.flatnonzero(used).tolist()
-        request_ids = [streams[plan.eids[r]].stream_id for r in keep]
-        versions = [plan.versions[r] for r in keep]
+        if used.all():
+            new_index, request_ids, versions = None, plan.sids, plan.versions
+        else:
+            new_index = np.cumsum(used) - 1
+            keep = np.flatnonzero(used).tolist()
+            request_ids = [plan.sids[r] for r in keep]
+            versions = [plan.versions[r] for r in keep]
         hosts = {name: self._host(plan, name) for name in ("hs", "q", "k")}
         groups, views, frames, nbytes = [], [], 0, 0
         for g, m in zip(plan.groups, masks):
@@ -569,7 +617,7 @@ class StepDrain:
                     tensors.append(t)
                     if view:
                         views.append(t)
-            groups.append(RowGroup(new_index[g.req[m]], count, positions, tensors,
+            groups.append(RowGroup(g.req[m] if new_index is None else new_index[g.req[m]], count, positions, tensors,
                                    None if tokens is None else tokens[rows], g.part))
             frames += int(m.sum())
             nbytes += sum(t.nbytes for t in tensors)

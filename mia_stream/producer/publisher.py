@@ -158,6 +158,7 @@ class FramePublisher:
         self._sleeping = False
         self._closed = False
         self._streams: dict[str, _PubStream] = {}
+        self._pending: set[str] = set()  # streams with dropped seqs not announced yet
         self._ended: collections.OrderedDict[str, _PubStream] = collections.OrderedDict()
         self._steering: collections.deque[SteeringCommand] = collections.deque(maxlen=10_000)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -247,20 +248,25 @@ class FramePublisher:
             _own_borrowed(frames, borrowed)
         with self._lock:
             self.counters["published"] += 1
-            streams = [self._stream_of(rid, seq, kind, msg) for rid, seq in zip(rids, seqs)]
+            st = self._stream_of(rids[0], seqs[0], kind, msg) if kind in _STREAM_KINDS else None
+            reason = None
             if self._closed:
-                return self._drop(streams, seqs, "publisher_closed")
-            if ahead:
-                return self._drop(streams, seqs, "shm_ahead_of_broker")
-            if n > self.max_message_bytes:
-                return self._drop(streams, seqs, "oversized")
-            limit = self.queue_bytes if kind in _BULK_KINDS else self.queue_bytes + self.control_reserve
-            if self._queued and self._queued + n > limit:
-                return self._drop(streams, seqs, "queue_full")
-            for st in streams:
-                if st.pending:  # this message's stream lost seqs before it: say so first
-                    self._announce_gaps(st)
-            st = streams[0] if streams else None
+                reason = "publisher_closed"
+            elif ahead:
+                reason = "shm_ahead_of_broker"
+            elif n > self.max_message_bytes:
+                reason = "oversized"
+            elif self._queued and self._queued + n > (self.queue_bytes if kind in _BULK_KINDS
+                                                       else self.queue_bytes + self.control_reserve):
+                reason = "queue_full"
+            if reason is not None:
+                return self._drop(rids, seqs, reason)
+            # streams that lost seqs before this message say so first (a columnar message names many: the
+            # set of streams with unannounced drops is empty in the common case)
+            if self._pending and not self._pending.isdisjoint(rids):
+                for rid in rids:
+                    if rid in self._pending:
+                        self._announce_gaps(self._streams[rid])
             self._append(frames, n, end_of=st if kind == "end" else None)
             if ring_end:
                 self._ring_sent_end = ring_end
@@ -328,7 +334,7 @@ class FramePublisher:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._queued and not any(s.pending for s in self._streams.values()):
+                if not self._queued and not self._pending:
                     return True
             self._wake()
             time.sleep(0.002)
@@ -411,12 +417,17 @@ class FramePublisher:
             st.ended = False
         return st
 
-    def _drop(self, streams: list, seqs, reason: str) -> bool:
+    def _drop(self, rids, seqs, reason: str) -> bool:
         """Count a dropped message; each stream it held a seq of announces that seq before its next message."""
         self.counters["dropped"] += 1
         self.counters[f"dropped_{reason}"] += 1
-        for st, seq in zip(streams, seqs):
+        for rid, seq in zip(rids, seqs):
+            st = self._streams.get(rid)
+            if st is None:  # a stream whose seqs the caller stamped without next_seq (e.g. a replay)
+                st = self._streams[rid] = _PubStream(rid)
+                st.next_seq = seq + 1
             st.drops[reason] += 1
+            self._pending.add(rid)
             ranges = st.pending.setdefault(reason, [])
             if ranges and ranges[-1][1] == seq - 1:
                 ranges[-1][1] = seq
@@ -432,6 +443,7 @@ class FramePublisher:
             frames = encode(gap)
             self._append(frames, _transport.frames_nbytes(frames))
         st.pending = {}
+        self._pending.discard(st.request_id)
 
     def _append(self, frames: list, n: int, front: bool = False, end_of: _PubStream | None = None) -> None:
         if front:
@@ -560,8 +572,11 @@ class FramePublisher:
 
     def _announce_idle_gaps(self) -> None:
         with self._lock:
-            for st in self._streams.values():
-                if st.pending and self._queued + 4096 <= self.queue_bytes + self.control_reserve:
+            for rid in list(self._pending):
+                st = self._streams.get(rid)
+                if st is None:
+                    self._pending.discard(rid)
+                elif self._queued + 4096 <= self.queue_bytes + self.control_reserve:
                     self._announce_gaps(st)
 
     def _send_heartbeat(self, sock: zmq.Socket) -> None:
