@@ -115,18 +115,6 @@ class _Stream:
         self.drops: Counter = Counter()  # the drain's own drops by reason (the engine's come with the end)
 
 
-def _positions(spans: list) -> list[int]:
-    """Positions from the engine's ``[first, last]`` spans (or single positions): the wire has an array of ints
-    (spec 3.4; a 2.0 validator refuses an end that carries spans)."""
-    out: list[int] = []
-    for s in spans:
-        if isinstance(s, (list, tuple)):
-            out.extend(range(int(s[0]), int(s[1]) + 1))
-        else:
-            out.append(int(s))
-    return out
-
-
 def _runs(row0: np.ndarray, count: np.ndarray) -> slice | np.ndarray:
     """The aperture rows of segments ``(row0, count)`` in order: a slice when they follow each other."""
     if len(row0) == 0:
@@ -285,7 +273,7 @@ class StepDrain:
             request_id=sid, producer_id=self.publisher.producer_id, epoch=self.publisher.epoch, seq=seq,
             finish_reason=reason, num_prompt_tokens=st.prompt_len, num_generated_tokens=generated,
             frames_sent=seq + 1 - st.dropped, frames_dropped=st.dropped, drops=dict(all_drops),
-            uncaptured_positions=_positions(drops["uncaptured"]), time_ns=time.time_ns()))
+            uncaptured_positions=drops["uncaptured"], time_ns=time.time_ns()))
 
     # ---------------------------------------------------------------- holding (async scheduling)
     def _publish_or_hold(self, step: int, plan) -> None:
