@@ -48,7 +48,14 @@ _RESERVED_AT = 16
 _HANDED_OVER_AT = 32  # u64 CLOCK_REALTIME ns; 0 while its producer has it
 _RECEIVED_AT = 40  # u64: the end of the newest payload the broker has received (the broker writes it)
 HANDOVER_KEEP_S = 60.0  # a handed-over ring outlives its writer's pid this long before a sweep may remove it
-_NAME = re.compile(r"mia-stream-ring-(\d+)-[0-9a-f]{12}")
+# spec 9: the writer's pid in ASCII decimal without leading zeros, then 12 lowercase hex digits (``\d`` would also
+# match non-ASCII digits)
+_NAME = re.compile(r"mia-stream-ring-([1-9][0-9]*)-[0-9a-f]{12}")
+
+
+def is_ring_name(name: object) -> bool:
+    """Whether ``name`` is a ring file name of the spec's grammar (section 9); any other is malformed."""
+    return type(name) is str and _NAME.fullmatch(name) is not None
 _U64 = struct.Struct("<Q")
 # Page tables filled at map time: touching a fresh page of a mapping otherwise costs a fault per 4 KiB, which
 # on the first pass over a ring made the reader fall behind the writer (measured: docs/benchmarks.md)
@@ -189,8 +196,10 @@ class ShmRingReader:
             ring = self._open(name)
         size = ring.size
         offset = pos % size
-        if pos < 0 or nbytes < 0 or offset + nbytes > size:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
+        if pos < 0 or nbytes < 0:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes}: negative position or size")
+        if offset + nbytes > size:  # only the ring shows it: the payload is unavailable (spec 9), not malformed
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
         if int(ring.reserved[0]) > pos + size:  # already overwritten: no copy (a reader far behind its writer
             # would otherwise spend its time copying bytes it must discard, and never catch up)
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader got to {nbytes} bytes at {pos}")
@@ -198,7 +207,7 @@ class ShmRingReader:
         data = ring.mm[_HEADER + offset:_HEADER + offset + nbytes]
         reserved = int(ring.reserved[0])
         if reserved < pos + nbytes:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
                                       f"holds ({reserved})")
         if reserved > pos + size:
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader copied {nbytes} bytes at "
@@ -216,9 +225,11 @@ class ShmRingReader:
             ring = self._open(name)
         size = ring.size
         offset = pos % size
-        if pos < 0 or nbytes < 0 or offset + nbytes > size or outer * stored_rows * row_bytes != nbytes:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r} or does "
-                                      f"not hold [{outer}, {stored_rows}, {row_bytes} bytes]")
+        if pos < 0 or nbytes < 0 or outer * stored_rows * row_bytes != nbytes:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes}: negative, or not "
+                                      f"[{outer}, {stored_rows}, {row_bytes} bytes]")
+        if offset + nbytes > size:
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
         if int(ring.reserved[0]) > pos + size:
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader got to {nbytes} bytes at {pos}")
         view = np.frombuffer(ring.mm, np.uint8, count=nbytes, offset=_HEADER + offset)
@@ -228,7 +239,7 @@ class ShmRingReader:
         self.bytes_copied += copied
         reserved = int(ring.reserved[0])
         if reserved < pos + nbytes:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
                                       f"holds ({reserved})")
         if reserved > pos + size:
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader copied {copied} bytes at "
@@ -261,7 +272,7 @@ class ShmRingReader:
             return None
 
     def _open(self, name: str) -> _MappedRing:
-        if type(name) is not str or not _NAME.fullmatch(name):
+        if not is_ring_name(name):
             raise MalformedFrameError(f"not a shared-memory ring name: {name!r}")
         path = os.path.join(self.directory, name)
         try:
@@ -323,7 +334,7 @@ def _recently_handed_over(path: str) -> bool:
 def remove_ring(name: str, directory: str = SHM_DIR) -> bool:
     """Remove ring ``name`` (a broker, once the grace after its producer handed it over has passed); whether
     a file was removed. Only a ring's name is accepted, never a path."""
-    if type(name) is not str or not _NAME.fullmatch(name):
+    if not is_ring_name(name):
         return False
     try:
         os.unlink(os.path.join(directory, name))
@@ -349,6 +360,8 @@ def sweep_stale_rings(directory: str = SHM_DIR) -> int:
         except ProcessLookupError:
             pass
         except PermissionError:  # alive, another user's
+            continue
+        except (OverflowError, ValueError):  # a pid no process can have (a name another user made up)
             continue
         if _recently_handed_over(os.path.join(directory, name)):  # its broker removes it after its grace
             continue

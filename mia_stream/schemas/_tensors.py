@@ -32,6 +32,12 @@ _TORCH_NAMES = {
 }
 
 
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a numpy array as a flat memoryview (copied only when not contiguous). Not
+    ``memoryview(a).cast("B")``: that refuses arrays with a zero-length dimension (a step with no rows)."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+
+
 def wire_dtype_of(obj: Any) -> str:
     """Wire dtype name of a numpy array or torch tensor."""
     dt = getattr(obj, "dtype", None)
@@ -95,7 +101,7 @@ class Tensor:
             t = array.detach().contiguous()
             data = memoryview(t.view(-1).view(__import__("torch").uint8).numpy()).cast("B")
         else:
-            data = memoryview(np.ascontiguousarray(array)).cast("B")
+            data = byte_view(array)
         return cls(name, dtype, shape, data, tuple(int(x) for x in layers), shard,
                    None if scale is None else np.ascontiguousarray(scale, dtype=np.float32), meta or {})
 
@@ -104,15 +110,13 @@ class Tensor:
         data = self.data
         if isinstance(data, np.ndarray):
             return data.nbytes
-        return len(memoryview(data).cast("B")) if not isinstance(data, bytes) else len(data)
+        return memoryview(data).nbytes if not isinstance(data, bytes) else len(data)
 
     def buffer(self) -> Any:
         """The raw bytes as one contiguous bytes-like (copied only for a non-contiguous array view)."""
         data = self.data
         if isinstance(data, np.ndarray):
-            if data.size == 0:  # memoryview cannot cast a view with a 0 in its shape (a TP rank with no head)
-                return b""
-            return memoryview(np.ascontiguousarray(data)).cast("B")
+            return byte_view(data)
         return data
 
     def raw(self) -> np.ndarray:
