@@ -452,3 +452,30 @@ def test_per_request_mode_publishes_the_same_content_as_the_batches(run_dir, mon
                             [(t.name, t.layers, t.shard, t.meta, t.numpy().tolist()) for t in getattr(m, "tensors", [])])
                            for _, k, m, _ in v if k in ("frame", "tokens")] for rid, v in streams.items()}
     assert got["1"] == got["0"]
+
+
+def test_positions_never_captured_reach_the_end_as_ranges(run_dir):
+    """A request first computed from position 3 (its prompt's start served by a cache) cannot have positions
+    0-2 captured; its StreamEnd names them as an inclusive range (spec 3.4), which the 2.0 validator
+    accepts (the stub broker decodes with it)."""
+    broker = StubBroker(run_dir)
+    pub = FramePublisher(run_dir, producer_id="drain-uncaptured")
+    try:
+        rt, = runtimes([pub], cfg={"capture_qk": False})
+        engine = Engine([rt])
+        engine.add("u", {"capture": {"hidden_states": {"layers": [0], "positions": "all"}},
+                         "prefix_cache": "reuse"}, 5)
+        engine.step([("u", 3, 2)])
+        engine.step([("u", 5, 1)])
+        rt.finish_request("u", "length", 7)
+        assert rt.wait_drained(10)
+        msgs = broker.wait_for(lambda got: ended(got) == 1)
+        rt.close()
+    finally:
+        pub.close()
+        broker.close()
+    assert not broker.malformed
+    m = per_request(msgs)["s-u"]
+    seqs_exact(m)
+    assert m[-1][2].uncaptured_positions == [[0, 2]]
+    assert [p for _, k, f, _ in m if k == "frame" for p in f.positions] == [3, 4, 5]
