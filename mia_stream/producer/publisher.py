@@ -265,8 +265,9 @@ class FramePublisher:
             # set of streams with unannounced drops is empty in the common case)
             if self._pending and not self._pending.isdisjoint(rids):
                 for rid in rids:
-                    if rid in self._pending:
-                        self._announce_gaps(self._streams[rid])
+                    pending = self._streams.get(rid) if rid in self._pending else None
+                    if pending is not None:
+                        self._announce_gaps(pending)
             self._append(frames, n, end_of=st if kind == "end" else None)
             if ring_end:
                 self._ring_sent_end = ring_end
