@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from mia_stream import settings
 from mia_stream.consumers import Consumer
 
 DEMO_SPEC = {"capture": {"hidden_states": {"layers": [15, 29], "positions": "all"}}}
@@ -31,9 +32,9 @@ class NormPrinter(Consumer):
     def __init__(self):
         self._tokenizers: dict = {}
         self._norms: dict[str, dict[int, float]] = {}
-        out = os.environ.get(_OUT_ENV)
+        out = settings.get_path(_OUT_ENV)
         self._out = open(out, "w") if out else None
-        self._tag = os.environ.get("MIA_STREAM_DEMO_TAG", "live")
+        self._tag = settings.get_text("MIA_STREAM_DEMO_TAG")
 
     def _tok(self, name: str):
         if name not in self._tokenizers:

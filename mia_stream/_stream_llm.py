@@ -74,6 +74,9 @@ class StreamLLM:
         if llm is None:
             # The plugin reads the broker address when vLLM loads it (in every process it starts).
             os.environ[BROKER_ENV] = broker
+            # vLLM CPU (ignored elsewhere): 1 GiB of KV cache, as the demo; its default reserves 90% of RAM and
+            # refuses to start when other processes use more than a tenth of it
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             from vllm import LLM
 
             from mia_stream.model import resolve_model

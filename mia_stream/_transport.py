@@ -32,6 +32,7 @@ from typing import Any
 
 import zmq
 
+from mia_stream import settings
 from mia_stream.errors import TransportError
 
 ENV_BROKER = "MIA_STREAM_BROKER"
@@ -63,7 +64,7 @@ class BrokerEndpoints:
 
 def default_run_dir() -> Path:
     """``$MIA_STREAM_RUN_DIR`` or ``/tmp/mia_stream-$UID``, created with mode 0700."""
-    path = Path(os.environ.get(ENV_RUN_DIR) or f"/tmp/mia_stream-{os.getuid()}")
+    path = settings.get_path(ENV_RUN_DIR) or Path(f"/tmp/mia_stream-{os.getuid()}")
     return ensure_run_dir(path)
 
 
@@ -81,7 +82,7 @@ def ensure_run_dir(path: str | os.PathLike) -> Path:
 def endpoints_for(address: str | os.PathLike | None = None) -> BrokerEndpoints:
     """The three endpoints of a broker address (see the module docstring); None = env / default."""
     if address is None:
-        address = os.environ.get(ENV_BROKER) or str(default_run_dir())
+        address = settings.get_address(ENV_BROKER) or str(default_run_dir())
     address = str(address)
     if address.startswith("tcp://"):
         host, _, port = address[len("tcp://"):].rpartition(":")
@@ -152,7 +153,7 @@ def load_server_keys(key_dir: str | os.PathLike) -> ServerKeys:
 
 def load_client_keys(key_dir: str | os.PathLike, name: str | None = None) -> ClientKeys:
     d = Path(key_dir)
-    name = name or os.environ.get(ENV_KEY_NAME) or "consumer"
+    name = name or settings.get_text(ENV_KEY_NAME) or "consumer"
     secret_file = d / "clients" / f"{name}.key_secret"
     return ClientKeys(_read_key(secret_file, False), _read_key(secret_file, True),
                       _read_key(d / "broker.key", secret=False))
@@ -163,10 +164,10 @@ def resolve_client_keys(keys: Any, default_name: str) -> ClientKeys | None:
     if isinstance(keys, ClientKeys):
         return keys
     if keys is None:
-        keys = os.environ.get(ENV_KEYS)
+        keys = settings.get_path(ENV_KEYS)
         if not keys:
             return None
-    return load_client_keys(keys, os.environ.get(ENV_KEY_NAME) or default_name)
+    return load_client_keys(keys, settings.get_text(ENV_KEY_NAME) or default_name)
 
 
 def create_keys(key_dir: str | os.PathLike, clients=("producer", "consumer"), steer=("consumer",)) -> Path:

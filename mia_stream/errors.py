@@ -18,6 +18,7 @@
     │   └── BrokerTimeoutError     no answer from the broker in time
     ├── SteeringCommandError       a steering command the producer refused (unknown request, not authorised…)
     ├── ModelError                 a model dir that is missing or corrupt
+    ├── SettingError (ValueError)  a MIA_STREAM_* environment setting that does not parse
     └── UnsupportedVLLMError       a vLLM version or runner the producer adapter does not support
 """
 
@@ -94,6 +95,10 @@ class SteeringCommandError(MiaStreamError):
 
 class ModelError(MiaStreamError):
     pass
+
+
+class SettingError(MiaStreamError, ValueError):
+    """A ``MIA_STREAM_*`` environment variable that does not parse; the message names it and the form it takes."""
 
 
 class UnsupportedVLLMError(MiaStreamError):

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 from typing import IO
 from pathlib import Path
 
+from mia_stream import settings
 from mia_stream.errors import ModelError
 
 __all__ = ["DEFAULT_MODEL_NAME", "cache_dir", "default_model_dir", "main", "resolve_model", "verify_model_dir"]
@@ -58,8 +59,7 @@ _BUILD_ENV = {**_OFFLINE_ENV, "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE
 
 def cache_dir() -> Path:
     """Root of mia_stream's caches: ``$MIA_STREAM_CACHE``, else ``~/.cache/mia_stream``."""
-    configured = os.environ.get(CACHE_ENV)
-    return Path(configured).expanduser() if configured else Path.home() / ".cache" / "mia_stream"
+    return settings.get_path(CACHE_ENV) or Path.home() / ".cache" / "mia_stream"
 
 
 def _model_dir() -> Path:
@@ -108,7 +108,7 @@ def resolve_model(name_or_path: str | None) -> str:
       ``HF_HUB_OFFLINE=1`` is set (unless already set) so nothing downloads at run time.
     """
     if name_or_path is None:
-        name_or_path = os.environ.get(MODEL_ENV) or None
+        name_or_path = settings.get_text(MODEL_ENV)
         if name_or_path is None:
             return str(default_model_dir())
     if not name_or_path.strip():

@@ -133,10 +133,9 @@ def make_llm(a: argparse.Namespace, plugin: bool, address: str):
     """An engine whose core processes see ``MIA_STREAM_BROKER`` only when ``plugin`` (read at their spawn)."""
     from vllm import LLM
 
+    _unset_broker()
     if plugin:
         os.environ["MIA_STREAM_BROKER"] = address
-    else:
-        os.environ.pop("MIA_STREAM_BROKER", None)
     kw = dict(model=a.model, dtype=a.dtype, max_model_len=a.max_len, enforce_eager=a.eager, seed=0,
               max_num_seqs=max(a.n, 8), enable_prefix_caching=True)
     if a.gpu_mem:
@@ -146,7 +145,12 @@ def make_llm(a: argparse.Namespace, plugin: bool, address: str):
     try:
         return LLM(**kw)
     finally:
-        os.environ.pop("MIA_STREAM_BROKER", None)
+        _unset_broker()
+
+
+def _unset_broker() -> None:
+    if "MIA_STREAM_BROKER" in os.environ:  # the next engine's processes must not inherit it
+        del os.environ["MIA_STREAM_BROKER"]
 
 
 def run_batch(llm, prompts: list, params) -> tuple[int, float]:

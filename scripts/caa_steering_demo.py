@@ -117,7 +117,9 @@ def run(args) -> int:
     llm = LLM(args.model, dtype="float32", enforce_eager=args.eager, max_model_len=512, seed=0)
     print(f"engine up in {time.perf_counter() - t0:.0f} s "
           f"({'enforce_eager' if args.eager else 'torch.compile'}, float32, CPU)\n", flush=True)
-    frames = _Frames(os.environ["MIA_STREAM_BROKER"], ["caa-*"])
+    from mia_stream import settings
+
+    frames = _Frames(settings.get_address("MIA_STREAM_BROKER"), ["caa-*"])
     try:
         # 1. capture the contrast prompts
         cap = {"hidden_states": {"layers": sorted(set(layers + [M])), "positions": "prompt"}}

@@ -372,27 +372,34 @@ def test_every_refusal_of_the_spec_is_made_by_the_broker_and_nothing_refused_is_
 
 
 def test_a_ring_payload_that_cannot_be_read_is_a_gap_whose_origin_is_the_reader(broker_dir):
-    """Section 9: a valid header naming a ring payload no one can read (a valid ring name, no such file) is
-    lost, not malformed: a consumer that reads rings itself reports it as a gap with origin "consumer", and
-    the broker, which must put the payload inline for a consumer that does not read rings, as one with origin
-    "broker"; both name exactly the message's seq, and the stream goes on around it."""
+    """Section 9: a valid header naming a ring payload no one can read (its producer's ring, removed before the
+    reference is read) is lost, not malformed: a consumer that reads rings itself reports it as a gap with
+    origin "consumer", and the broker, which must put the payload inline for a consumer that does not read
+    rings, as one with origin "broker"; both name exactly the message's seq, and the stream goes on around it.
+    (The producer proved it owns the ring first: the broker takes ring references only from a ring's owner.)"""
     from mia_stream.consumers._live import BrokerClient
-    from mia_stream.schemas import GapNotice, StreamEnd
+    from mia_stream.schemas import GapNotice, ShmRingWriter, StreamEnd
 
     rid = "ring-origin"
     readers = {"consumer": BrokerClient(broker_dir, consumer_id="reads-rings", shm=True),
                "broker": BrokerClient(broker_dir, consumer_id="inline-only", shm=False)}
     prod = _dealer(_transport.endpoints_for(broker_dir).producers)
+    ring = ShmRingWriter(size=1 << 20)
     try:
         for c in readers.values():
             c.subscribe([rid])
         wait_for(lambda: {"reads-rings", "inline-only"} <= set(stats(broker_dir)["consumers"]))
+        proven = stats(broker_dir)["totals"].get("shm_rings_proven", 0)
+        prod.send_multipart(encode(Heartbeat("forger", "producer", 5, 0, {"shm_ring_proof": ring.ownership_proof()})))
+        wait_for(lambda: stats(broker_dir)["totals"].get("shm_rings_proven", 0) == proven + 1)
+        ring_name = ring.name
+        ring.close()  # removed: no reader can open it now
         prod.send_multipart(encode(StreamStart(rid, "forger", 5)))
         tf = encode(TensorFrame(rid, "forger", 5, 1, 0, tensors=[
             Tensor.from_array("hs", np.ones((1, 1, 8), np.float32), layers=[0])]))
         header = msgpack.unpackb(bytes(tf[1]), raw=False)
         header["tensors"][0]["shm"] = 0
-        header["shm_ring"] = _RING
+        header["shm_ring"] = ring_name
         prod.send_multipart([tf[0], msgpack.packb(header, use_bin_type=True)])
         prod.send_multipart(encode(StreamEnd(rid, "forger", 5, 2)))
         for origin, client in readers.items():
@@ -407,6 +414,7 @@ def test_a_ring_payload_that_cannot_be_read_is_a_gap_whose_origin_is_the_reader(
             assert (gap.missing, gap.reason, gap.origin) == ([[1, 1]], "shm_unavailable", origin)
     finally:
         prod.close()
+        ring.close()
         for c in readers.values():
             c.close()
     assert stats(broker_dir)["totals"].get("internal_errors", 0) == 0

@@ -7,16 +7,17 @@ default /tmp/models); skipped otherwise. Real engines, a real broker and a real 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from mia_stream import settings
+
 torch = pytest.importorskip("torch")
 
-MODELS = Path(os.environ.get("MIA_STREAM_GPU_MODELS", "/tmp/models"))
+MODELS = settings.get_path("MIA_STREAM_GPU_MODELS")
 
 pytestmark = [
     pytest.mark.gpu,

@@ -244,3 +244,93 @@ def test_stream_end_counts_each_seq_once_when_the_engine_drops_a_frame(bus, hold
     frames = [e.frame for e in events if e.kind == "frame"]
     assert [f.positions for f in frames] == [[6], [7]]
     assert events[-1].stream.generated_token_ids == [7, 8, 9]
+
+
+def test_a_stalled_sidecar_loses_steps_counted_and_announced_never_silently(monkeypatch):
+    """The real drain sidecar, stopped (SIGSTOP) while the engine keeps stepping: its pipe fills (about 1,700
+    steps of this toy), then the drain queue (8 items here), and later steps are dropped at the engine. Each loss must be named in the
+    stream: a GapNotice (``drain_queue_full``) and, in StreamEnd, a counted drop, so that frames received plus
+    frames dropped account for every step; and the stream's start and end are never among the losses."""
+    import os
+    import signal
+
+    from mia_stream.broker import run_broker_in_thread
+    from mia_stream.consumers import open_stream
+
+    run_dir = tempfile.mkdtemp(prefix="mia-rt-stall-", dir="/tmp")
+    monkeypatch.setenv("MIA_STREAM_BROKER", run_dir)  # the sidecar publishes there
+    try:
+        with run_broker_in_thread(address=run_dir):
+            stream = open_stream(run_dir, patterns=["rt-stall"], timeout=30.0)
+            time.sleep(0.2)
+            cfg = RuntimeConfig(aperture_rows=16, host_ring_bytes=8 << 20, steer_slots=4, max_ops_per_layer=2,
+                                capture_qk=False, steering=True, max_queued_messages=8)
+            rt = ProducerRuntime(geo=GEO, model_name="toy", tokenizer="toy", dtype=torch.float32,
+                                 device=torch.device("cpu"), max_tokens=8, tp_rank=0, tp_size=1, dp_rank=0,
+                                 producer_id="rt-stall:tp0", cfg=cfg)
+            spec = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, GEO)
+            rt.add_request("e1", "rt-stall", spec, [1, 2, 3])
+            _step(rt, 1, 0, [1, 2, 3]); rt.on_sampled(1, ["e1"], [[4]])
+            assert rt.wait_drained(60)  # the sidecar has started and published step 1
+            side = rt._sidecar.proc.pid
+            os.kill(side, signal.SIGSTOP)
+            try:
+                steps, stuck, deadline = 1, 0, time.monotonic() + 60
+                # until the forwarder is stuck on the full pipe: the queue stays at its bound step after step
+                while stuck < 50 and time.monotonic() < deadline:
+                    steps += 1
+                    _step(rt, steps, steps + 2, [steps + 3]); rt.on_sampled(steps, ["e1"], [[steps + 4]])
+                    stuck = stuck + 1 if rt.stats["drain_queued"] >= 8 else 0
+            finally:
+                os.kill(side, signal.SIGCONT)
+            rt.finish_request("e1", "length", num_tokens=steps + 4)
+            events = _events(stream)
+            rt.close()
+            stream.close()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    frames = [e for e in events if e.kind == "frame"]
+    end = events[-1].end
+    gaps = [e.gap for e in events if e.kind == "gap"]
+    dropped = rt.stats["dropped_frames"]
+    assert stuck == 50 and dropped >= 100, f"the stall never filled the queue in {steps} steps"
+    assert events[0].kind == "start" and events[-1].kind == "end"
+    assert end.drops.get("drain_queue_full") == dropped == end.frames_dropped
+    assert gaps and {g.reason for g in gaps} == {"drain_queue_full"} and all(g.origin == "producer" for g in gaps)
+    tokens = events[-1].stream.generated_token_ids
+    # every step made one tensor frame and one token frame: each arrived or is counted as dropped
+    assert len(frames) + len(tokens) + dropped == 2 * steps
+    assert len(frames) < steps and [p for e in frames for p in e.frame.positions][:3] == [0, 1, 2]
+
+
+def test_admission_refuses_what_the_engine_settings_cannot_serve_and_names_the_setting():
+    """``check_admission`` (run by the frontend before the engine sees a request) against explicit settings: a
+    switched-off feature, and a capture whose step, scheduled alone, cannot fit the aperture or the host ring."""
+    from mia_stream.errors import CaptureSpecError, SteeringSpecError
+    from mia_stream.producer._runtime import check_admission
+
+    geo = ModelGeometry(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
+    hs_all = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, geo)
+    hs_last = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "last_prompt"}}}, geo)
+    qk = parse_spec({"capture": {"qk": {"layers": [1], "heads": "all", "positions": "generated"}}}, geo)
+    steer = parse_spec({"steer": [{"layer": 1, "op": "add", "vector": [1.0] * 64}]}, geo)
+
+    def cfg(**kw):
+        base = dict(aperture_rows=None, host_ring_bytes=512 << 20, steer_slots=4, max_ops_per_layer=2,
+                    capture_qk=True, steering=True)
+        return RuntimeConfig(**{**base, **kw})
+
+    for spec in (hs_all, hs_last, qk, steer):  # the defaults serve everything
+        check_admission(spec, 5000, geo, cfg(), max_tokens=4096, itemsize=4)
+    with pytest.raises(SteeringSpecError, match="MIA_STREAM_STEERING=0"):
+        check_admission(steer, 10, geo, cfg(steering=False), 4096, 4)
+    with pytest.raises(CaptureSpecError, match="MIA_STREAM_CAPTURE_QK=0"):
+        check_admission(qk, 10, geo, cfg(capture_qk=False), 4096, 4)
+    # an explicit aperture smaller than a prompt's first step: its prefill frames would be lost every time
+    with pytest.raises(CaptureSpecError, match="needs up to 3000 rows .* MIA_STREAM_APERTURE_ROWS=2048"):
+        check_admission(hs_all, 3000, geo, cfg(aperture_rows=2048), 4096, 4)
+    check_admission(hs_all, 2048, geo, cfg(aperture_rows=2048), 4096, 4)  # fits exactly
+    check_admission(hs_last, 3000, geo, cfg(aperture_rows=2048), 4096, 4)  # one row a step
+    # 4096 rows x 4 layers x 64 x 4 bytes = 4 MiB: more than a 1 MiB host ring holds in one step
+    with pytest.raises(CaptureSpecError, match="MIA_STREAM_HOST_RING_MB=1"):
+        check_admission(hs_all, 5000, geo, cfg(host_ring_bytes=1 << 20), 4096, 4)

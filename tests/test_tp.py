@@ -34,12 +34,13 @@ import uuid
 import numpy as np
 import pytest
 
+from mia_stream import settings
 from producer_helpers import hf_trace, rel_err
 from tp_engine_run import STEER_LAYER, run_and_collect, standard_plan, steer_vector
 from tp_model import GEOMETRY, tiny_model_dir
 
-DEVICE = os.environ.get("MIA_STREAM_TP_DEVICE", "cpu")
-DTYPE = os.environ.get("MIA_STREAM_TP_DTYPE", "float32" if DEVICE == "cpu" else "bfloat16")
+DEVICE = settings.get_choice("MIA_STREAM_TP_DEVICE")
+DTYPE = settings.get_text("MIA_STREAM_TP_DTYPE") or ("float32" if DEVICE == "cpu" else "bfloat16")
 TOL_TP, TOL_HF = {("cpu", "float32"): (1e-5, 1e-4), ("cuda", "float32"): (1e-4, 1e-3),
                   ("cuda", "bfloat16"): (3e-2, 5e-2)}[(DEVICE, DTYPE)]
 

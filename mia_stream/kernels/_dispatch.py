@@ -12,16 +12,16 @@ Python (eager calls, and the one call made while a CUDA graph is captured), not 
 
 from __future__ import annotations
 
-import os
 from collections import Counter
 from typing import Literal
 
 import torch
 
+from mia_stream import settings
+
 Backend = Literal["triton", "reference"]
 
 ENV_VAR = "MIA_STREAM_KERNELS"
-_CHOICES = ("auto", "triton", "reference")
 
 _triton_importable: bool | None = None
 _last_backend: dict[str, Backend] = {}
@@ -42,10 +42,7 @@ def _triton_available() -> bool:
 
 
 def _requested() -> str:
-    choice = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
-    if choice not in _CHOICES:
-        raise ValueError(f"{ENV_VAR}={choice!r}: expected one of {', '.join(_CHOICES)}")
-    return choice
+    return settings.get_choice(ENV_VAR)
 
 
 def active_backend(device: torch.device | str) -> Backend:

@@ -12,8 +12,8 @@ the step's frames are dropped, counted, and announced as gaps.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -23,10 +23,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from mia_stream import settings
 from mia_stream.producer._drain import DrainConfig, Segments, StepDrain, StepItem
 from mia_stream.producer._host_ring import HostRing
 from mia_stream.producer._sidecar import DrainSidecar, SidecarError
-from mia_stream.producer.spec import ModelGeometry, RequestSpec, SteerOp
+from mia_stream.errors import CaptureSpecError, SteeringSpecError
+from mia_stream.producer.spec import SPEC_KEY, ModelGeometry, RequestSpec, SteerOp
 from mia_stream.schemas import StreamStart
 
 logger = logging.getLogger("mia_stream.producer")
@@ -49,21 +51,21 @@ def _locked(method):
 _SIDECAR_RESTART_S = 5.0
 
 
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value else default
+_DATA_ITEMS = ("step", "tokens")  # what the drain queue bound applies to; starts, ends, gaps always go
 
 
 @dataclass
 class RuntimeConfig:
-    """Sizes fixed at engine start (CUDA graphs bake buffer addresses). Env vars override the defaults."""
+    """Sizes fixed at engine start (CUDA graphs bake buffer addresses); defaults from ``mia_stream.settings``."""
 
-    aperture_rows: int = field(default_factory=lambda: _env_int("MIA_STREAM_APERTURE_ROWS", 2048))
-    host_ring_bytes: int = field(default_factory=lambda: _env_int("MIA_STREAM_HOST_RING_MB", 512) << 20)
-    steer_slots: int = field(default_factory=lambda: _env_int("MIA_STREAM_STEER_SLOTS", 512))
-    max_ops_per_layer: int = field(default_factory=lambda: _env_int("MIA_STREAM_STEER_OPS_PER_LAYER", 4))
-    capture_qk: bool = field(default_factory=lambda: os.environ.get("MIA_STREAM_CAPTURE_QK", "1") != "0")
-    steering: bool = field(default_factory=lambda: os.environ.get("MIA_STREAM_STEERING", "1") != "0")
+    # None: the engine's max tokens per step (the scheduler's max_num_batched_tokens), so every row fits
+    aperture_rows: int | None = field(default_factory=lambda: settings.get_int("MIA_STREAM_APERTURE_ROWS"))
+    host_ring_bytes: int = field(default_factory=lambda: settings.get_size("MIA_STREAM_HOST_RING_MB"))
+    steer_slots: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_SLOTS"))
+    max_ops_per_layer: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_OPS_PER_LAYER"))
+    capture_qk: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_CAPTURE_QK"))
+    steering: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_STEERING"))
+    # step and token items waiting for the drain; beyond this they are dropped, counted and announced
     max_queued_messages: int = 100_000
 
 
@@ -293,6 +295,40 @@ class DeviceState(torch.nn.Module):
             buf("thresholds", (cfg.steer_slots,), torch.float32)
 
 
+def check_admission(spec: RequestSpec, prompt_len: int, geo: ModelGeometry, cfg: RuntimeConfig, max_tokens: int,
+                    itemsize: int, tp_size: int = 1) -> None:
+    """Refuse (``SpecError``) a request the engine's start-time settings cannot serve, before the engine sees it:
+    steering or Q/K capture switched off, or a capture whose first step, scheduled alone (a prefill chunk of up
+    to ``max_tokens``, the scheduler's max_num_batched_tokens), needs more aperture rows or host ring bytes than
+    there are: its frames would be dropped at every such step."""
+    if spec.steer and not cfg.steering:
+        raise SteeringSpecError(
+            f"extra_args['{SPEC_KEY}']['steer']: this engine was started with MIA_STREAM_STEERING=0, so it has no "
+            "steering ops; start it without that setting to steer, or leave 'steer' out")
+    if spec.qk_layers and not cfg.capture_qk:
+        raise CaptureSpecError(
+            f"extra_args['{SPEC_KEY}']['capture']['qk']: this engine was started with MIA_STREAM_CAPTURE_QK=0, so it "
+            "has no Q/K capture ops; start it without that setting to capture Q/K, or capture only hidden_states")
+    rows = cfg.aperture_rows if cfg.aperture_rows is not None else max_tokens
+    need, row_bytes = 0, 0
+    for layers, mode, width in ((spec.hs_layers, spec.hs_positions, geo.hidden_size),
+                                (spec.qk_layers, spec.qk_positions,
+                                 (geo.num_heads + geo.num_kv_heads) // tp_size * geo.head_dim)):
+        if layers:
+            need = max(need, min(prompt_len, max_tokens) if mode in ("all", "prompt") else 1)
+            row_bytes += len(layers) * width * itemsize
+    if need > rows:
+        raise CaptureSpecError(
+            f"extra_args['{SPEC_KEY}']['capture']: capturing this {prompt_len}-token prompt needs up to {need} rows "
+            f"in one engine step, more than the aperture's MIA_STREAM_APERTURE_ROWS={rows}; raise it to at least "
+            f"{need}, or unset it (the default, max_num_batched_tokens, fits every step)")
+    if need * row_bytes > cfg.host_ring_bytes:
+        raise CaptureSpecError(
+            f"extra_args['{SPEC_KEY}']['capture']: one engine step of this request captures up to "
+            f"{need * row_bytes / 2**20:.0f} MiB, more than the host ring holds (MIA_STREAM_HOST_RING_MB="
+            f"{cfg.host_ring_bytes >> 20}); raise it, or capture fewer layers or positions")
+
+
 class ProducerRuntime:
     """Owns the device buffers, per-request bookkeeping, the host ring, the forwarder thread and the drain.
 
@@ -306,6 +342,8 @@ class ProducerRuntime:
                  publisher: Any = None, producer_id: str = "", cfg: RuntimeConfig | None = None,
                  control_id: str = ""):
         self.cfg = cfg or RuntimeConfig()
+        if self.cfg.aperture_rows is None:
+            self.cfg = dataclasses.replace(self.cfg, aperture_rows=max_tokens)
         self.geo, self.model_name, self.tokenizer = geo, model_name, tokenizer
         self.dtype, self.device, self.max_tokens = dtype, device, max_tokens
         self.tp_rank, self.tp_size, self.dp_rank = tp_rank, tp_size, dp_rank
@@ -322,7 +360,10 @@ class ProducerRuntime:
         self._ring = HostRing.create(self.cfg.host_ring_bytes)
         self._ring_bytes = torch.from_numpy(self._ring.data)  # the data area as a uint8 tensor
         self.ring_pinned = self._pin_ring() if device.type == "cuda" else False
-        self._queue: queue.Queue = queue.Queue(maxsize=self.cfg.max_queued_messages)
+        self._queue: queue.Queue = queue.Queue()  # bounded by _enqueue (data items) and per request (the rest)
+        self._data_put = 0  # step/tokens items queued (engine thread) and taken (forwarder thread)
+        self._data_taken = 0
+        self._gaps_queued: set = set()  # (engine id, reason) of gap items still in the queue
         self._dirty_rows = 0  # route rows written last step that must be reset to the sentinel
         self._dirty_rows_qk = 0
         self._dirty_steer_rows = 0
@@ -370,7 +411,8 @@ class ProducerRuntime:
     @property
     def stats(self) -> dict:
         """Engine-side counters plus the drain's (frames and bytes published, items handled)."""
-        return {**self._stats, **self._ring.counters(), "ring_in_use": self._ring.in_use()}
+        return {**self._stats, **self._ring.counters(), "ring_in_use": self._ring.in_use(),
+                "drain_queued": self._data_put - self._data_taken}
 
     @property
     def hold_last_step(self) -> bool:
@@ -394,16 +436,26 @@ class ProducerRuntime:
                                                (1, spec.qk_layers if self.cfg.capture_qk else (), spec.qk_positions))
                                   if k[1])
         self.requests[engine_id] = req
-        if spec.steer:
-            self._set_steering(req, spec.steer, 1 if spec.steer else 0)
+        capture, steer = spec.capture_wire(), spec.steer
+        # The frontend refuses what a switched-off feature would need (docs/architecture.md); should such a request
+        # reach a worker anyway (a frontend with other settings), it is served without it, and StreamStart and
+        # StreamEnd.drops say so.
+        if spec.qk_layers and not self.cfg.capture_qk:
+            capture.pop("qk", None)
+            req.drops["qk_capture_disabled"] = 1
+        if steer and self.steering is None:
+            req.drops["steering_disabled"] = len(steer)
+            steer = ()
+        if steer:
+            self._set_steering(req, steer, 1)
         # producer id and epoch are the publisher's: the drain stamps them
         start = StreamStart(
             request_id=stream_id, producer_id="", epoch=0, engine_request_id=engine_id,
             model=self.model_name, tokenizer=self.tokenizer, tp_rank=self.tp_rank, tp_size=self.tp_size,
             dp_rank=self.dp_rank, num_layers=self.geo.num_layers, hidden_size=self.geo.hidden_size,
             num_heads=self.geo.num_heads, num_kv_heads=self.geo.num_kv_heads, head_dim=self.geo.head_dim,
-            dtype=str(self.dtype).removeprefix("torch."), capture=spec.capture_wire(),
-            steering=[o.to_wire(compact=True) for o in spec.steer], capture_after_steering=True,
+            dtype=str(self.dtype).removeprefix("torch."), capture=capture,
+            steering=[o.to_wire(compact=True) for o in steer], capture_after_steering=True,
             prompt_token_ids=list(prompt_token_ids), tags=spec.tags, time_ns=time.time_ns(),
             control_id=self.control_id)
         self._enqueue(("start", engine_id, start, {"prompt_len": req.prompt_len, "qk_heads": spec.qk_heads}))
@@ -727,12 +779,35 @@ class ProducerRuntime:
         self._enqueue(("gap", req.engine_id, reason, step))
 
     def _enqueue(self, item: tuple, event=None) -> None:
-        try:
-            self._queue.put_nowait((item, event))
-        except queue.Full:
-            self._stats["dropped_frames"] += 1
-            # a dropped step's ring chunk is released with the next step the drain handles (marks only grow)
-            logger.warning("mia_stream: drain queue full; dropped a %s item", item[0])
+        """Hand an item to the forwarder; never blocks. Step and token items beyond ``max_queued_messages``
+        waiting are dropped: each request in them counts the loss (``drain_queue_full``) and gets a gap notice.
+        Starts, ends and gaps always go: at most a few per request (a gap item still waiting covers later
+        losses of its request and reason, which StreamEnd counts one by one)."""
+        kind = item[0]
+        if kind in _DATA_ITEMS:
+            if self._data_put - self._data_taken >= self.cfg.max_queued_messages:
+                self._drop_item(item)
+                return
+            self._data_put += 1
+        elif kind == "gap":
+            key = (item[1], item[2])
+            if key in self._gaps_queued:
+                return
+            self._gaps_queued.add(key)
+        self._queue.put_nowait((item, event))
+
+    def _drop_item(self, item: tuple) -> None:
+        """A step's frames or tokens that found the drain queue full. Its ring chunk is released with the next
+        step the drain handles (release marks only grow)."""
+        if item[0] == "step":
+            it = item[1]
+            step, eids = it.step, dict.fromkeys(it.hs.eids + it.qk.eids)
+        else:
+            step, eids = item[1], item[2]
+        for eid in eids:
+            req = self.requests.get(eid)
+            if req is not None:
+                self._drop_now(req, step, "drain_queue_full")
 
     # ---------------------------------------------------------------- forwarder thread
     def _forward_loop(self) -> None:
@@ -742,6 +817,10 @@ class ProducerRuntime:
             if got is None:
                 return
             item, event = got
+            if item[0] in _DATA_ITEMS:
+                self._data_taken += 1
+            elif item[0] == "gap":
+                self._gaps_queued.discard((item[1], item[2]))
             if event is not None:
                 event.synchronize()  # releases the GIL; only this thread waits
             try:

@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mia_stream import settings
 from mia_stream.errors import SpecError, UnsupportedVLLMError
 from mia_stream.producer.spec import SPEC_KEY, ModelGeometry, parse_spec, parse_steer_ops
 
@@ -41,7 +42,7 @@ _RANDOM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
 def check_vllm_version(version: str) -> None:
-    if os.environ.get("MIA_STREAM_ALLOW_ANY_VLLM") == "1":
+    if settings.get_flag("MIA_STREAM_ALLOW_ANY_VLLM"):
         return
     if not any(version == v or version.startswith(v + ".") for v in SUPPORTED_VLLM):
         raise UnsupportedVLLMError(
@@ -93,6 +94,7 @@ def install() -> None:
     patches = {
         "vllm.v1.engine.input_processor": _patch_input_processor,
         "vllm.v1.core.sched.scheduler": _patch_scheduler,
+        "vllm.v1.worker.gpu_worker": _patch_worker,
         "vllm.v1.worker.gpu_model_runner": _patch_v1_runner,
         "vllm.v1.worker.cpu_model_runner": _patch_cpu_runner,
         "vllm.v1.worker.gpu.model_runner": _patch_v2_runner,
@@ -123,16 +125,44 @@ def _spec_of(sampling_params) -> Any:
 
 
 # ------------------------------------------------------------------------------------------ frontend
+class _Admission:
+    """The engine's start-time settings a request must fit (``_runtime.check_admission``), read once per frontend:
+    the workers read the same settings from the same environment when the engine starts."""
+
+    def __init__(self, vllm_config):
+        import torch
+
+        from mia_stream.producer._runtime import RuntimeConfig
+
+        self.geo = geometry_of(vllm_config.model_config)
+        self.cfg = RuntimeConfig()  # a setting that does not parse fails the engine's start here, with its name
+        self.max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        self.itemsize = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+        self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
+
+    def check(self, spec, prompt_len: int) -> None:
+        from mia_stream.producer._runtime import check_admission
+
+        check_admission(spec, prompt_len, self.geo, self.cfg, self.max_tokens, self.itemsize, self.tp_size)
+
+
 def _patch_input_processor(module) -> None:
     cls = module.InputProcessor
-    orig = cls.process_inputs
+    orig, orig_init = cls.process_inputs, cls.__init__
+
+    def __init__(self, *args, **kwargs):
+        orig_init(self, *args, **kwargs)
+        self._mia_admission = _Admission(self.vllm_config)
 
     def process_inputs(self, request_id, prompt, params, *args, **kwargs):
         raw = _spec_of(params)
         if raw is None:
             return orig(self, request_id, prompt, params, *args, **kwargs)
+        admission = self.__dict__.get("_mia_admission") or _Admission(self.vllm_config)
         try:
-            spec = parse_spec(raw, geometry_of(self.model_config))
+            spec = parse_spec(raw, admission.geo)
+            if spec.steer or spec.qk_layers:
+                admission.check(spec, 0)  # features switched off: refused before any tokenizing
         except SpecError as e:
             raise ValueError(f"mia_stream: {e}") from e
         # vLLM deep-copies the params: hand it the normalized spec (vectors as float32 bytes), not the caller's
@@ -142,6 +172,12 @@ def _patch_input_processor(module) -> None:
         params = copy.copy(params)
         params.extra_args = dict(params.extra_args or {}, **{SPEC_KEY: wire})
         request = orig(self, request_id, prompt, params, *args, **kwargs)
+        if spec.captures:  # the request is built, not yet in the engine: refusing it here leaves no trace
+            ids = request.prompt_token_ids
+            try:
+                admission.check(spec, len(ids) if ids is not None else admission.max_tokens)
+            except SpecError as e:
+                raise ValueError(f"mia_stream: {e}") from e
         sp = request.sampling_params
         wire = dict(wire, id=spec.stream_id or str(request_id))
         sp.extra_args = dict(sp.extra_args or {}, **{SPEC_KEY: wire})
@@ -152,7 +188,7 @@ def _patch_input_processor(module) -> None:
             request.cache_salt = salt if not request.cache_salt else f"{request.cache_salt}|{salt}"
         return request
 
-    cls.process_inputs = process_inputs
+    cls.__init__, cls.process_inputs = __init__, process_inputs
 
 
 # ------------------------------------------------------------------------------------------ engine core
@@ -172,7 +208,13 @@ class _EngineControl:
         self.streams: dict[str, str] = {}  # stream id -> engine request id
         self.ops: dict[str, tuple] = {}  # engine request id -> (ops, version)
         self.aborts = _ABORTING  # engine request ids to stop at their next step (one set per process)
-        self.publisher = make_publisher(self.control_id, on_command=self._on_command)
+        self.steering = settings.get_flag("MIA_STREAM_STEERING")
+        # it sends no tensors: no shared-memory ring (one would be 256 MiB of /dev/shm for nothing)
+        self.publisher = make_publisher(self.control_id, on_command=self._on_command, shm_bytes=0)
+
+    def close(self) -> None:
+        """At the engine core's shutdown: a last moment for queued acks, then the socket and thread go."""
+        self.publisher.close(timeout=0.2)
 
     def _on_command(self, cmd) -> None:
         with self._lock:
@@ -193,6 +235,8 @@ class _EngineControl:
                 err = f"unknown or finished request {cmd.request_id!r}"
             elif cmd.action == "abort":
                 self.aborts.add(eid)
+            elif not self.steering:
+                err = "this engine was started with MIA_STREAM_STEERING=0: it has no steering ops (only abort works)"
             else:
                 ops, version = self.ops.get(eid, ((), 0))
                 try:
@@ -316,7 +360,17 @@ def _patch_scheduler(module) -> None:
         _SCHEDULERS.append(self)
         control(self)
 
-    cls.__init__ = __init__
+    orig_shutdown = getattr(cls, "shutdown", lambda self: None)
+
+    def shutdown(self, *args, **kwargs):  # EngineCore.shutdown calls it after the workers have exited
+        try:
+            return orig_shutdown(self, *args, **kwargs)
+        finally:
+            ctl = self.__dict__.get("_mia_control")
+            if ctl is not None:
+                ctl.close()
+
+    cls.__init__, cls.shutdown = __init__, shutdown
     cls.schedule, cls._free_request, cls.add_request = schedule, _free_request, add_request
     module.check_stop = check_stop
 
@@ -440,6 +494,29 @@ def _attach(runner, model) -> None:
     _LOCAL_RUNTIMES.append(runtime)
     logger.info("mia_stream: producer %s attached (%d layers, aperture rows %d)", producer_id, geo.num_layers,
                 runtime.cfg.aperture_rows)
+
+
+_RUNTIME_CLOSE_S = 1.0  # the forwarder hands the sidecar what is queued; then the worker goes on exiting
+
+
+def _patch_worker(module) -> None:
+    """``Worker.shutdown`` (the base of vLLM CPU's worker too), which vLLM calls as the worker leaves its busy loop:
+    the producer runtimes of this process close there, inside vLLM's shutdown grace. The drain sidecar is not
+    waited for: it publishes what it was handed and removes (or hands the broker) its ring on its own."""
+    cls = module.Worker
+    orig = getattr(cls, "shutdown", None)
+    if orig is None:  # then only the runtime's atexit hook closes it
+        return
+
+    def shutdown(self, *args, **kwargs):
+        try:
+            for rt in list(_LOCAL_RUNTIMES):
+                rt.close(_RUNTIME_CLOSE_S, wait=False)
+        except Exception:
+            logger.exception("mia_stream: closing the producer runtime failed")
+        return orig(self, *args, **kwargs)
+
+    cls.shutdown = shutdown
 
 
 def _register_new(runtime, req_id: str, prompt_token_ids, sampling_params) -> None:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 
+from mia_stream import settings
+
 BROKER_ENV = "MIA_STREAM_BROKER"
 
 
 def active() -> bool:
-    return bool(os.environ.get(BROKER_ENV))
+    return settings.get_address(BROKER_ENV) is not None
 
 
 def register() -> None:
@@ -26,8 +28,9 @@ def register() -> None:
     _vllm_adapter.install()
 
 
-def make_publisher(producer_id: str, on_command=None):
+def make_publisher(producer_id: str, on_command=None, **publisher_options):
     """The bus client of one producer (worker rank or engine-core control), connected to the broker."""
     from mia_stream.producer.publisher import FramePublisher
 
-    return FramePublisher(os.environ[BROKER_ENV], producer_id=producer_id, on_steering=on_command)
+    return FramePublisher(settings.get_address(BROKER_ENV), producer_id=producer_id, on_steering=on_command,
+                          **publisher_options)

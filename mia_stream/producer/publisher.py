@@ -54,13 +54,13 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from mia_stream import _transport
+from mia_stream import _transport, settings
 from mia_stream.errors import WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
 from mia_stream.schemas._codec import batch_header
 from mia_stream.schemas._shm import (DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY,
-                                     SHM_RING_TAKEN_KEY, ShmRingWriter, shm_reachable)
+                                     SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY, ShmRingWriter, shm_reachable)
 
 log = logging.getLogger("mia_stream.publisher")
 
@@ -84,11 +84,8 @@ _BULK_KINDS = frozenset(("tensors", "step_batch"))  # dropped first; their paylo
 
 
 def _env_bytes(name: str, default: int) -> int:
-    env = os.environ.get(name, "").strip()
-    try:
-        return int(env) if env else default
-    except ValueError:
-        raise ValueError(f"{name} must be a byte count, got {env!r}") from None
+    value = settings.get_size(name)
+    return default if value is None else value
 
 
 def _own_borrowed(frames: list, region: Any) -> None:
@@ -582,6 +579,8 @@ class FramePublisher:
 
     def _send_heartbeat(self, sock: zmq.Socket) -> None:
         stats = self.stats()
+        if self.shm_ring is not None:  # the broker takes this ring's references only from its proven owner
+            stats[SHM_RING_PROOF_KEY] = self.shm_ring.ownership_proof()
         hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(), stats)
         try:
             sock.send_multipart(encode(hb), zmq.NOBLOCK)

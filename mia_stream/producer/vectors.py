@@ -14,15 +14,15 @@ from pathlib import Path
 
 import numpy as np
 
+from mia_stream import settings
+
 _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 def vectors_dir() -> Path:
-    base = os.environ.get("MIA_STREAM_VECTORS")
-    if base:
-        return Path(base)
-    cache = os.environ.get("MIA_STREAM_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "mia_stream")
-    return Path(cache) / "vectors"
+    from mia_stream.model import cache_dir
+
+    return settings.get_path("MIA_STREAM_VECTORS") or cache_dir() / "vectors"
 
 
 def _path(name: str) -> Path:

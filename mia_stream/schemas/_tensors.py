@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -126,11 +127,11 @@ class Tensor:
         if isinstance(data, np.ndarray):
             if data.dtype != np_dtype:  # bytes (e.g. rows gathered by the decoder): viewed as the dtype
                 data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).view(np_dtype)
-            if data.size != int(np.prod(self.shape, dtype=np.int64)):
+            if data.size != math.prod(self.shape):  # math.prod: np.prod cost 6 us here, per request per step
                 raise MalformedFrameError(f"tensor {self.name!r}: {data.nbytes} bytes for shape {self.shape} "
                                           f"{self.dtype}")
             return data.reshape(self.shape)
-        want = int(np.prod(self.shape, dtype=np.int64)) * itemsize
+        want = math.prod(self.shape) * itemsize
         if self.nbytes != want:
             raise MalformedFrameError(
                 f"tensor {self.name!r}: {self.nbytes} bytes for shape {self.shape} {self.dtype} (want {want})")
