@@ -479,3 +479,33 @@ def test_positions_never_captured_reach_the_end_as_ranges(run_dir):
     seqs_exact(m)
     assert m[-1][2].uncaptured_positions == [[0, 2]]
     assert [p for _, k, f, _ in m if k == "frame" for p in f.positions] == [3, 4, 5]
+
+
+def test_engine_drops_one_gap_item_covers_get_a_seq_each_before_the_end(run_dir):
+    """The engine sends one gap item per request and reason while one still waits for the drain (a stalled
+    drain must not be flooded); the end reports every drop. Each drop still holds a seq of its own, named
+    before the end: frames_sent + frames_dropped = the seqs the stream used. A reason with no gap item is not
+    a frame drop (a steering op the table had no slot for) and holds no seq."""
+    from mia_stream.producer._drain import DrainConfig, StepDrain
+    from mia_stream.producer._host_ring import HostRing
+
+    broker = StubBroker(run_dir)
+    pub = FramePublisher(run_dir, producer_id="drain-covered")
+    ring = HostRing.create(1 << 16)
+    try:
+        drain = StepDrain(DrainConfig(0, 1, 4, 2, 4, 4, 2, "float32", 4), pub, ring)
+        drain.handle(("start", "e", StreamStart("s-e", "", 0), {"prompt_len": 3}))
+        drain.handle(("gap", "e", "drain_queue_full", 1))
+        drain.handle(("tokens", 4, ["e"], [[7]]))
+        drain.handle(("end", "e", "length", 5, {"frames_dropped": 4, "uncaptured": [],
+                                                  "drops": {"drain_queue_full": 4, "steer_table_full": 1}}))
+        msgs = broker.wait_for(lambda got: ended(got) == 1)
+    finally:
+        pub.close()
+        broker.close()
+        ring.close()
+    m = per_request(msgs)["s-e"]
+    seqs_exact(m)
+    end = m[-1][2]
+    assert end.frames_dropped == 4 and end.drops == {"drain_queue_full": 4, "steer_table_full": 1}
+    assert [k for _, k, _, _ in m] == ["start", "gap", "tokens", "gap", "gap", "gap", "end"]

@@ -106,13 +106,14 @@ class DrainConfig:
 
 
 class _Stream:
-    __slots__ = ("stream_id", "prompt_len", "qk_heads", "generated", "dropped", "drops")
+    __slots__ = ("stream_id", "prompt_len", "qk_heads", "generated", "dropped", "drops", "engine_gaps")
 
     def __init__(self, stream_id: str, prompt_len: int, qk_heads: tuple):
         self.stream_id, self.prompt_len, self.qk_heads = stream_id, prompt_len, qk_heads
         self.generated = 0
         self.dropped = 0  # seqs this stream gave to dropped frames (each named by a GapNotice)
         self.drops: Counter = Counter()  # the drain's own drops by reason (the engine's come with the end)
+        self.engine_gaps: Counter = Counter()  # seqs given to the engine's gap items, by reason
 
 
 def _runs(row0: np.ndarray, count: np.ndarray) -> slice | np.ndarray:
@@ -260,6 +261,7 @@ class StepDrain:
         if st is None:
             return
         self._publish_held_of(eid, num_tokens)
+        self._name_uncovered_engine_drops(st, drops["drops"])
         del self._streams[eid]
         self._streams_epoch += 1
         sid = st.stream_id
@@ -339,10 +341,25 @@ class StepDrain:
         st = self._streams.get(plan.eid)
         if st is None:
             return
-        seq = self.publisher.next_seq(st.stream_id)
-        st.dropped += 1
-        self._publish(GapNotice(st.stream_id, self.publisher.producer_id, self.publisher.epoch, [[seq, seq]],
-                                plan.reason, "producer", time.time_ns()))
+        self._name_dropped(st, plan.reason, 1)
+
+    def _name_dropped(self, st: _Stream, reason: str, n: int) -> None:
+        """Give ``n`` frames the engine dropped the seqs they would have had, named in one gap notice."""
+        seqs = [self.publisher.next_seq(st.stream_id) for _ in range(n)]  # consecutive: this thread's stream
+        st.dropped += n
+        st.engine_gaps[reason] += n
+        self._publish(GapNotice(st.stream_id, self.publisher.producer_id, self.publisher.epoch,
+                                [[seqs[0], seqs[-1]]], reason, "producer", time.time_ns()))
+
+    def _name_uncovered_engine_drops(self, st: _Stream, engine_drops: dict) -> None:
+        """The engine sends one gap item per request and reason while one is still waiting for the drain; the
+        drops it covers beyond the first are named here, before the end, each with a seq of its own (so
+        frames_sent + frames_dropped = the seqs the stream used). Reasons with no gap item are not frame drops
+        (e.g. ``steer_table_full``)."""
+        for reason, named in list(st.engine_gaps.items()):
+            missing = engine_drops.get(reason, 0) - named
+            if missing > 0:
+                self._name_dropped(st, reason, missing)
 
     def _publish_tokens(self, plan: _TokenPlan, mask: np.ndarray) -> None:
         """Publish the requests ``mask`` keeps (their streams are live: an end takes its request out first)."""
