@@ -10,7 +10,8 @@ Items (tuples, first field the kind; all picklable, built by ``_runtime.Producer
 - ``("start", eid, StreamStart, info)``: a new stream (producer id and epoch stamped here);
 - ``("step", StepItem)``: one engine step's captured rows (columnar: one list entry per request segment);
 - ``("tokens", step, eids, token_lists)``: what each request sampled at a step;
-- ``("gap", eid, reason, step)``: a frame of this request's step was dropped by the engine (counted there);
+- ``("gap", eid, reason, step)``: the engine dropped a frame of this request (counted there; while one waits for
+  the drain, later drops of the request and reason come only in the end's count);
 - ``("end", eid, reason, num_tokens, drop_summary)``: the request finished.
 
 **One message per step** (schema 2.0, docs/wire-format.md 3.13-3.14): a step item becomes ONE ``StepBatch``
