@@ -48,7 +48,6 @@ stop token is published, and since seqs are stamped at publication the trim leav
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -56,12 +55,12 @@ from typing import Any
 
 import numpy as np
 
+from mia_stream import settings
 from mia_stream.schemas import (WIRE_DTYPES, GapNotice, RowGroup, Shard, StepBatch, StreamEnd, StreamStart, Tensor,
                                 TokenBatch)
 
 logger = logging.getLogger("mia_stream.producer")
 
-STEP_BATCHES_ENV = "MIA_STREAM_STEP_BATCHES"
 _I64 = np.int64
 
 
@@ -172,7 +171,7 @@ class StepDrain:
     def __init__(self, cfg: DrainConfig, publisher: Any, ring: Any, step_batches: bool | None = None):
         self.cfg, self.publisher, self.ring = cfg, publisher, ring
         if step_batches is None:
-            step_batches = os.environ.get(STEP_BATCHES_ENV, "1").strip() != "0"
+            step_batches = settings.get_flag("MIA_STREAM_STEP_BATCHES")
         self.step_batches = step_batches
         self.hold_last_step = False
         self._np_dtype = WIRE_DTYPES[cfg.wire_dtype][0]
