@@ -155,6 +155,66 @@ def _unset_broker() -> None:
         del os.environ["MIA_STREAM_BROKER"]
 
 
+def _children() -> set[int]:
+    try:
+        import psutil
+
+        return {c.pid for c in psutil.Process().children(recursive=True)}
+    except Exception:  # noqa: BLE001
+        return set()
+
+
+def _engine_core_pid(new: set[int]) -> int | None:
+    """The engine-core process among ``new`` child pids (it runs the scheduler and, with TP 1, the worker)."""
+    import psutil
+
+    for pid in sorted(new):
+        try:
+            p = psutil.Process(pid)
+            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
+                return pid
+        except psutil.Error:
+            continue
+    return None
+
+
+def start_pyspy(pyspy: str, pid: int, seconds: float, raw: str) -> subprocess.Popen:
+    """Sample ``pid`` (and its threads) for ``seconds`` without stopping it; collapsed stacks into ``raw``."""
+    return subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
+                             "--rate", "200", "--nonblocking", "--subprocesses", "--format", "raw", "--output", raw],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def summarize_pyspy(raw: str, title: str, top: int = 25) -> str:
+    """Where the sampled time went: the functions with most samples on the stack (inclusive) and on top of it
+    (self), as shares of all samples."""
+    incl: dict[str, int] = {}
+    self_: dict[str, int] = {}
+    total = 0
+    try:
+        lines = open(raw).read().splitlines()
+    except OSError as e:
+        return f"== {title}: no samples ({e})\n"
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        n = int(n)
+        frames = [f.split(" (")[0] + (" (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                                      if " (" in f else "") for f in stack.split(";")]
+        total += n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+        if frames:
+            self_[frames[-1]] = self_.get(frames[-1], 0) + n
+    out = [f"== {title}: {total} samples"]
+    for name, d in (("inclusive", incl), ("self", self_)):
+        out.append(f"  -- {name}")
+        for f, n in sorted(d.items(), key=lambda kv: -kv[1])[:top]:
+            out.append(f"  {100 * n / max(total, 1):5.1f}%  {f}")
+    return "\n".join(out) + "\n"
+
+
 def run_batch(llm, prompts: list, params) -> tuple[int, float]:
     from vllm import SamplingParams
 
@@ -182,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--gpu-mem", type=float, default=None, help="gpu_memory_utilization of EACH engine")
     ap.add_argument("--consumer-api", default="events,batches", help="comma list of: events, batches")
+    ap.add_argument("--pyspy", default="", help="a py-spy binary: profile the plugin engine core in --profile rows")
+    ap.add_argument("--profile", default="", help="comma list of rows to profile (last round; the row is then marked)")
+    ap.add_argument("--pyspy-s", type=float, default=3.0, help="seconds each profile samples")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from vllm import SamplingParams
@@ -228,7 +291,9 @@ def main(argv: list[str] | None = None) -> int:
             if "ready" not in consumers[api].stdout.readline():
                 raise RuntimeError(f"{api} consumer did not start")
         t0 = time.perf_counter()
+        before = _children()
         plugin = make_llm(a, True, run_dir)
+        core_pid = _engine_core_pid(_children() - before) if a.pyspy else None
         plain = make_llm(a, False, run_dir)
         results["engine_start_s"] = round(time.perf_counter() - t0, 1)
 
@@ -269,8 +334,20 @@ def main(argv: list[str] | None = None) -> int:
                 order = [("plugin", plugin), ("plain", plain)] if rnd % 2 == 0 else [("plain", plain), ("plugin", plugin)]
                 row = {}
                 for which, llm in order:
+                    spy = None
+                    if which == "plugin" and core_pid and name in a.profile.split(",") and rnd == a.rounds - 1:
+                        raw = str(out / f"pyspy-{name}.raw")
+                        spy = start_pyspy(a.pyspy, core_pid, a.pyspy_s, raw)
+                        time.sleep(0.3)  # attached before the batch starts
                     gen, dt = run_batch(llm, prompts, params if which == "plugin" else SamplingParams(**base))
                     row[which] = {"tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1)}
+                    if spy is not None:
+                        spy.wait(a.pyspy_s + 30)
+                        with open(out / "pyspy.txt", "a") as f:
+                            f.write(summarize_pyspy(raw, f"{name}: plugin engine core, {a.pyspy_s:g} s from the "
+                                                         f"batch's start ({dt:.2f} s run)"))
+                        os.unlink(raw)
+                        row["profiled"] = True
                 steps = row["plain"]["tokens"] / max(len(prompts), 1)
                 step_ms = 1e3 * row["plain"]["s"] / max(steps, 1)
                 row.update(ratio=round(row["plugin"]["tok_s"] / row["plain"]["tok_s"], 3),
