@@ -131,6 +131,22 @@ def _read_ends(path: str, ids: set[str]) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- engines
 
+def ensure_plugin_entry_point(work: Path) -> None:
+    """vLLM loads the plugin through the ``vllm.general_plugins`` entry point; where mia_stream runs from a
+    checkout on PYTHONPATH (the GPU host) there is none, and the engine would run without the plugin: expose one
+    in a dist-info dir that the engine's processes find on their PYTHONPATH."""
+    import importlib.metadata as md
+
+    if any(ep.value.startswith("mia_stream") for ep in md.entry_points(group="vllm.general_plugins")):
+        return
+    d = work / "entry-point" / "mia_stream_checkout-0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: mia-stream-checkout\nVersion: 0\n")
+    (d / "entry_points.txt").write_text("[vllm.general_plugins]\nmia_stream = mia_stream.producer.plugin:register\n")
+    os.environ["PYTHONPATH"] = f"{d.parent}:{os.environ.get('PYTHONPATH', '')}"
+    sys.path.insert(0, str(d.parent))
+
+
 def make_llm(a: argparse.Namespace, plugin: bool, address: str):
     """An engine whose core processes see ``MIA_STREAM_BROKER`` only when ``plugin`` (read at their spawn)."""
     from vllm import LLM
@@ -245,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pyspy", default="", help="a py-spy binary: profile the plugin engine core in --profile rows")
     ap.add_argument("--profile", default="", help="comma list of rows to profile (last round; the row is then marked)")
     ap.add_argument("--pyspy-s", type=float, default=3.0, help="seconds each profile samples")
+    ap.add_argument("--end-wait", type=float, default=30.0, help="seconds to wait for a row's streams to end")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from vllm import SamplingParams
@@ -269,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MIA_STREAM_APERTURE_ROWS", str(max(4096, need)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="mia-be-ep-")))
     cfg = json.load(open(Path(a.model) / "config.json"))
     L, H, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
     rng = np.random.default_rng(int(time.time()))
@@ -355,7 +373,7 @@ def main(argv: list[str] | None = None) -> int:
                 for api, consumer in consumers.items():
                     if consumer.poll() is not None:
                         raise RuntimeError(f"the {api} consumer exited ({consumer.returncode}); see its stderr above")
-                    deadline = time.monotonic() + 30
+                    deadline = time.monotonic() + a.end_wait
                     ends = _read_ends(ends_paths[api], ids)
                     while len(ends) < len(ids) and time.monotonic() < deadline:
                         time.sleep(0.2)
