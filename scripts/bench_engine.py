@@ -171,25 +171,21 @@ def _unset_broker() -> None:
         del os.environ["MIA_STREAM_BROKER"]
 
 
-def _children() -> set[int]:
-    try:
-        import psutil
-
-        return {c.pid for c in psutil.Process().children(recursive=True)}
-    except Exception:  # noqa: BLE001
-        return set()
-
-
-def _engine_core_pid(new: set[int]) -> int | None:
-    """The engine-core process among ``new`` child pids (it runs the scheduler and, with TP 1, the worker)."""
-    import psutil
-
-    for pid in sorted(new):
+def _plugin_engine_core(address: str) -> int | None:
+    """The pid of the plugin engine's core process: an ``EngineCore`` whose environment names the broker (it
+    runs the scheduler and, with TP 1 on a GPU, the worker; py-spy follows its subprocesses too)."""
+    mark = f"MIA_STREAM_BROKER={address}".encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
         try:
-            p = psutil.Process(pid)
-            if "EngineCore" in p.name() or "EngineCore" in " ".join(p.cmdline()):
-                return pid
-        except psutil.Error:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"EngineCore" not in f.read():
+                    continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    return int(d)
+        except OSError:
             continue
     return None
 
@@ -309,9 +305,9 @@ def main(argv: list[str] | None = None) -> int:
             if "ready" not in consumers[api].stdout.readline():
                 raise RuntimeError(f"{api} consumer did not start")
         t0 = time.perf_counter()
-        before = _children()
         plugin = make_llm(a, True, run_dir)
-        core_pid = _engine_core_pid(_children() - before) if a.pyspy else None
+        core_pid = _plugin_engine_core(run_dir) if a.pyspy else None
+        results["profiled_pid"] = core_pid
         plain = make_llm(a, False, run_dir)
         results["engine_start_s"] = round(time.perf_counter() - t0, 1)
 
