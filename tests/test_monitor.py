@@ -288,6 +288,18 @@ def wait_page(page, predicate, timeout: float, what: str) -> dict:
     return data
 
 
+def wait_for_snapshot(url: str, predicate, timeout: float = 30) -> dict:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = httpx.get(url + "api/snapshot").json()
+        if predicate(snap):
+            return snap
+        assert time.monotonic() < deadline, f"the monitor's snapshot never matched: {snap}"
+        time.sleep(0.1)
+
+
 def r4(v: float) -> float:
     return float(f"{v:.4g}")
 
@@ -316,7 +328,8 @@ def test_live_page_shows_tokens_and_scores_within_a_second(engine, broker_addres
     from vllm import SamplingParams
 
     rids = ["mon-live-0", "mon-live-1", "mon-live-2"]
-    prompts = ["The capital of France is", "Water boils at a temperature of", "The largest planet in the solar system is"]
+    prompts = ["Q: What is the capital of France?\nA:", "Q: At what temperature does water boil?\nA:",
+               "Q: Which is the largest planet in the solar system?\nA:"]
     with scorer(broker_address, "mon-live-*"), monitor(broker_address) as (url, _proc):
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         errors: list = []
@@ -326,7 +339,7 @@ def test_live_page_shows_tokens_and_scores_within_a_second(engine, broker_addres
         wait_for_consumer(broker_address, "monitor-")
         collector = Collector(broker_address, ["mon-live-*"], rids)
         collector.start()
-        params = [SamplingParams(max_tokens=24, temperature=0, extra_args={"mia_stream": capture_spec(
+        params = [SamplingParams(max_tokens=40, temperature=0, extra_args={"mia_stream": capture_spec(
             rid, user=user, topic=topic)}) for rid, user, topic in zip(rids, ["alice", "bob", "carol"],
                                                                         ["geography", "physics", "astronomy"])]
         outputs = {}
@@ -624,6 +637,9 @@ def test_a_token_guards_every_request_beyond_loopback(browser, tmp_path):
         finally:
             broker.terminate()
             broker.wait(10)
+    with monitor(str(tmp_path)) as (url, _proc):  # a directory holding no recording: said, the server stays
+        note = wait_for_snapshot(url, lambda s: "holds no .mcap files" in (s["overview"]["note"] or ""))
+        assert note["overview"]["note"].startswith("reading the source failed: RecordingError")
     for args, message in ((["--source", "/no/such/dir"], "is neither a broker run dir nor a recording"),
                           (["--source", str(tmp_path), "--token", "short"], "--token must be at least 8")):
         r = subprocess.run([PY, "-m", "mia_stream.cli", "monitor", *args], capture_output=True, text=True, env=_env(),

@@ -70,6 +70,7 @@ class RequestRecord:
         self.scores: list[tuple] = []  # (pos, key, value, tau)
         self.alerts: list[tuple] = []  # (pos, key, text, tau)
         self.totals: dict[str, tuple] = {}  # key -> (value, tau): request-level results (position -1)
+        self.top: dict[str, float] = {}  # key -> highest finite score so far (the list's column, live)
         self.norms: list[tuple] = []  # (pos, layers_id, values, tau)
         self.norms_dropped = 0  # entries dropped from the front of ``norms`` (kept bounded)
         self.norms_from: str | None = None  # "frames" (computed here) or the analysis key they come from
@@ -346,11 +347,14 @@ class MonitorState:
                 a, b = offsets[j], offsets[j + 1]
                 for name, vals in scalars.items():
                     key = keys[name]
+                    top = rec.top.get(key, -math.inf)
                     for i in range(a, b):
                         if positions[i] < 0:
                             rec.totals[key] = (vals[i], tau)
                         else:
                             rec.scores.append((positions[i], key, vals[i], tau))
+                            if vals[i] > top:  # (False for NaN)
+                                top = rec.top[key] = vals[i]
                 prof = profiles.get("norm")
                 if prof is not None and rec.norms_from in (None, keys["norm"]):
                     rec.norms_from = keys["norm"]
@@ -434,8 +438,10 @@ class MonitorState:
             if at is None or tau <= at:
                 drops += c
         alerts = sum(1 for x in rec.alerts if at is None or x[3] <= at)
-        if key is not None:
-            vals = [v for _p, k, v, tau in rec.scores if k == key and (at is None or tau <= at)]
+        if key is not None and at is None:
+            top = _round(rec.top[key]) if key in rec.top else None
+        elif key is not None:
+            vals = [v for _p, k, v, tau in rec.scores if k == key and tau <= at and math.isfinite(v)]
             if vals:
                 top = _round(max(vals))
         tps = rec.tokens_per_s(n)
