@@ -6,7 +6,7 @@
 
 Two engines run in one driver process, both with vLLM's default multiprocess engine core: ``plain`` (the
 plugin inactive: no ``MIA_STREAM_BROKER`` in its environment) and ``plugin``. The broker (``mia-stream
-broker``) and one consumer subscribed to ``*`` run as their own processes. Each round draws fresh random
+broker``) and the consumers, each subscribed to ``*``, run as their own processes. Each round draws fresh random
 prompts and runs every row on the plugin engine and the same prompts on the plain engine, back to back, so
 no row gets prefix-cache hits the other does not and clock drift spreads over the rows; the ``shared_prefix``
 row gives all prompts one shared system prompt (``--shared-prefix`` tokens) that both engines cache.
@@ -14,7 +14,9 @@ row gives all prompts one shared system prompt (``--shared-prefix`` tokens) that
 Per row: generated tokens/s of each engine and their ratio, the decode step time of the plain engine, and
 from the consumer: request-steps delivered, seqs lost (gaps + producer drops), and the latency from a frame's
 ``time_ns`` (its step's forward was enqueued) to the consumer callback, p50 and p99, also in decode steps.
-``--consumer-api batches`` makes the consumer use the vectorized batch API.
+``--consumer-api`` picks the consumers: ``events`` (``open_stream``: one event per request per step, what a
+script does), ``batches`` (``open_batches``: one event per step, what a vectorized analyzer does), or both
+(``events,batches``, the default: two consumer processes at once).
 Writes ``results.json`` and prints a table. ``--rows`` picks rows; ``--rounds`` repeats them.
 """
 
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--gpu-mem", type=float, default=None, help="gpu_memory_utilization of EACH engine")
-    ap.add_argument("--consumer-api", default="events", choices=("events", "batches"))
+    ap.add_argument("--consumer-api", default="events,batches", help="comma list of: events, batches")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from vllm import SamplingParams
@@ -213,16 +215,18 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
     broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run_dir],
                               stdout=subprocess.PIPE, text=True, env=env)
-    ends_path = str(out / "consumer-ends.jsonl")
-    consumer = None
+    apis = a.consumer_api.split(",")
+    ends_paths = {api: str(out / f"consumer-{api}-ends.jsonl") for api in apis}
+    consumers: dict[str, subprocess.Popen] = {}
     results: dict = {"args": vars(a), "cuda": cuda, "rows": {}}
     try:
         if "ready" not in broker.stdout.readline():
             raise RuntimeError("broker did not start")
-        consumer = subprocess.Popen([sys.executable, __file__, "--consumer", run_dir, ends_path, a.consumer_api],
-                                    stdout=subprocess.PIPE, text=True, env=env)
-        if "ready" not in consumer.stdout.readline():
-            raise RuntimeError("consumer did not start")
+        for api in apis:
+            consumers[api] = subprocess.Popen([sys.executable, __file__, "--consumer", run_dir, ends_paths[api], api],
+                                              stdout=subprocess.PIPE, text=True, env=env)
+            if "ready" not in consumers[api].stdout.readline():
+                raise RuntimeError(f"{api} consumer did not start")
         t0 = time.perf_counter()
         plugin = make_llm(a, True, run_dir)
         plain = make_llm(a, False, run_dir)
@@ -267,29 +271,32 @@ def main(argv: list[str] | None = None) -> int:
                 for which, llm in order:
                     gen, dt = run_batch(llm, prompts, params if which == "plugin" else SamplingParams(**base))
                     row[which] = {"tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1)}
-                if consumer.poll() is not None:
-                    raise RuntimeError(f"the consumer process exited ({consumer.returncode}); see its stderr above")
-                deadline = time.monotonic() + 30
-                ends = _read_ends(ends_path, ids)
-                while len(ends) < len(ids) and time.monotonic() < deadline:
-                    time.sleep(0.2)
-                    ends = _read_ends(ends_path, ids)
-                lat = np.array([x for e in ends for x in e["lat"]]) if ends else np.zeros(0)
                 steps = row["plain"]["tokens"] / max(len(prompts), 1)
                 step_ms = 1e3 * row["plain"]["s"] / max(steps, 1)
-                row.update(ratio=round(row["plugin"]["tok_s"] / row["plain"]["tok_s"], 3), plain_step_ms=round(step_ms, 2),
-                           streams=len(ids), ended=len(ends), frames=sum(e["frames"] for e in ends),
-                           gap_seqs=sum(e["gap_seqs"] for e in ends), dropped=sum(e["dropped"] for e in ends))
-                if lat.size:
-                    row.update(lat_p50_ms=round(float(np.percentile(lat, 50)), 2),
-                               lat_p99_ms=round(float(np.percentile(lat, 99)), 2),
-                               lat_p99_steps=round(float(np.percentile(lat, 99)) / step_ms, 2))
+                row.update(ratio=round(row["plugin"]["tok_s"] / row["plain"]["tok_s"], 3),
+                           plain_step_ms=round(step_ms, 2), streams=len(ids))
+                for api, consumer in consumers.items():
+                    if consumer.poll() is not None:
+                        raise RuntimeError(f"the {api} consumer exited ({consumer.returncode}); see its stderr above")
+                    deadline = time.monotonic() + 30
+                    ends = _read_ends(ends_paths[api], ids)
+                    while len(ends) < len(ids) and time.monotonic() < deadline:
+                        time.sleep(0.2)
+                        ends = _read_ends(ends_paths[api], ids)
+                    lat = np.array([x for e in ends for x in e["lat"]]) if ends else np.zeros(0)
+                    c = {"ended": len(ends), "frames": sum(e["frames"] for e in ends),
+                         "gap_seqs": sum(e["gap_seqs"] for e in ends), "dropped": sum(e["dropped"] for e in ends)}
+                    if lat.size:
+                        c.update(lat_p50_ms=round(float(np.percentile(lat, 50)), 2),
+                                 lat_p99_ms=round(float(np.percentile(lat, 99)), 2),
+                                 lat_p99_steps=round(float(np.percentile(lat, 99)) / step_ms, 2))
+                    row[api] = c
                 results["rows"].setdefault(name, []).append(row)
                 print(f"[bench_engine] round {rnd} {name}: {json.dumps(row)}", flush=True)
                 (out / "results.json").write_text(json.dumps(results, indent=1))
     finally:
-        for p in (consumer, broker):
-            if p is not None and p.poll() is None:
+        for p in (*consumers.values(), broker):
+            if p.poll() is None:
                 p.terminate()
                 try:
                     p.wait(10)
@@ -300,13 +307,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{'row':28s} {'ratio':>7s} {'plugin tok/s':>13s} {'plain tok/s':>12s} {'step ms':>8s} {'frames':>8s} "
-          f"{'gaps':>6s} {'dropped':>7s} {'p50 ms':>8s} {'p99 ms':>8s} {'p99 steps':>9s}")
+    apis = results["args"]["consumer_api"].split(",")
+    head = f"{'row':28s} {'ratio':>6s} {'plugin tok/s':>12s} {'plain tok/s':>11s} {'step ms':>8s}"
+    for api in apis:
+        head += f" | {api + ': frames':>15s} {'gaps':>5s} {'drop':>5s} {'p50 ms':>7s} {'p99 ms':>7s} {'p99 st':>6s}"
+    print("\n" + head)
+    nan = float("nan")
     for name, runs in results["rows"].items():
         for r in runs:
-            print(f"{name:28s} {r['ratio']:7.3f} {r['plugin']['tok_s']:13.1f} {r['plain']['tok_s']:12.1f} "
-                  f"{r['plain_step_ms']:8.2f} {r['frames']:8d} {r['gap_seqs']:6d} {r['dropped']:7d} {r.get('lat_p50_ms', float('nan')):8.2f} "
-                  f"{r.get('lat_p99_ms', float('nan')):8.2f} {r.get('lat_p99_steps', float('nan')):9.2f}")
+            line = (f"{name:28s} {r['ratio']:6.3f} {r['plugin']['tok_s']:12.1f} {r['plain']['tok_s']:11.1f} "
+                    f"{r['plain_step_ms']:8.2f}")
+            for api in apis:
+                c = r.get(api, {})
+                line += (f" | {c.get('frames', 0):15d} {c.get('gap_seqs', 0):5d} {c.get('dropped', 0):5d} "
+                         f"{c.get('lat_p50_ms', nan):7.2f} {c.get('lat_p99_ms', nan):7.2f} "
+                         f"{c.get('lat_p99_steps', nan):6.2f}")
+            print(line)
 
 
 if __name__ == "__main__":
