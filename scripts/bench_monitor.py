@@ -199,7 +199,8 @@ def run_one(rate: float, a: argparse.Namespace, browser) -> dict:
         rss = _rss_mb(mon.pid)
         page.close()
         pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else float("nan")  # noqa: E731
-        return {"rate": rate, "wall_s": wall, "load_average": os.getloadavg()[0], "monitor_cpu_pct": 100 * cpu / wall, "monitor_rss_mb": rss,
+        return {"rate": rate, "wall_s": wall, "load_average": os.getloadavg()[0],
+                "monitor_cpu_pct": 100 * cpu / wall, "monitor_rss_mb": rss,
                 "chromium_cpu_pct": 100 * chrome / wall,
                 "token_to_page_ms": [pct(latency, 50), pct(latency, 95), max(latency, default=float("nan"))],
                 "tokens_measured": len(latency), "updates_per_s": updates / wall,

@@ -363,7 +363,7 @@ class MonitorState:
                     self._trim_norms(rec)
                 for i in range(a, b):
                     if alerts[i]:
-                        parts = [f"{k}={_round(v[i])}" for k, v in scalars.items()]
+                        parts = [f"{k}={v[i]:.4g}" for k, v in scalars.items()]
                         parts += [f"{k}={v[i]}" for k, v in labels.items() if i < len(v) and v[i] is not None]
                         rec.alerts.append((positions[i], analyzer, ", ".join(parts), tau))
                 rec.version += 1
@@ -484,7 +484,8 @@ class MonitorState:
             tps = rec.tokens_per_s(n)
             out["info"] = {"state": state, "tags": rec.tags, "model": rec.model, "tokenizer": rec.tokenizer_name,
                            "detok_note": rec.detok_note, "prompt_tokens": rec.n_prompt,
-                           "generated": max(0, n - rec.n_prompt), "tokens_per_s": None if tps is None else round(tps, 1),
+                           "generated": max(0, n - rec.n_prompt),
+                           "tokens_per_s": None if tps is None else round(tps, 1),
                            "drops": sum(drops.values()), "drop_reasons": dict(drops),
                            "norms_dropped": rec.norms_dropped, "norms_from": rec.norms_from,
                            "end": rec.end_info if state not in ("running", "no start") else None,
