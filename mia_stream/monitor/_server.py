@@ -10,8 +10,9 @@ request list at most ``list_rate`` per second), holding only what changed since 
 version; for the chosen request the tokens, scores, alerts and norms appended since).
 
 With a token (``--token``, or generated when bound beyond loopback) every request must carry it: ``?token=``
-once (it is then kept in an HttpOnly cookie), the cookie, or an ``Authorization: Bearer`` header. Without one, only ``Host`` headers naming a loopback address are served (a
-page on another site cannot reach the monitor through DNS rebinding).
+once (it is then kept in an HttpOnly cookie), the cookie, or an ``Authorization: Bearer`` header. Without one,
+only ``Host`` headers naming a loopback address are served (a page on another site cannot reach the monitor
+through DNS rebinding).
 """
 
 from __future__ import annotations
