@@ -29,7 +29,16 @@ def hs_norms(tensor_like: Any) -> np.ndarray:
     page shows 4 significant digits)."""
     hs = tensor_like.numpy() if hasattr(tensor_like, "numpy") else np.asarray(tensor_like)
     hs = np.asarray(hs, dtype=np.float32)
-    return np.sqrt(np.einsum("ltd,ltd->lt", hs, hs))
+    # vecdot: 0.07-0.2 ms for [1, 256, 4096] here, einsum 0.36-0.46 ms (widening bf16 to float32: 0.5-1.1 ms)
+    with np.errstate(over="ignore", invalid="ignore"):  # an inf or NaN row is shown as a missing point
+        return np.sqrt(_vecdot(hs, hs))
+
+
+def _einsum_vecdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.einsum("...d,...d->...", a, b)
+
+
+_vecdot = getattr(np, "vecdot", _einsum_vecdot)  # numpy >= 2.0
 
 
 class Ingest:
