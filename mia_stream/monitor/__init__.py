@@ -1,0 +1,121 @@
+"""``mia-stream monitor``: a local web page to watch a broker's requests live, or to scrub through a recording.
+
+    mia-stream monitor --source /tmp/mia-run --port 8765          # live: http://127.0.0.1:8765/
+    mia-stream monitor --source runs/rec1 --port 8765             # a recording, with a timeline
+
+The page lists live and recent requests (id, tags, state, tokens/s, drops, lag, alerts, top score); for the
+chosen one it shows the text as it is generated, tokens coloured by a score from its ``analysis`` stream
+(``--score ANALYZER.VALUE``, else the first that looks like a risk), alerts, the hidden-state norm per layer and
+the chosen score over positions, and the broker's throughput and drop counters. Everything is reduced on the
+server (``_state``): the browser never gets a tensor. Steering is not offered.
+
+Bound to 127.0.0.1 by default. ``--host`` anything else requires a token on every request (``--token``, or a
+random one printed at start in the page's URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import secrets
+import socket
+import sys
+from typing import Any
+
+from mia_stream.monitor._ingest import Ingest
+from mia_stream.monitor._server import MonitorServer, is_loopback
+from mia_stream.monitor._state import MonitorState
+
+__all__ = ["Ingest", "MonitorServer", "MonitorState", "build", "main"]
+
+
+def _is_recording(source: Any) -> bool:
+    from mia_stream.consumers import _is_recording as sdk_is_recording  # the SDK's own rule, live vs recorded
+
+    return sdk_is_recording(source)
+
+
+def build(source: Any, *, patterns=("*",), keys: Any = None, token: str | None = None, score: str | None = None,
+          tokenizer: str | None = None, keep_ended: int = 256, max_rate: float = 10.0, list_rate: float = 2.0,
+          from_start: bool = True) -> tuple[MonitorState, Ingest, MonitorServer]:
+    """The monitor's three parts for ``source`` (a broker address or a recording path); not started."""
+    recording = _is_recording(source)
+    state = MonitorState(recording=recording, keep_ended=keep_ended, score_key=score, tokenizer=tokenizer)
+    ingest = Ingest(state, source, patterns=patterns, keys=keys, from_start=from_start,
+                    consumer_id=f"monitor-{os.getpid()}")
+    server = MonitorServer(state, token=token, max_rate=max_rate, list_rate=list_rate,
+                           source=str(source or "default broker"))
+    return state, ingest, server
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="mia-stream monitor", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--source", help="broker address (run dir, ipc://, tcp://) or recording path "
+                                     "(default $MIA_STREAM_BROKER or the default run dir)")
+    ap.add_argument("--port", type=int, default=8765, help="HTTP port (0: any free one; default 8765)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1); any other "
+                                                        "requires a token")
+    ap.add_argument("--token", help="require this token on every request (default: none on loopback, a "
+                                    "random one otherwise)")
+    ap.add_argument("--patterns", nargs="+", default=["*"], help="request-id globs to watch (default *)")
+    ap.add_argument("--keys", help="CURVE key dir (tcp brokers)")
+    ap.add_argument("--score", help="colour tokens by this analysis value, ANALYZER.VALUE (default: the first "
+                                    "that looks like a risk score)")
+    ap.add_argument("--tokenizer", help="tokenizer dir or tokenizer.json for every stream (default: the one each "
+                                        "stream names; never downloaded)")
+    ap.add_argument("--keep", type=int, default=256, help="ended requests kept on the page (live; default 256)")
+    ap.add_argument("--max-rate", type=float, default=10.0, help="updates per second per page (default 10)")
+    ap.add_argument("--list-rate", type=float, default=2.0, help="request-list updates per second per page "
+                                                                 "(default 2)")
+    ap.add_argument("--log-level", default="warning")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    source = args.source or os.environ.get("MIA_STREAM_BROKER")
+    if source and "://" not in source and not os.path.exists(source):
+        print(f"mia-stream monitor: {source!r} is neither a broker run dir nor a recording (no such path)",
+              file=sys.stderr)
+        return 2
+    token = args.token
+    if token is None and not is_loopback(args.host):
+        token = secrets.token_urlsafe(24)
+    if token is not None and len(token) < 8:
+        print("mia-stream monitor: --token must be at least 8 characters", file=sys.stderr)
+        return 2
+    try:
+        sock = _bind(args.host, args.port)
+    except OSError as e:
+        print(f"mia-stream monitor: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    state, ingest, server = build(source, patterns=args.patterns, keys=args.keys, token=token, score=args.score,
+                                  tokenizer=args.tokenizer, keep_ended=args.keep, max_rate=args.max_rate,
+                                  list_rate=args.list_rate)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+    mode = "recording" if state.recording else "live"
+    print(f"mia-stream monitor: {url} ({mode}: {source or 'default broker'})", flush=True)
+    ingest.start()
+    config = uvicorn.Config(server.app, log_level=args.log_level if args.log_level != "warning" else "warning",
+                            access_log=False, lifespan="off", timeout_graceful_shutdown=1)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:
+        pass
+    finally:
+        ingest.stop()
+        sock.close()
+    return 0
