@@ -13,6 +13,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "stats": ("mia_stream.broker", "stats_main", "print a running broker's statistics"),
     "keys": ("mia_stream._transport", "keys_main", "create CURVE key pairs for tcp endpoints"),
     "consume": ("mia_stream.consumers", "consume_main", "run a Consumer class (MODULE:Class) as a process"),
+    "serve": ("mia_stream.serve", "main", "serve a model over HTTP (vLLM's OpenAI server) with broker and plugin"),
     "record": ("mia_stream.consumers.recorder", "main", "record streams from a broker into MCAP files"),
     "replay": ("mia_stream.consumers.replay", "main", "replay a recording into consumers or a broker"),
     "vectors": ("mia_stream.producer.vectors", "main", "register named steering vectors"),

@@ -18,6 +18,7 @@
     │   └── BrokerTimeoutError     no answer from the broker in time
     ├── SteeringCommandError       a steering command the producer refused (unknown request, not authorised…)
     ├── ModelError                 a model dir that is missing or corrupt
+    ├── SpanError (ValueError)     a prompt whose parts cannot be mapped to token spans (mia_stream.spans)
     └── UnsupportedVLLMError       a vLLM version or runner the producer adapter does not support
 """
 
@@ -94,6 +95,10 @@ class SteeringCommandError(MiaStreamError):
 
 class ModelError(MiaStreamError):
     pass
+
+
+class SpanError(MiaStreamError, ValueError):
+    """A chat prompt whose parts cannot be found in its rendering (``mia_stream.spans``)."""
 
 
 class UnsupportedVLLMError(MiaStreamError):

@@ -6,7 +6,9 @@ API-server process never imports runner code it would not import anyway. Three p
 
 - frontend (``InputProcessor.process_inputs``): validates and normalizes ``extra_args["mia_stream"]``
   (a bad spec raises to the caller before the engine sees it), turns off prefix-cache reads for requests
-  that capture prompt positions, and salts the cache of every streamed request;
+  that capture prompt positions, and salts the cache of every streamed request; in the API server,
+  ``AsyncLLM.generate`` checks the spec when it is called, so a bad spec over HTTP is a 400 carrying the
+  spec error's text, streamed or not (``served_spec_error``);
 - engine core (``Scheduler``): numbers steps, records finish reasons, and applies live steering commands
   and aborts at step boundaries, attaching them to ``SchedulerOutput`` so every TP rank applies them at the
   same step;
@@ -92,6 +94,7 @@ def install() -> None:
     check_vllm_version(vllm.__version__)
     patches = {
         "vllm.v1.engine.input_processor": _patch_input_processor,
+        "vllm.v1.engine.async_llm": _patch_async_llm,
         "vllm.v1.core.sched.scheduler": _patch_scheduler,
         "vllm.v1.worker.gpu_model_runner": _patch_v1_runner,
         "vllm.v1.worker.cpu_model_runner": _patch_cpu_runner,
@@ -131,10 +134,7 @@ def _patch_input_processor(module) -> None:
         raw = _spec_of(params)
         if raw is None:
             return orig(self, request_id, prompt, params, *args, **kwargs)
-        try:
-            spec = parse_spec(raw, geometry_of(self.model_config))
-        except SpecError as e:
-            raise ValueError(f"mia_stream: {e}") from e
+        spec = _checked_spec(raw, self.model_config)
         # vLLM deep-copies the params: hand it the normalized spec (vectors as float32 bytes), not the caller's
         # float lists (a deepcopy of 32 ops x 4096 floats took tens of ms per request), and never touch the
         # caller's object (it may be shared by several prompts)
@@ -153,6 +153,82 @@ def _patch_input_processor(module) -> None:
         return request
 
     cls.process_inputs = process_inputs
+
+
+def _checked_spec(raw, model_config):
+    """The parsed spec, or the spec error as the exception vLLM's API server answers with a 400."""
+    try:
+        return parse_spec(raw, geometry_of(model_config))
+    except SpecError as e:
+        raise served_spec_error(e) from e
+
+
+_SERVED_ERROR_CLASSES: dict[type, type] = {}
+
+
+def served_spec_error(err: SpecError) -> SpecError:
+    """``err`` as an exception that is both the same ``SpecError`` subclass (so a ``ValueError`` for
+    ``vllm.LLM`` callers) and vLLM's ``VLLMValidationError``, with the text ``mia_stream: <err>``.
+
+    Why: vLLM 0.32's ``AsyncLLM.generate`` re-raises only its own client errors (``VLLMClientError``); any
+    other exception, ``ValueError`` included, becomes an ``EngineGenerateError``: an HTTP 500 with an empty
+    message, which the ``openai`` client even retries. ``VLLMValidationError`` maps to 400 with the message
+    (``error.param`` = "mia_stream"); where it still derives from ``ValueError`` (0.16-0.17 docs), the
+    ``ValueError`` base keeps the 400 of vLLMs that map ``ValueError`` itself.
+    """
+    cls = type(err)
+    served = _SERVED_ERROR_CLASSES.get(cls)
+    if served is None:
+        try:
+            from vllm.exceptions import VLLMValidationError
+        except ImportError:  # no client-error class in this vLLM: a plain ValueError is its 400
+            served = cls
+        else:
+            def __str__(self):  # the spec error's text only (VLLMValidationError appends "(parameter=...)")
+                return Exception.__str__(self)
+
+            served = type(f"Served{cls.__name__}", (VLLMValidationError, cls),
+                          {"__str__": __str__, "__module__": __name__})
+        _SERVED_ERROR_CLASSES[cls] = served
+    message = f"mia_stream: {err}"
+    if served is cls:
+        return cls(message)
+    return served(message, parameter=SPEC_KEY)
+
+
+def _patch_async_llm(module) -> None:
+    """Check the spec when ``AsyncLLM.generate`` is called, not when its generator first runs.
+
+    The OpenAI server calls ``generate`` to get an async generator and, for ``stream=true``, starts
+    iterating it only inside the streaming response, after the 200 status went out: a spec error raised
+    there (``process_inputs``) reaches the client as an error event in a 200 stream. Raised at the call, it
+    propagates out of the endpoint handler and vLLM's exception handlers answer 400 for streamed and
+    unstreamed requests alike. The checked spec replaces the raw one (a copy of the params; vectors as float32
+    bytes), so ``process_inputs`` re-parses it cheaply.
+    """
+    cls = getattr(module, "AsyncLLM", None)
+    orig = getattr(cls, "generate", None)
+    if orig is None:
+        raise UnsupportedVLLMError(
+            "mia_stream: vllm.v1.engine.async_llm.AsyncLLM.generate not found; this vLLM's API server would "
+            "answer a bad spec with an HTTP 500 (set MIA_STREAM_ALLOW_ANY_VLLM=1 only with a supported vLLM)")
+
+    def generate(self, *args, **kwargs):
+        in_kwargs = "sampling_params" in kwargs
+        params = kwargs["sampling_params"] if in_kwargs else (args[1] if len(args) > 1 else None)
+        raw = _spec_of(params) if hasattr(params, "extra_args") else None
+        if raw is not None:
+            spec = _checked_spec(raw, self.model_config)
+            params = copy.copy(params)
+            params.extra_args = dict(params.extra_args, **{SPEC_KEY: spec.to_wire()})
+            if in_kwargs:
+                kwargs["sampling_params"] = params
+            else:
+                args = (args[0], params, *args[2:])
+        return orig(self, *args, **kwargs)
+
+    generate.__wrapped__ = orig
+    cls.generate = generate
 
 
 # ------------------------------------------------------------------------------------------ engine core
