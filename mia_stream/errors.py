@@ -19,6 +19,9 @@
     ├── SteeringCommandError       a steering command the producer refused (unknown request, not authorised…)
     ├── ModelError                 a model dir that is missing or corrupt
     ├── SpanError (ValueError)     a prompt whose parts cannot be mapped to token spans (mia_stream.spans)
+    ├── AnalyzerError              an analyzer that cannot run (mia_stream.analyzers)
+    │   ├── AnalyzerConfigError (ValueError)  a malformed analyzer config or probe file
+    │   └── AnalyzerInputError     a stream lacking what the analyzer needs (layers, Q/K, spans)
     └── UnsupportedVLLMError       a vLLM version or runner the producer adapter does not support
 """
 
@@ -99,6 +102,18 @@ class ModelError(MiaStreamError):
 
 class SpanError(MiaStreamError, ValueError):
     """A chat prompt whose parts cannot be found in its rendering (``mia_stream.spans``)."""
+
+
+class AnalyzerError(MiaStreamError):
+    """An analyzer that cannot run; the message names the missing or bad piece in one line."""
+
+
+class AnalyzerConfigError(AnalyzerError, ValueError):
+    pass
+
+
+class AnalyzerInputError(AnalyzerError):
+    pass
 
 
 class UnsupportedVLLMError(MiaStreamError):

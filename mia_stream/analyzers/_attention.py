@@ -1,0 +1,203 @@
+"""Attention weights rebuilt from captured post-RoPE Q/K: what the attention analyzers read.
+
+The engine never materializes attention probabilities (fused kernels), but it computes them from the Q and K
+it feeds its attention op, which the capture streams (``q [L, T, heads, D]``, ``k [L, T, kv_heads, D]``, after
+RoPE). For a decoder-only model with plain causal attention this rebuild is exact:
+
+    alpha[l, h, i, j] = softmax_j(q[l, i, h] . k[l, j, kv(h)] * scale),  j <= position(i)
+
+with ``kv(h) = h // (num_heads // num_kv_heads)`` (grouped-query attention: each KV head serves a group of
+consecutive query heads, as ``repeat_kv`` in Hugging Face) and ``scale = head_dim ** -0.5`` unless the model says
+otherwise. Models with sliding windows, attention sinks, logit soft-capping or ALiBi need more than this and
+are not handled here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+import numpy as np
+
+from mia_stream.errors import AnalyzerInputError
+
+__all__ = ["HeadSet", "QKBuffer", "attention_rows", "auroc", "kv_index", "span_mask"]
+
+
+def kv_index(q_heads: Sequence[int], k_heads: Sequence[int], num_heads: int, num_kv_heads: int) -> np.ndarray:
+    """For each captured query head, the index (into the captured KV heads ``k_heads``) of the KV head it reads."""
+    if num_kv_heads <= 0 or num_heads % num_kv_heads:
+        raise AnalyzerInputError(f"bad head geometry: {num_heads} query heads, {num_kv_heads} KV heads")
+    group = num_heads // num_kv_heads
+    k_heads = np.asarray(k_heads, dtype=np.int64)
+    want = np.asarray(q_heads, dtype=np.int64) // group
+    idx = np.searchsorted(k_heads, want)
+    ok = (idx < len(k_heads)) & (k_heads[np.minimum(idx, len(k_heads) - 1)] == want) if len(k_heads) else \
+        np.zeros(len(want), bool)
+    if not ok.all():
+        missing = sorted(set(want[~ok].tolist()))
+        raise AnalyzerInputError(f"the stream's K has KV heads {k_heads.tolist()}, not KV head(s) {missing} that "
+                                 "the captured query heads read")
+    return idx
+
+
+def attention_rows(q: np.ndarray, k: np.ndarray, q_positions: Sequence[int], kv_of_q: np.ndarray,
+                   scale: float | None = None) -> np.ndarray:
+    """Attention probabilities of some query rows over all keys before them.
+
+    ``q``: ``[L, Tq, Hq, D]`` at token positions ``q_positions``; ``k``: ``[L, Tk, Hk, D]`` at positions
+    ``0..Tk-1`` (every key the queries may see); ``kv_of_q``: ``[Hq]`` index into dim 2 of ``k`` per query head
+    (``kv_index``). Returns ``[L, Hq, Tq, Tk]`` float64, zero past each query's position (the causal mask).
+    """
+    q = np.asarray(q)
+    k = np.asarray(k)
+    if q.ndim != 4 or k.ndim != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise AnalyzerInputError(f"Q {q.shape} and K {k.shape} must be [layers, tokens, heads, head_dim] with "
+                                 "the same layers and head_dim")
+    pos = np.asarray(q_positions, dtype=np.int64)
+    if pos.shape != (q.shape[1],):
+        raise AnalyzerInputError(f"{len(pos)} query positions for {q.shape[1]} query rows")
+    tk = k.shape[1]
+    if len(pos) and (pos.min() < 0 or pos.max() >= tk):
+        raise AnalyzerInputError(f"query positions {pos.min()}..{pos.max()} need keys 0..{pos.max()}, "
+                                 f"the stream has {tk}")
+    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
+    kr = k[:, :, np.asarray(kv_of_q, dtype=np.int64)]  # [L, Tk, Hq, D]: GQA heads repeated
+    logits = np.einsum("lqhd,lkhd->lhqk", q.astype(np.float64), kr.astype(np.float64)) * scale
+    masked = np.arange(tk)[None, :] > pos[:, None]  # [Tq, Tk]
+    logits[:, :, masked] = -np.inf
+    logits -= logits.max(axis=-1, keepdims=True)
+    np.exp(logits, out=logits)
+    logits /= logits.sum(axis=-1, keepdims=True)
+    return logits
+
+
+@dataclass(frozen=True)
+class HeadSet:
+    """A set of (layer, head) pairs, as analyzer configs name them, and the capture that provides them."""
+
+    pairs: tuple  # ((layer, head), ...), sorted
+
+    @classmethod
+    def parse(cls, value, num_layers: int, num_heads: int, what: str = "heads") -> "HeadSet":
+        """``[[layer, head], ...]`` or ``"all"`` (every head of every layer), checked against the model."""
+        if value == "all":
+            return cls(tuple((l, h) for l in range(num_layers) for h in range(num_heads)))
+        if not isinstance(value, (list, tuple)) or not value:
+            raise AnalyzerInputError(f"{what}: must be 'all' or a non-empty list of [layer, head] pairs, got "
+                                     f"{value!r}")
+        out = set()
+        for p in value:
+            if (not isinstance(p, (list, tuple)) or len(p) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in p)):
+                raise AnalyzerInputError(f"{what}: {p!r} is not a [layer, head] pair of integers")
+            l, h = p
+            if not 0 <= l < num_layers:
+                raise AnalyzerInputError(f"{what}: layer {l} is out of range: the model has layers "
+                                         f"0..{num_layers - 1}")
+            if not 0 <= h < num_heads:
+                raise AnalyzerInputError(f"{what}: head {h} is out of range: the model has query heads "
+                                         f"0..{num_heads - 1}")
+            out.add((l, h))
+        return cls(tuple(sorted(out)))
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted({l for l, _ in self.pairs})
+
+    @property
+    def heads(self) -> list[int]:
+        return sorted({h for _, h in self.pairs})
+
+    def qk_spec(self, positions: str = "prompt") -> dict:
+        """The ``capture.qk`` spec that streams these heads (the capture takes one head list for all layers)."""
+        return {"layers": self.layers, "heads": self.heads, "positions": positions}
+
+    def select(self, per_layer_head: np.ndarray, layers: Sequence[int], heads: Sequence[int]) -> np.ndarray:
+        """Values of these pairs out of an array ``[len(layers), len(heads), ...]`` indexed by captured layers
+        and heads: ``[len(pairs), ...]``."""
+        li = {l: i for i, l in enumerate(layers)}
+        hi = {h: i for i, h in enumerate(heads)}
+        try:
+            rows = [li[l] for l, _ in self.pairs]
+            cols = [hi[h] for _, h in self.pairs]
+        except KeyError:
+            have = sorted(set(self.pairs) - {(l, h) for l in layers for h in heads})
+            raise AnalyzerInputError(f"the stream lacks Q/K of (layer, head) {have[:4]}"
+                                     f"{'...' if len(have) > 4 else ''}: capture layers {self.layers}, heads "
+                                     f"{self.heads}") from None
+        return per_layer_head[rows, cols]
+
+
+class QKBuffer:
+    """One request's captured Q/K rows, gathered by token position across the steps that streamed them.
+
+    ``add`` takes one frame's tensors (``q [L, T, Hq, D]``, ``k [L, T, Hk, D]`` and their layers / heads);
+    ``keys(n)`` returns K at positions ``0..n-1`` and ``queries(positions)`` Q at those positions, or raise a
+    one-line ``AnalyzerInputError`` naming what the stream lacks.
+    """
+
+    def __init__(self) -> None:
+        self.layers: tuple | None = None
+        self.q_heads: tuple | None = None
+        self.k_heads: tuple | None = None
+        self._pos: list[np.ndarray] = []
+        self._q: list[np.ndarray] = []
+        self._k: list[np.ndarray] = []
+
+    def add(self, positions: Iterable[int], q: np.ndarray, k: np.ndarray, layers: Sequence[int],
+            q_heads: Sequence[int], k_heads: Sequence[int]) -> None:
+        layers, q_heads, k_heads = tuple(layers), tuple(q_heads), tuple(k_heads)
+        if self.layers is None:
+            self.layers, self.q_heads, self.k_heads = layers, q_heads, k_heads
+        elif (layers, q_heads, k_heads) != (self.layers, self.q_heads, self.k_heads):
+            raise AnalyzerInputError("the request's Q/K frames changed layers or heads mid-stream")
+        self._pos.append(np.asarray(list(positions), dtype=np.int64))
+        self._q.append(q)
+        self._k.append(k)
+
+    @property
+    def empty(self) -> bool:
+        return not self._pos
+
+    def _gather(self, which: list, positions: np.ndarray, name: str) -> np.ndarray:
+        if not self._pos:
+            raise AnalyzerInputError(f"the stream has no Q/K frames (capture spec lacks 'qk')")
+        allpos = np.concatenate(self._pos)
+        order = np.argsort(allpos, kind="stable")
+        sorted_pos = allpos[order]
+        idx = np.searchsorted(sorted_pos, positions)
+        found = (idx < len(sorted_pos)) & (sorted_pos[np.minimum(idx, len(sorted_pos) - 1)] == positions)
+        if not found.all():
+            miss = positions[~found]
+            raise AnalyzerInputError(f"the stream lacks {name} at {len(miss)} position(s) (first: {int(miss[0])}); "
+                                     "capture Q/K with positions 'prompt' or 'all'")
+        rows = np.concatenate(which, axis=1)
+        return rows[:, order[idx]]
+
+    def keys(self, n: int) -> np.ndarray:
+        return self._gather(self._k, np.arange(n, dtype=np.int64), "K")
+
+    def queries(self, positions: Sequence[int]) -> np.ndarray:
+        return self._gather(self._q, np.asarray(positions, dtype=np.int64), "Q")
+
+
+def span_mask(ranges: Sequence[tuple[int, int]], n: int, name: str = "span") -> np.ndarray:
+    """A boolean mask over ``n`` key positions covering token ranges ``[(start, stop), ...]``."""
+    mask = np.zeros(n, dtype=bool)
+    for a, b in ranges:
+        if not 0 <= a < b <= n:
+            raise AnalyzerInputError(f"{name} [{a}, {b}) is out of range: the prompt has {n} tokens")
+        mask[a:b] = True
+    return mask
+
+
+def auroc(positive: Sequence[float], negative: Sequence[float]) -> float:
+    """Area under the ROC curve for scores where positives should score higher (Mann-Whitney U, ties 1/2)."""
+    pos = np.asarray(positive, dtype=np.float64)
+    neg = np.asarray(negative, dtype=np.float64)
+    if not len(pos) or not len(neg):
+        raise ValueError("AUROC needs at least one positive and one negative score")
+    greater = (pos[:, None] > neg[None, :]).sum()
+    ties = (pos[:, None] == neg[None, :]).sum()
+    return float((greater + 0.5 * ties) / (len(pos) * len(neg)))
