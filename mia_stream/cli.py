@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "record": ("mia_stream.consumers.recorder", "main", "record streams from a broker into MCAP files"),
     "replay": ("mia_stream.consumers.replay", "main", "replay a recording into consumers or a broker"),
     "vectors": ("mia_stream.producer.vectors", "main", "register named steering vectors"),
+    "analyze": ("mia_stream.analyzers", "analyze_main", "run an analyzer on live or recorded streams (--list)"),
 }
 
 
