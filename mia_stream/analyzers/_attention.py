@@ -79,9 +79,12 @@ class HeadSet:
     pairs: tuple  # ((layer, head), ...), sorted
 
     @classmethod
-    def parse(cls, value, num_layers: int, num_heads: int, what: str = "heads") -> "HeadSet":
-        """``[[layer, head], ...]`` or ``"all"`` (every head of every layer), checked against the model."""
+    def parse(cls, value, num_layers: int | None, num_heads: int | None, what: str = "heads") -> "HeadSet":
+        """``[[layer, head], ...]`` or ``"all"`` (every head of every layer), checked against the model's
+        geometry when it is given (``AnalyzerInputError`` naming the first bad pair)."""
         if value == "all":
+            if num_layers is None or num_heads is None:
+                return cls(())
             return cls(tuple((l, h) for l in range(num_layers) for h in range(num_heads)))
         if not isinstance(value, (list, tuple)) or not value:
             raise AnalyzerInputError(f"{what}: must be 'all' or a non-empty list of [layer, head] pairs, got "
@@ -89,13 +92,13 @@ class HeadSet:
         out = set()
         for p in value:
             if (not isinstance(p, (list, tuple)) or len(p) != 2
-                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in p)):
-                raise AnalyzerInputError(f"{what}: {p!r} is not a [layer, head] pair of integers")
+                    or not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in p)):
+                raise AnalyzerInputError(f"{what}: {p!r} is not a [layer, head] pair of non-negative integers")
             l, h = p
-            if not 0 <= l < num_layers:
+            if num_layers is not None and l >= num_layers:
                 raise AnalyzerInputError(f"{what}: layer {l} is out of range: the model has layers "
                                          f"0..{num_layers - 1}")
-            if not 0 <= h < num_heads:
+            if num_heads is not None and h >= num_heads:
                 raise AnalyzerInputError(f"{what}: head {h} is out of range: the model has query heads "
                                          f"0..{num_heads - 1}")
             out.add((l, h))
@@ -108,10 +111,6 @@ class HeadSet:
     @property
     def heads(self) -> list[int]:
         return sorted({h for _, h in self.pairs})
-
-    def qk_spec(self, positions: str = "prompt") -> dict:
-        """The ``capture.qk`` spec that streams these heads (the capture takes one head list for all layers)."""
-        return {"layers": self.layers, "heads": self.heads, "positions": positions}
 
     def select(self, per_layer_head: np.ndarray, layers: Sequence[int], heads: Sequence[int]) -> np.ndarray:
         """Values of these pairs out of an array ``[len(layers), len(heads), ...]`` indexed by captured layers

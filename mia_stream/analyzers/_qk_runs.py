@@ -9,6 +9,7 @@ scripts use. Two backends over the same interface (``PromptAttention.rows``):
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Iterator, Sequence
 
@@ -89,3 +90,27 @@ def load_hf_eager(model_dir: str):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@contextmanager
+def attention_backend(model: str | None = None, backend: str = "vllm", chunk: int = 8, **llm_kwargs):
+    """``(tokenizer, attend)`` where ``attend(prompts, layers)`` yields one ``PromptAttention`` per prompt, on
+    ``backend`` "vllm" (a private broker and a ``StreamLLM``, float32, eager) or "hf"."""
+    from transformers import AutoTokenizer
+
+    from mia_stream.model import resolve_model
+
+    model_dir = resolve_model(model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if backend == "hf":
+        m = load_hf_eager(model_dir)
+        yield tok, lambda prompts, layers: hf_attention(m, prompts, layers)
+    elif backend == "vllm":
+        from mia_stream import StreamLLM
+
+        kw = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, **llm_kwargs}
+        with StreamLLM(model_dir, **kw) as sllm:
+            yield tok, lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk)
+            sllm.llm.llm_engine.engine_core.shutdown()
+    else:
+        raise ValueError(f"backend must be 'vllm' or 'hf', got {backend!r}")

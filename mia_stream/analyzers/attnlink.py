@@ -14,17 +14,18 @@ The prompt carries one ``column`` span per schema column (``mia_stream.spans.pro
 
 from __future__ import annotations
 
+import argparse
 import json
-from dataclasses import dataclass, field
-from pathlib import Path
+import sys
 from typing import Any, Sequence
 
 import numpy as np
 
+from mia_stream.analyzers._span_analyzer import (PromptState, SpanAttentionAnalyzer, check_number, check_span_name,
+                                                 pad_rows)
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 
-NAME = "attnlink"
-VERSION = "1"
+TAG = "attnlink"
 _TINY = 1e-30  # log of a column that got no attention at all
 
 
@@ -72,68 +73,124 @@ def select_head(per_head_scores: Sequence[np.ndarray], gold: Sequence[set]) -> t
     return (int(best[0]), int(best[1])), mrr
 
 
-@dataclass
-class LinkConfig:
-    layer: int
-    head: int
-    temperature: float = 1.0
-    top_p: float = 0.9
-    column_span: str = "column"
-    scale: float | None = None
-    extra: dict = field(default_factory=dict)
-
-    @classmethod
-    def from_dict(cls, d: Any, num_layers: int, num_heads: int) -> "LinkConfig":
-        if not isinstance(d, dict):
-            raise AnalyzerConfigError(f"{NAME} config must be a JSON object, got {type(d).__name__}")
-        known = {"layer", "head", "temperature", "top_p", "column_span", "scale"}
-        missing = [x for x in ("layer", "head") if x not in d]
-        if missing:
-            raise AnalyzerConfigError(f"{NAME} config lacks {missing} (choose one with --select-head)")
-        layer, head = d["layer"], d["head"]
-        for what, v, hi in (("layer", layer, num_layers), ("head", head, num_heads)):
-            if not isinstance(v, int) or isinstance(v, bool):
-                raise AnalyzerConfigError(f"{NAME} config: {what} must be an integer, got {v!r}")
-            if not 0 <= v < hi:
-                raise AnalyzerConfigError(f"{NAME} config: {what} {v} is out of range: the model has "
-                                          f"{'layers' if what == 'layer' else 'query heads'} 0..{hi - 1}")
-        t = d.get("temperature", 1.0)
-        if not isinstance(t, (int, float)) or isinstance(t, bool) or not t > 0:
-            raise AnalyzerConfigError(f"{NAME} config: temperature must be a number > 0, got {t!r}")
-        p = d.get("top_p", 0.9)
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 < p <= 1:
-            raise AnalyzerConfigError(f"{NAME} config: top_p must be in (0, 1], got {p!r}")
-        span = d.get("column_span", "column")
-        if not isinstance(span, str) or not span:
-            raise AnalyzerConfigError(f"{NAME} config: column_span must be a span name, got {span!r}")
-        scale = d.get("scale")
-        if scale is not None and (not isinstance(scale, (int, float)) or isinstance(scale, bool) or scale <= 0):
-            raise AnalyzerConfigError(f"{NAME} config: scale must be a positive number, got {scale!r}")
-        return cls(layer, head, float(t), float(p), span, None if scale is None else float(scale),
-                   {k: v for k, v in d.items() if k not in known})
-
-    @classmethod
-    def load(cls, path: str | Path, num_layers: int, num_heads: int) -> "LinkConfig":
-        try:
-            d = json.loads(Path(path).read_text())
-        except OSError as e:
-            raise AnalyzerConfigError(f"{NAME} config {path}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise AnalyzerConfigError(f"{NAME} config {path} is not valid JSON: {e}") from None
-        return cls.from_dict(d, num_layers, num_heads)
-
-    def to_dict(self) -> dict:
-        return {"layer": self.layer, "head": self.head, "temperature": self.temperature, "top_p": self.top_p,
-                "column_span": self.column_span, **({"scale": self.scale} if self.scale is not None else {}),
-                **self.extra}
-
-    def capture_spec(self) -> dict:
-        return {"qk": {"layers": [self.layer], "heads": [self.head], "positions": "prompt"}}
-
-
 def link(alpha_anchor: np.ndarray, column_spans: Sequence[tuple[int, int]], temperature: float,
          top_p: float) -> dict:
     """One request's linking: ``scores``, ``probs`` per column and the ``selected`` column indices."""
     s = column_scores(alpha_anchor, column_spans)
     p = link_probabilities(s, temperature)
     return {"scores": s, "probs": p, "selected": select_top_p(p, top_p)}
+
+
+class AttnLink(SpanAttentionAnalyzer):
+    """Text-to-SQL schema linking: one head's attention at the generation anchor ranks the columns (AttnLink-U)."""
+
+    name = "attnlink"
+    version = "1"
+    defaults = {"layer": None, "head": None, "temperature": 1.0, "top_p": 0.9, "column_span": "column",
+                "scale": None, "selection": None, "model": None}
+
+    def configure(self, config: dict) -> None:
+        for key in ("layer", "head"):
+            v = config[key]
+            if v is None:
+                raise AnalyzerConfigError(f"{self.name} config lacks {key!r} (choose the head with "
+                                          "python -m mia_stream.analyzers.attnlink select-head)")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise AnalyzerConfigError(f"{self.name} config: {key!r} must be a non-negative integer, got {v!r}")
+        self.configure_heads([[config["layer"], config["head"]]])
+        self.temperature = check_number(config, "temperature", self.name, positive=True)
+        self.top_p = check_number(config, "top_p", self.name, lo=1e-9, hi=1.0)
+        self.scale = check_number(config, "scale", self.name, positive=True, optional=True)
+        self.column_span = check_span_name(config, "column_span", self.name)
+        self.span_names = (self.column_span,)
+
+    def check_request(self, st: PromptState) -> None:
+        names = self.column_names(st)
+        n = len(st.spans[self.column_span])
+        if names is not None and len(names) != n:
+            raise AnalyzerInputError(f"request {st.request_id!r}: tags[{TAG!r}]['columns'] names {len(names)} "
+                                     f"columns, the prompt has {n} {self.column_span!r} spans")
+
+    @staticmethod
+    def column_names(st: PromptState) -> list | None:
+        tag = st.start.tags.get(TAG) if isinstance(st.start.tags, dict) else None
+        if tag is None:
+            return None
+        cols = tag.get("columns") if isinstance(tag, dict) else None
+        if not isinstance(cols, list) or not all(isinstance(c, str) for c in cols):
+            raise AnalyzerInputError(f"request {st.request_id!r}: tags[{TAG!r}] must be {{'columns': [names]}}, "
+                                     f"got {tag!r}")
+        return cols
+
+    def score(self, st: PromptState) -> dict:
+        alpha = st.attention([st.prompt_len - 1], self.scale)[0, 0]  # the one head, the anchor row: [P]
+        return link(alpha, st.spans[self.column_span], self.temperature, self.top_p)
+
+    def report(self, scored: list, out) -> None:
+        ids, chosen, labels = [], [], []
+        for st, r in scored:
+            ids.append(st.request_id)
+            mask = np.zeros(len(r["probs"]), bool)
+            mask[r["selected"]] = True
+            chosen.append(mask)
+            names = self.column_names(st)
+            labels.append(",".join(names[i] if names else str(i) for i in r["selected"].tolist()))
+        out.add(ids, np.arange(len(ids)), [st.prompt_len - 1 for st, _ in scored],
+                {"probs": pad_rows([r["probs"] for _, r in scored], np.nan),
+                 "scores": pad_rows([r["scores"] for _, r in scored], np.nan),
+                 "selected": pad_rows(chosen, False),
+                 "num_columns": np.array([len(r["probs"]) for _, r in scored], np.int64)},
+                {"columns": labels})
+
+
+# ---------------------------------------------------------------------------------------- head selection
+
+def choose_head(tokenizer, attend, num_layers: int, num: int = 21, seed: int = 1, top_p: float = 0.9,
+                temperature: float = 1.0) -> dict:
+    """Run labelled questions (``sql_set(num, seed)``) through ``attend``; the config of the best head."""
+    from mia_stream.analyzers._attention_data import sql_set
+    from mia_stream.spans import prompt_parts
+
+    examples = sql_set(num, seed=seed)
+    pps = [prompt_parts(tokenizer, e.messages) for e in examples]
+    per_head = []
+    for pp, att in zip(pps, attend([p.token_ids for p in pps], list(range(num_layers)))):
+        n = len(pp.token_ids)
+        per_head.append(column_scores(att.rows([n - 1])[:, :, 0], pp.ranges("column")))  # [L, H, C]
+    (layer, head), mrr = select_head(per_head, [e.gold for e in examples])
+    return {"layer": layer, "head": head, "temperature": temperature, "top_p": top_p,
+            "model": getattr(tokenizer, "name_or_path", None),
+            "selection": {"num": num, "seed": seed, "gold_mrr": float(mrr[layer, head])}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mia_stream.analyzers.attnlink",
+                                 description="Choose attnlink's (layer, head) on generated labelled text-to-SQL "
+                                             "questions and write its config.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("select-head", help="the head whose column ranking puts the gold columns highest")
+    d.add_argument("--out", required=True, help="config file to write (JSON)")
+    d.add_argument("--model", help="model dir (default: the embedded model)")
+    d.add_argument("--num", type=int, default=21, help="labelled questions (default 21)")
+    d.add_argument("--seed", type=int, default=1, help="question set seed (the evaluation uses seed 0)")
+    d.add_argument("--top-p", type=float, default=0.9)
+    d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoConfig
+
+    from mia_stream.analyzers._qk_runs import attention_backend
+
+    with attention_backend(args.model, args.backend) as (tok, attend):
+        L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers
+        config = choose_head(tok, attend, L, args.num, args.seed, args.top_p, args.temperature)
+    with open(args.out, "w") as f:
+        json.dump(config, f, indent=1)
+    print(f"layer {config['layer']} head {config['head']} (gold-column MRR {config['selection']['gold_mrr']:.3f} "
+          f"on {args.num} questions) -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
