@@ -188,7 +188,7 @@ class RequestTable:
 class Results:
     """What an analyzer reports for one step (or one request's end): rows, each about one request and one
     token position (-1: the request as a whole). Several ``add`` calls may be made; the runner turns them into
-    one ``AnalysisBatch`` (rows grouped by request, in the order requests first appear). A value some adds do
+    one ``AnalysisBatch`` (rows grouped by request, requests in the order of the ``request_ids`` given). A value some adds do
     not give is NaN (floats) or 0 in their rows."""
 
     _chunks: list = field(default_factory=list)

@@ -25,6 +25,8 @@ BUILTIN: dict[str, str] = {
     "attention_tracker": "mia_stream.analyzers.attention_tracker:AttentionTracker",
     "core_reranker": "mia_stream.analyzers.core_reranker:CoreReranker",
     "attnlink": "mia_stream.analyzers.attnlink:AttnLink",
+    "hnode": "mia_stream.analyzers.hnode:HNode",
+    "science_hallucination": "mia_stream.analyzers.science_hallucination:ScienceHallucination",
 }
 
 

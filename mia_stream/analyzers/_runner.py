@@ -246,7 +246,7 @@ def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = (
                  sinks: Iterable[Callable] = (), publish: str | None = None, keys: Any = None,
                  max_streams: int | None = None, idle_timeout: float | None = None,
                  stop: Callable[[], bool] | None = None, on_reject: Callable[[str, str], Any] | None = None,
-                 consumer_id: str | None = None) -> AnalyzerRunner:
+                 consumer_id: str | None = None, window_bytes: int | None = None) -> AnalyzerRunner:
     """Run ``analyzer`` over ``source`` (a broker address or a recording) until the recording ends, ``max_streams``
     requests ended, ``idle_timeout`` s passed without events, or ``stop()`` is true. ``publish``: a broker address
     to publish the results to. Returns the runner (its ``counters`` and ``rejected``)."""
@@ -262,7 +262,7 @@ def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = (
                             epoch=publisher.epoch if publisher else None, on_reject=on_reject)
     adapter = EventAdapter(runner)
     src = _Source(source, tuple(patterns), from_start, consumer_id=consumer_id or
-                  f"analyzer:{analyzer.name}:{os.getpid()}", keys=keys)
+                  f"analyzer:{analyzer.name}:{os.getpid()}", keys=keys, window_bytes=window_bytes)
     try:
         if src.client is None:  # a recording: one pass
             for ev in src.events():
@@ -332,6 +332,10 @@ def analyze_main(argv: list[str] | None = None) -> int:
                     help="live: only requests that start after subscribing (default: replay buffered starts)")
     ap.add_argument("--max-streams", type=int, help="stop after this many requests ended")
     ap.add_argument("--idle-timeout", type=float, help="stop after this many seconds without events")
+    ap.add_argument("--window-bytes", type=int,
+                    help="live: bytes in flight from the broker (its credit window; the SDK's default when unset). "
+                         "An analyzer that falls further behind loses frames at the broker, counted there and "
+                         "reported to it as gaps, instead of queueing without bound")
     ap.add_argument("--keys", help="CURVE key dir (tcp)")
     args = ap.parse_args(argv)
     prog = "mia-stream analyze"
@@ -359,6 +363,7 @@ def analyze_main(argv: list[str] | None = None) -> int:
         runner = run_analyzer(analyzer, args.source, patterns=args.patterns, from_start=not args.no_from_start,
                               sinks=sinks, publish=publish, keys=args.keys, max_streams=args.max_streams,
                               idle_timeout=args.idle_timeout, stop=lambda: bool(stopping),
+                              window_bytes=args.window_bytes,
                               on_reject=lambda rid, why: print(f"{prog} {args.name}: {why}", file=sys.stderr,
                                                                flush=True))
     except MiaStreamError as e:
@@ -368,5 +373,6 @@ def analyze_main(argv: list[str] | None = None) -> int:
         return 130
     c = runner.counters
     print(f"{prog} {args.name}: {c['requests']} request(s), {c['request_steps']} request-steps, "
-          f"{c['analysis_messages']} analysis messages, {c['rejected']} rejected", file=sys.stderr)
+          f"{c['analysis_messages']} analysis messages, {c['rejected']} rejected, {c['gap_seqs']} seqs lost in gaps",
+          file=sys.stderr)
     return 3 if c["rejected"] else 0

@@ -90,8 +90,8 @@ class HiddenStates(Analyzer):
             if len(rows) != hs.shape[0] or (rows != np.arange(len(rows))).any():
                 hs = hs[rows]  # [L, N, H]: only the configured layers, in their order
             if "norm" in self.reductions:
-                norms = np.sqrt(np.einsum("lnh,lnh->nl", hs, hs, dtype=np.float32))
-                out.add(ids, g.row_requests, g.positions, {"norm": norms})
+                norms = np.sqrt(np.square(hs).sum(axis=2))  # [L, N]: row-wise, independent of the other rows
+                out.add(ids, g.row_requests, g.positions, {"norm": norms.T})
             has_rows = g.rows > 0
             seg_requests, seg_rows = g.requests[has_rows], g.rows[has_rows]
             if not len(seg_requests):

@@ -1,0 +1,149 @@
+"""Linear probe files: a logistic classifier on standardized hidden states, with how it was trained.
+
+Format ``mia_stream.probe/1``: one JSON object (small: 4 vectors of the hidden size), readable from any
+language::
+
+    {"format": "mia_stream.probe/1", "analyzer": "hnode", "model": "SmolLM2-135M-Instruct",
+     "hidden_size": 576, "num_layers": 30,
+     "layer": 14,                      # the captured layer (residual after decoder layer 14)
+     "position": "last_prompt",        # which rows it was trained on (hnode: last_prompt; science: generated)
+     "final_norm": false,              # true: the model's final RMSNorm is applied to each row first
+     "pool": "last",                   # "last" row | "mean" over the rows (science_hallucination)
+     "mean": [...], "scale": [...],    # z = (x - mean) / scale
+     "weights": [...], "bias": 0.1,    # p = sigmoid(z . weights + bias) = P(label 1)
+     "threshold": 0.5,                 # alert when p >= threshold
+     "positive": "hallucination: the model's answer was wrong",
+     "extra": {...},                   # analyzer-specific (hnode: the H-Nodes and their grounded baseline)
+     "training": {...},                # data set, sizes, split, seed, regularization, the command
+     "metrics": {...}}                 # held-out results (test_auc, ...)
+
+A file that is not such an object is an ``AnalyzerConfigError`` naming the file and the bad key.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mia_stream.errors import AnalyzerConfigError
+
+FORMAT = "mia_stream.probe/1"
+PROBES_DIR = Path(__file__).resolve().parent / "probes"
+
+
+@dataclass
+class LinearProbe:
+    analyzer: str
+    model: str
+    hidden_size: int
+    layer: int
+    position: str
+    mean: np.ndarray
+    scale: np.ndarray
+    weights: np.ndarray
+    bias: float
+    threshold: float = 0.5
+    final_norm: bool = False
+    pool: str = "last"
+    num_layers: int = 0
+    positive: str = ""
+    extra: dict = field(default_factory=dict)
+    training: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    path: str = ""
+
+    def logits(self, x: np.ndarray) -> np.ndarray:
+        """``[N, H]`` rows -> ``[N]`` float64 logits (vectorized; float64 so results never depend on the batch)."""
+        z = (np.asarray(x, np.float64) - self.mean) / self.scale
+        return (z * self.weights).sum(axis=1) + self.bias  # row-wise: independent of the batch's other rows
+
+    def standardize(self, x: np.ndarray) -> np.ndarray:
+        return (np.asarray(x, np.float64) - self.mean) / self.scale
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "analyzer": self.analyzer, "model": self.model, "hidden_size": self.hidden_size,
+                "num_layers": self.num_layers, "layer": self.layer, "position": self.position,
+                "final_norm": self.final_norm, "pool": self.pool, "mean": self.mean.tolist(),
+                "scale": self.scale.tolist(), "weights": self.weights.tolist(), "bias": float(self.bias),
+                "threshold": float(self.threshold), "positive": self.positive, "extra": self.extra,
+                "training": self.training, "metrics": self.metrics}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def sigmoid(x: np.ndarray) -> np.ndarray:
+    return 0.5 * (1.0 + np.tanh(0.5 * np.asarray(x, np.float64)))  # overflow-free logistic
+
+
+def resolve_probe_path(value: Any, what: str) -> Path:
+    """A probe path from a config: a file path, or the name of a probe shipped in ``analyzers/probes``."""
+    if not isinstance(value, str) or not value:
+        raise AnalyzerConfigError(f"{what}: 'probe' must be a file path, got {value!r}")
+    p = Path(value).expanduser()
+    if not p.exists() and (PROBES_DIR / value).exists():
+        p = PROBES_DIR / value
+    return p
+
+
+def load_probe(path: str | Path, analyzer: str) -> LinearProbe:
+    """Read and check a probe file; AnalyzerConfigError (one line, naming the file and key) if malformed."""
+    p = Path(path)
+    where = f"probe file {p}"
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise AnalyzerConfigError(f"{where}: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise AnalyzerConfigError(f"{where}: not a text (JSON) file") from None
+    except json.JSONDecodeError as e:
+        raise AnalyzerConfigError(f"{where}: not valid JSON: {e.msg} at line {e.lineno}") from None
+    if not isinstance(data, dict):
+        raise AnalyzerConfigError(f"{where}: must hold a JSON object, got {type(data).__name__}")
+    if data.get("format") != FORMAT:
+        raise AnalyzerConfigError(f"{where}: 'format' must be {FORMAT!r}, got {data.get('format')!r}")
+    if data.get("analyzer") != analyzer:
+        raise AnalyzerConfigError(f"{where}: a probe for analyzer {data.get('analyzer')!r}, not {analyzer!r}")
+
+    def need(key: str, kind, check=None, desc: str = ""):
+        if key not in data:
+            raise AnalyzerConfigError(f"{where}: missing key {key!r}")
+        v = data[key]
+        if not isinstance(v, kind) or isinstance(v, bool) and kind is not bool or (check and not check(v)):
+            raise AnalyzerConfigError(f"{where}: {key!r} must be {desc or getattr(kind, '__name__', kind)}, "
+                                      f"got {str(v)[:60]}")
+        return v
+
+    hidden = need("hidden_size", int, lambda v: v > 0, "a positive integer")
+
+    def vector(key: str, positive: bool = False) -> np.ndarray:
+        v = need(key, list, None, f"a list of {hidden} numbers")
+        try:
+            arr = np.asarray(v, dtype=np.float64)
+        except (TypeError, ValueError):
+            raise AnalyzerConfigError(f"{where}: {key!r} must be a list of {hidden} numbers") from None
+        if arr.shape != (hidden,) or not np.isfinite(arr).all() or (positive and (arr <= 0).any()):
+            raise AnalyzerConfigError(f"{where}: {key!r} must be {hidden} finite{' positive' if positive else ''} "
+                                      f"numbers, got shape {arr.shape}")
+        return arr
+
+    finite = lambda v: math.isfinite(v)  # noqa: E731
+    return LinearProbe(
+        analyzer=analyzer, model=str(data.get("model", "")), hidden_size=hidden,
+        layer=need("layer", int, lambda v: v >= 0, "a layer index"),
+        position=need("position", str, lambda v: v in ("all", "prompt", "generated", "last_prompt"),
+                      "one of all, prompt, generated, last_prompt"),
+        mean=vector("mean"), scale=vector("scale", positive=True), weights=vector("weights"),
+        bias=float(need("bias", (int, float), finite, "a number")),
+        threshold=float(need("threshold", (int, float), lambda v: 0 <= v <= 1, "a probability in [0, 1]")),
+        final_norm=bool(data.get("final_norm", False)),
+        pool=need("pool", str, lambda v: v in ("last", "mean"), "'last' or 'mean'") if "pool" in data else "last",
+        num_layers=int(data.get("num_layers", 0) or 0), positive=str(data.get("positive", "")),
+        extra=data.get("extra") if isinstance(data.get("extra"), dict) else {},
+        training=data.get("training") if isinstance(data.get("training"), dict) else {},
+        metrics=data.get("metrics") if isinstance(data.get("metrics"), dict) else {}, path=str(p))

@@ -1,0 +1,165 @@
+"""``science_hallucination``: a trained classifier that flags a wrong answer to a science question from the
+model's own final hidden states, with the model's final norm applied as the model applies it.
+
+Method: a linear probe of the final-layer representations of the answer tokens, in the line of
+"The Internal State of an LLM Knows When It's Lying" (A. Azaria, T. Mitchell, Findings of EMNLP 2023: a
+classifier on hidden states detects false statements) and "Discovering Latent Knowledge in Language Models Without
+Supervision" (C. Burns et al., ICLR 2023). The capture reads the residual stream *before* the model's final norm
+(``hs`` of the last layer = HF's ``output_hidden_states[-1]`` before ``model.norm``), so each row is first
+normalized exactly as the model does before its LM head (Llama-style RMSNorm, in float32)::
+
+    n = x / sqrt(mean(x^2) + eps) * norm_weight          (norm_weight, eps: the model dir's final norm, config)
+
+then the rows of the request's generated tokens are mean-pooled (``pool`` "mean") or the last one taken
+(``pool`` "last"), standardized and scored by the probe: ``p = sigmoid(z . w + b)`` = P(the answer is wrong).
+
+Results: every step, one row per request (at its newest position) with the running ``p_hallucination`` over the
+answer so far and ``tokens``; at the request's end one row (position -1) with the final ``p_hallucination``,
+``tokens``, and ``alert`` when ``p >= threshold``. The shipped probe (``probes/science-smollm2-135m.json``) was
+trained here by ``scripts/train_probes.py`` on element questions (symbols, atomic numbers, from the
+``periodictable`` package) answered by the embedded model; metrics in the file and in docs/analyzers.md.
+
+Config: ``probe`` (path or shipped file name), ``threshold`` (default: the probe's), ``model`` (the model dir
+whose final norm to apply; default: the stream's ``StreamStart.model`` when it is a local directory, else the
+embedded model).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows
+from mia_stream.analyzers._probe import LinearProbe, load_probe, resolve_probe_path, sigmoid
+from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
+from mia_stream.schemas import StepBatch, StreamEnd, StreamStart
+
+DEFAULT_PROBE = "science-smollm2-135m.json"
+_NORM_KEYS = ("model.norm.weight", "norm.weight", "model.final_layernorm.weight")
+
+
+@functools.lru_cache(maxsize=4)
+def final_norm(model_dir: str) -> tuple[np.ndarray, float]:
+    """The model's final RMSNorm: (weight float32 [hidden], eps) read from a Hugging Face model directory."""
+    d = Path(model_dir)
+    try:
+        config = json.loads((d / "config.json").read_text())
+    except (OSError, ValueError) as e:
+        raise AnalyzerConfigError(f"model dir {d}: no readable config.json ({e})") from None
+    eps = config.get("rms_norm_eps")
+    if not isinstance(eps, (int, float)):
+        raise AnalyzerConfigError(f"model dir {d}: config.json has no rms_norm_eps (not an RMSNorm model?)")
+    files = sorted(d.glob("*.safetensors"))
+    if not files:
+        raise AnalyzerConfigError(f"model dir {d}: no *.safetensors weights")
+    from safetensors import safe_open  # torch reads bfloat16, which numpy cannot
+
+    for f in files:
+        with safe_open(str(f), framework="pt") as st:
+            for key in _NORM_KEYS:
+                if key in st.keys():
+                    return st.get_tensor(key).float().numpy().astype(np.float32), float(eps)
+    raise AnalyzerConfigError(f"model dir {d}: no final norm weight ({' / '.join(_NORM_KEYS)}) in its weights")
+
+
+def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
+    """Llama RMSNorm as Hugging Face computes it (float32): x * rsqrt(mean(x^2) + eps) * weight; ``x`` [N, H]."""
+    x = np.asarray(x, np.float32)
+    var = np.square(x).mean(axis=-1, keepdims=True)
+    return (x / np.sqrt(var + np.float32(eps))) * weight
+
+
+class ScienceHallucination(Analyzer):
+    """Trained classifier on the final-normed answer states: is this science answer wrong?"""
+
+    name = "science_hallucination"
+    version = "1"
+    defaults = {"probe": DEFAULT_PROBE, "threshold": None, "model": None}
+
+    def configure(self, config: dict) -> None:
+        probe = load_probe(resolve_probe_path(config["probe"], "science_hallucination config"),
+                           "science_hallucination")
+        self.probe: LinearProbe = probe
+        thr = probe.threshold if config["threshold"] is None else config["threshold"]
+        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr <= 1:
+            raise AnalyzerConfigError(f"science_hallucination config: 'threshold' must be a probability in "
+                                      f"[0, 1], got {thr!r}")
+        self.threshold = float(thr)
+        model = config["model"]
+        if model is not None and not (isinstance(model, str) and Path(model).is_dir()):
+            raise AnalyzerConfigError(f"science_hallucination config: 'model' must be a model directory, "
+                                      f"got {model!r}")
+        self._needs = Needs(hs_layers=(probe.layer,), hs_positions=probe.position)
+        self.norm: tuple[np.ndarray, float] | None = None
+        self.table = RequestTable(sum=((probe.hidden_size,), np.float64), last=((probe.hidden_size,), np.float32),
+                                  count=((), np.int64))
+
+    def needs(self) -> Needs:
+        return self._needs
+
+    def on_start(self, start: StreamStart) -> None:
+        super().on_start(start)
+        probe = self.probe
+        if start.hidden_size and start.hidden_size != probe.hidden_size:
+            raise AnalyzerInputError(f"request {start.request_id!r}: the probe {probe.path} is for hidden size "
+                                     f"{probe.hidden_size} ({probe.model}), the stream's model has {start.hidden_size}")
+        if start.num_layers and probe.num_layers and start.num_layers != probe.num_layers:
+            raise AnalyzerInputError(f"request {start.request_id!r}: the probe reads the final layer of a "
+                                     f"{probe.num_layers}-layer model, the stream's model has {start.num_layers}")
+        if self.norm is None:
+            self.norm = final_norm(self._model_dir(start))
+
+    def _model_dir(self, start: StreamStart) -> str:
+        if self.config["model"]:
+            return self.config["model"]
+        if start.model and Path(start.model).is_dir():
+            return start.model
+        from mia_stream.model import default_model_dir
+
+        return str(default_model_dir())
+
+    def on_batch(self, batch: StepBatch, out: Results) -> None:
+        if self.norm is None:
+            return
+        weight, eps = self.norm
+        probe, table = self.probe, self.table
+        ids = batch.request_ids
+        for g in batch.groups:
+            if not g.has("hs"):
+                continue
+            keep = g.rows > 0
+            if not keep.any():
+                continue
+            t = g.tensor("hs")
+            if t.shape[2] != probe.hidden_size:
+                raise AnalyzerInputError(f"hs rows of width {t.shape[2]}, the probe needs {probe.hidden_size}")
+            normed = rms_norm(t.numpy()[int(layer_rows(t, (probe.layer,))[0])], weight, eps)  # [N, H]
+            seg_requests, seg_rows = g.requests[keep], g.rows[keep]
+            off = g.offsets[:-1][keep]
+            last = off + seg_rows - 1
+            slots = table.slots([ids[i] for i in seg_requests.tolist()])
+            table["sum"][slots] += np.add.reduceat(normed, off, axis=0)
+            table["last"][slots] = normed[last]
+            table["count"][slots] += seg_rows
+            out.add(ids, seg_requests, g.positions[last], self._scores(slots))
+
+    def on_end(self, request_id: str, end: StreamEnd | None, out: Results) -> None:
+        slot = self.table.slot(request_id)
+        if slot is None:
+            return
+        if end is not None:
+            values = {k: v[0] for k, v in self._scores(np.asarray([slot])).items()}
+            out.add_one(request_id, values, alert=bool(values["p_hallucination"] >= self.threshold))
+        self.table.release(request_id)
+
+    def _scores(self, slots: np.ndarray) -> dict:
+        table, probe = self.table, self.probe
+        count = table["count"][slots]
+        if probe.pool == "mean":
+            feats = table["sum"][slots] / np.maximum(count, 1)[:, None]
+        else:
+            feats = table["last"][slots]
+        return {"p_hallucination": sigmoid(probe.logits(feats)).astype(np.float32), "tokens": count.copy()}
