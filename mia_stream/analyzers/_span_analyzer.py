@@ -110,10 +110,11 @@ class SpanAttentionAnalyzer(Analyzer):
 
     # ------------------------------------------------------------------------------------ stream callbacks
     def on_start(self, start: StreamStart) -> None:
-        super().on_start(start)
         rid = start.request_id
+        # the configured heads against the model first: "out of range" says more than "not captured"
         heads = HeadSet.parse(self.heads_value, start.num_layers, start.num_heads,
                               f"request {rid!r}: {self.name} config: heads")
+        super().on_start(start)
         prompt_len = len(start.prompt_token_ids)
         if prompt_len == 0:
             raise AnalyzerInputError(f"request {rid!r}: the stream start carries no prompt token ids")
