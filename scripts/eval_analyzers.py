@@ -122,7 +122,7 @@ def eval_injection(sllm, tok, geo, args):
     from mia_stream.spans import prompt_parts
 
     t0 = time.time()
-    attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=8)  # noqa: E731
+    attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=4)  # noqa: E731
     res = discover(tok, attend, geo.num_hidden_layers, args.num_discovery, 4.0)
     k_used = 4.0
     print(f"discovery ({res['num_normal']} normal + {res['num_attack']} attacked, instruction 'Say xxxxxx'): "
@@ -146,6 +146,10 @@ def eval_injection(sllm, tok, geo, args):
     attack = np.array([e.attack for e in test])
     print(f"test: {int((~attack).sum())} normal + {int(attack.sum())} attacked prompts ({len(set(e.instruction for e in test))} "
           f"instructions, injections at the end or mid-data), {gaps} gaps, {time.time() - t0:.0f} s")
+    # what length alone would give (attention to the instruction also falls as the data grows)
+    data_len = np.array([float(np.diff(pp.ranges("data")[0])[0]) for pp in pps])
+    print(f"  data length alone AUROC {auroc(data_len[attack], data_len[~attack]):.3f} (tokens: normal "
+          f"{data_len[~attack].mean():.1f}, attacked {data_len[attack].mean():.1f})")
     for name, results in (("discovered heads", per[0]), ("all heads", per[1])):
         bad = sum(_error(r) for r in results)
         focus = np.array([np.nan if _error(r) else float(r.value("focus")[0]) for r in results])
@@ -220,6 +224,10 @@ def eval_rerank(sllm, tok, geo, args):
         scorer = BM25Okapi([_words(d) for d in e.documents])
         bm25.append(list(rank(scorer.get_scores(_words(e.query)))))
     table("BM25 (rank-bm25 Okapi, same documents)", bm25)
+    n_docs = len(test[0].documents)
+    print(f"  {'random order (expected)':<50} all: nDCG@10 "
+          f"{np.mean([1 / np.log2(r + 2) for r in range(min(n_docs, 10))]) * min(n_docs, 10) / n_docs:.3f} "
+          f"top-1 {1 / n_docs:.3f} MRR {np.mean([1 / (r + 1) for r in range(n_docs)]):.3f}")
     for (name, _), results in zip(variants, per):
         rankings = []
         for i in range(len(test)):
@@ -240,7 +248,7 @@ def eval_sql(sllm, tok, geo, args):
     from mia_stream.spans import prompt_parts
 
     t0 = time.time()
-    attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=8)  # noqa: E731
+    attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=4)  # noqa: E731
     cfg = choose_head(tok, attend, geo.num_hidden_layers, args.num_detection, seed=1, top_p=args.top_p,
                       temperature=args.temperature)
     Path(args.configs).mkdir(parents=True, exist_ok=True)

@@ -52,11 +52,13 @@ def qk_buffer_from_frames(frames: Sequence) -> QKBuffer:
     return buf
 
 
-def vllm_attention(sllm, prompts: Sequence[Sequence[int]], layers: Sequence[int], chunk: int = 8,
+def vllm_attention(sllm, prompts: Sequence[Sequence[int]], layers: Sequence[int], chunk: int = 4,
                    timeout: float = 300.0) -> Iterator[PromptAttention]:
     """Stream each prompt (token ids) through ``sllm`` (a ``StreamLLM``) with Q/K of ``layers``, all heads, at
     every prompt position; one ``PromptAttention`` per prompt, in order. ``chunk`` prompts are in flight at
-    once (a prompt of 400 tokens carries ~37 MB of Q/K for 30 layers of the embedded model)."""
+    once: a prompt of 400 tokens carries ~37 MB of Q/K for 30 layers of the embedded model, and frames a
+    consumer has not read within half a shared-memory ring (128 MiB by default) are lost (8 prompts of ~170
+    tokens lost one frame to shm_overrun here)."""
     from vllm import SamplingParams
 
     capture = {"qk": {"layers": sorted(layers), "heads": "all", "positions": "prompt"}}
@@ -65,7 +67,8 @@ def vllm_attention(sllm, prompts: Sequence[Sequence[int]], layers: Sequence[int]
         part = [{"prompt_token_ids": list(p)} for p in prompts[i:i + chunk]]
         for prompt, res in zip(prompts[i:i + chunk], sllm.generate(part, params, capture=capture, timeout=timeout)):
             if res.gaps:
-                raise AnalyzerInputError(f"request {res.request_id} lost frames ({len(res.gaps)} gap(s)); "
+                why = sorted({f"{g.origin}:{g.reason}" for g in res.gaps})
+                raise AnalyzerInputError(f"request {res.request_id} lost frames ({len(res.gaps)} gap(s), {why}); "
                                          "rerun with a smaller chunk")
             start = next(e.stream.start for e in res.events)
             buf = qk_buffer_from_frames(res.frames)
@@ -93,7 +96,7 @@ def load_hf_eager(model_dir: str):
 
 
 @contextmanager
-def attention_backend(model: str | None = None, backend: str = "vllm", chunk: int = 8, **llm_kwargs):
+def attention_backend(model: str | None = None, backend: str = "vllm", chunk: int = 4, **llm_kwargs):
     """``(tokenizer, attend)`` where ``attend(prompts, layers)`` yields one ``PromptAttention`` per prompt, on
     ``backend`` "vllm" (a private broker and a ``StreamLLM``, float32, eager) or "hf"."""
     from transformers import AutoTokenizer
