@@ -110,7 +110,8 @@ def load_captures(work: Path) -> dict:
     z = np.load(work / "captures.npz")
     meta = json.loads((work / "items.json").read_text())
     off = np.concatenate([[0], np.cumsum(z["gen_lengths"])])
-    gen = [z["gen_rows"][off[i]:off[i + 1]] for i in range(len(z["gen_lengths"]))]
+    rows = z["gen_rows"]  # read once: each z[...] decompresses the whole array again
+    gen = [rows[off[i]:off[i + 1]] for i in range(len(off) - 1)]
     return {"items": meta["items"], "texts": meta["texts"], "labels": z["labels"], "last_prompt": z["last_prompt"],
             "idx_b": z["idx_b"].tolist(), "gen": gen}
 
@@ -240,14 +241,16 @@ def train(data: dict, model_dir: str, command: str) -> dict:
 # ------------------------------------------------------------------------------------------------ evaluation
 
 def evaluate(work: Path, model_dir: str) -> dict:
-    """The shipped probes, through the analyzers and the real capture path, on the held-out questions."""
+    """The shipped probes, through the analyzers and the real capture path, on the held-out questions: the
+    engine streams to a broker, ``run_analyzer`` (what ``mia-stream analyze`` runs) consumes it in a thread."""
+    import threading
+
     from sklearn.metrics import roc_auc_score
     from transformers import AutoTokenizer
+    from vllm import SamplingParams
 
     from mia_stream import StreamLLM
-    from mia_stream.analyzers import AnalyzerRunner, create
-    from mia_stream.analyzers._adapter import EventAdapter
-    from vllm import SamplingParams
+    from mia_stream.analyzers import create, run_analyzer
 
     data = load_captures(work)
     items, labels = data["items"], data["labels"]
@@ -267,27 +270,31 @@ def evaluate(work: Path, model_dir: str) -> dict:
                     if "p_hallucination" in a.values and (name == "hnode" or a.step == -1):
                         finals[a.request_id] = float(a.values["p_hallucination"][-1])
 
-            runner = AnalyzerRunner(analyzer, [sink])
-            adapter = EventAdapter(runner)
+            result = {}
+            consumer = threading.Thread(target=lambda: result.setdefault("runner", run_analyzer(
+                analyzer, sllm.broker, patterns=[f"eval-{name}-*"], sinks=[sink], max_streams=len(test),
+                idle_timeout=300)))
+            consumer.start()
+            time.sleep(2.0)  # subscribed before the first request starts (from_start covers the rest)
             prompts = _prompts(tok, [items[i] for i in test])
-            rid_of = {}
-            texts = {}
-            sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=SEED)
-            for c0 in range(0, len(prompts), 96):
-                for ev in sllm.stream(prompts[c0:c0 + 96], sp, capture=analyzer.capture_spec(), timeout=120):
-                    adapter.feed(ev)
-                    if ev.kind == "end":  # StreamLLM names request i of a call "<prefix>-<i>"
-                        rid = ev.stream.request_id
-                        rid_of[rid] = test[c0 + int(rid.rsplit("-", 1)[1])]
-                        texts[rid] = tok.decode(ev.stream.generated_token_ids, skip_special_tokens=True)
-                adapter.flush()
-            y = np.asarray([labels[rid_of[r]] for r in finals])
-            p = np.asarray([finals[r] for r in finals])
-            same = sum(texts[r] == data["texts"][rid_of[r]] for r in finals)
+            params = []
+            for k in range(len(test)):
+                p = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=SEED)
+                p.extra_args = {"mia_stream": {"capture": analyzer.capture_spec(), "id": f"eval-{name}-{k}"}}
+                params.append(p)
+            outputs = sllm.llm.generate(prompts, params, use_tqdm=False)
+            consumer.join()
+            runner = result["runner"]
+            rids = [f"eval-{name}-{k}" for k in range(len(test))]
+            y = np.asarray([labels[test[k]] for k, r in enumerate(rids) if r in finals])
+            p = np.asarray([finals[r] for r in rids if r in finals])
+            same = sum(o.outputs[0].text == data["texts"][test[k]] for k, o in enumerate(outputs))
             auc = float(roc_auc_score(y, p))
             out[name] = {"auc": round(auc, 4), "n": len(y), "positives": int(y.sum()),
                          "accuracy_at_threshold": round(float(((p >= analyzer.threshold) == y).mean()), 4),
-                         "answers_as_in_training_capture": same, "rejected": runner.counters["rejected"]}
+                         "answers_as_in_training_capture": f"{same}/{len(test)}",
+                         "rejected": runner.counters["rejected"], "request_steps": runner.counters["request_steps"],
+                         "gap_seqs": runner.counters["gap_seqs"]}
             _log(f"{name} through the analyzer, held out: {out[name]}")
     return out
 

@@ -260,3 +260,115 @@ def main(argv: list[str]) -> int:
 
 if __name__ == "__main__":
     sys.exit(main(sys.argv[1:]))
+
+
+# ---------------------------------------------------------------------------------------------- raw peers
+
+class RawProducer:
+    """A producer that is a bare DEALER on the producers endpoint: it sends encoded frames as given, so a test
+    does not depend on what ``FramePublisher`` does with a kind (e.g. columnar messages, forged references)."""
+
+    def __init__(self, address: str, identity: str):
+        import zmq
+
+        from mia_stream import _transport
+
+        self.identity = identity
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.SNDHWM, 0)
+        self.sock.setsockopt(zmq.IDENTITY, identity.encode())
+        self.sock.connect(_transport.endpoints_for(address).producers)
+        self.received: list = []
+
+    def send(self, msg, ring=None) -> list:
+        from mia_stream.schemas import encode
+
+        frames = msg if isinstance(msg, list) else encode(msg, shm=ring)
+        self.sock.send_multipart(frames, copy=False)
+        return frames
+
+    def hello(self, ring=None, timeout: float = 10.0) -> None:
+        """A heartbeat (with ``ring``'s ownership proof) until the broker answers one."""
+        from mia_stream.schemas import Heartbeat
+
+        stats = {"shm_ring_proof": ring.ownership_proof()} if ring is not None else {}  # spec section 9
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.send(Heartbeat(self.identity, "producer", 1, 0, stats))
+            if self.poll(0.1, lambda m: m.KIND == "heartbeat"):
+                return
+        raise AssertionError("the broker never answered")
+
+    def poll(self, timeout: float, until=None) -> list:
+        """Decoded messages from the broker for ``timeout`` s (or until one satisfies ``until``)."""
+        from mia_stream.schemas import decode
+
+        got, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.sock.poll(max(1, int((deadline - time.monotonic()) * 1000))):
+                break
+            msg = decode(self.sock.recv_multipart())
+            got.append(msg)
+            self.received.append(msg)
+            if until is not None and until(msg):
+                break
+        return got
+
+    def close(self) -> None:
+        self.sock.close(0)
+
+
+class RawConsumer:
+    """A consumer that is a bare DEALER: it subscribes with the given options and decodes what it gets (batches
+    unpacked, ring payloads read with its own ``ShmRingReader``), keeping the raw frames too."""
+
+    def __init__(self, address: str, name: str, patterns, *, shm: bool = False, window: int = 0,
+                 from_start: bool = False, batch: bool = True):
+        import zmq
+
+        from mia_stream import _transport
+        from mia_stream.schemas import ShmRingReader, Subscribe, encode
+
+        self.sock = zmq.Context.instance().socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.setsockopt(zmq.RCVHWM, 0)
+        self.sock.setsockopt(zmq.IDENTITY, name.encode())
+        self.sock.connect(_transport.endpoints_for(address).consumers)
+        self.reader = ShmRingReader()
+        self.sock.send_multipart(encode(Subscribe(list(patterns), from_start=from_start, consumer_id=name,
+                                                  window_bytes=window, batch=batch, shm=shm)))
+        self.messages: list = []  # (frames, decoded), heartbeats left out
+        self.batches = 0
+
+    def credit(self, nbytes: int) -> None:
+        from mia_stream.schemas import Credit, encode
+
+        self.sock.send_multipart(encode(Credit(nbytes)))
+
+    def read(self, timeout: float, until=None, credit: bool = False) -> list:
+        """Receive for ``timeout`` s, or until ``until(messages so far)`` holds; the new (frames, message)s.
+        ``credit``: after each zmq message, credit more than can be in flight (the window never stalls)."""
+        from mia_stream.schemas import Heartbeat, decode, split_batch
+
+        start, deadline = len(self.messages), time.monotonic() + timeout
+        while time.monotonic() < deadline and not (until is not None and until(self.messages)):
+            if not self.sock.poll(50):
+                continue
+            frames = self.sock.recv_multipart(copy=False)
+            if credit:
+                self.credit(1 << 40)
+            parts = split_batch(frames)
+            if parts is None:
+                parts = [frames]
+            else:
+                self.batches += 1
+            for m in parts:
+                msg = decode(m, shm=self.reader)
+                if not isinstance(msg, Heartbeat):
+                    self.messages.append(([bytes(f.buffer) if hasattr(f, "buffer") else bytes(f) for f in m], msg))
+        return self.messages[start:]
+
+    def close(self) -> None:
+        self.sock.close(0)
+        self.reader.close()

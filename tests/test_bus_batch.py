@@ -29,16 +29,17 @@ def broker_dir():
 
 
 def _raw_consumer(address: str, name: str, batch: bool) -> zmq.Socket:
-    """A DEALER subscribed to everything; ``batch=False`` sends the Subscribe a 1.1 SDK sends (no ``batch``)."""
+    """A DEALER subscribed to everything; ``batch=False`` sends a Subscribe without ``batch`` (as a 1.1 SDK did;
+    schema 2.0 keeps the field optional)."""
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, name.encode())
     sock.setsockopt(zmq.RCVHWM, 0)
     sock.connect(_transport.endpoints_for(address).consumers)
-    header = {"v": [1, 1], "kind": "subscribe", "patterns": ["*"], "from_start": False, "consumer_id": name,
+    header = {"v": [2, 0], "kind": "subscribe", "patterns": ["*"], "from_start": False, "consumer_id": name,
               "window_bytes": 0}
     if batch:
-        header.update(v=[1, 2], batch=True)
+        header.update(batch=True)
     sock.send_multipart([b"", msgpack.packb(header)])
     return sock
 
@@ -244,7 +245,7 @@ def test_malformed_batches_are_counted_and_the_good_messages_in_a_batch_still_co
                     Tensor.from_array("hs", np.full((1, 1, 4), 1.0, np.float32), layers=(0,))]))
                 end = encode(StreamEnd("mixed", "raw", 3, 2))
                 bad_counts = encode_batch([start, frame])
-                bad_counts[1] = msgpack.packb({"v": [1, 2], "kind": "batch", "frames": [2, 2]})
+                bad_counts[1] = msgpack.packb({"v": [2, 0], "kind": "batch", "frames": [2, 2]})
                 prod.send_multipart(bad_counts)  # a batch whose frames cannot be told apart: dropped whole
                 prod.send_multipart(encode_batch([start, [b"mixed\0", b"\xc1 not msgpack"], frame, end]))
                 rec = account(events_until(events, 1, 10))["mixed"]

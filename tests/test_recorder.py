@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 
@@ -172,9 +173,13 @@ def test_non_mia_stream_messages_are_counted_not_recorded(tmp_path):
     with Recorder(tmp_path / "rec") as rec:
         assert not rec.write([b"x\0", b"\xc1 not msgpack"])
         assert not rec.write([b"x\0"])
-        assert not rec.write([b"", b"\x81\xa1v\x92\x02\x00"])  # {"v": [2, 0]}: another major version
+        assert not rec.write([b"", b"\x81\xa1v\x92\x03\x00"])  # {"v": [3, 0]}: another major version
+        old = _request("old", 1)[0]  # a live 1.x peer's message: refused like any other major version
+        header = msgpack.unpackb(old[1])
+        assert header["v"][0] == 2
+        assert not rec.write([old[0], msgpack.packb({**header, "v": [1, 3]})])
         assert rec.write(_request("ok", 1)[0])
-        assert rec.stats.rejected == 3 and rec.stats.messages == 1
+        assert rec.stats.rejected == 4 and rec.stats.messages == 1
     assert [m.request_id for _, m in iter_recording(tmp_path / "rec")] == ["ok"]
 
 

@@ -119,6 +119,18 @@ def layer_rows(t: Tensor, layers: Sequence[int]) -> np.ndarray:
         raise AnalyzerInputError(f"tensor {t.name!r} holds layers {have}, not {missing}") from None
 
 
+def segments_of(rows: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """Per segment of a row group (``rows`` per segment), the rows ``mask`` keeps and the offset of each segment's
+    first kept row among the kept rows (``mask`` None: all rows)."""
+    if mask is None:
+        kept = rows
+    else:
+        kept = np.bincount(np.repeat(np.arange(len(rows)), rows)[mask], minlength=len(rows)).astype(np.int64)
+    off = np.zeros(len(kept), np.int64)
+    np.cumsum(kept[:-1], out=off[1:])
+    return kept, off
+
+
 class RequestTable:
     """Per-request state as rows of numpy arrays, so an analyzer updates all requests of a step at once.
 
@@ -162,6 +174,15 @@ class RequestTable:
                 s = index[rid] = self._allocate()
             out.append(s)
         return np.asarray(out, dtype=np.int64)
+
+    @staticmethod
+    def rows_of(slots: np.ndarray) -> Any:
+        """``slots`` as a basic slice when they are consecutive (the usual case: requests keep their order from
+        step to step), so ``table[name][rows] += x`` updates in place instead of gathering and scattering."""
+        n = len(slots)
+        if n and int(slots[-1]) - int(slots[0]) == n - 1 and (n < 2 or (np.diff(slots) == 1).all()):
+            return slice(int(slots[0]), int(slots[0]) + n)
+        return slots
 
     def release(self, request_id: str) -> None:
         s = self._index.pop(request_id, None)
@@ -282,6 +303,8 @@ class Analyzer:
     description: ClassVar[str] = ""
 
     def __init__(self, config: dict | None = None):
+        # request id -> prompt length, kept by the runner from each StreamStart (what ``position_mask`` reads)
+        self.prompt_lengths: dict[str, int] = {}
         cfg = copy.deepcopy(dict(self.defaults))
         if config is not None:
             if not isinstance(config, dict):
@@ -318,6 +341,19 @@ class Analyzer:
     # ---------------------------------------------------------------------------------- helpers
     def capture_spec(self) -> dict:
         return self.needs().capture_spec()
+
+    def position_mask(self, batch: StepBatch, group: Any, positions: str) -> np.ndarray | None:
+        """Which rows of ``group`` are at ``positions`` ("all" | "prompt" | "generated" | "last_prompt") of their
+        request, as a bool array; None when every row is (a stream may capture more positions than needed)."""
+        if positions == "all" or not group.num_rows:
+            return None
+        lengths = self.prompt_lengths
+        plen = np.asarray([lengths.get(batch.request_ids[i], 0) for i in group.requests.tolist()], np.int64)
+        row_plen = np.repeat(plen, group.rows)
+        pos = group.positions
+        mask = pos < row_plen if positions == "prompt" else (
+            pos >= row_plen if positions == "generated" else pos == row_plen - 1)
+        return None if mask.all() else mask
 
     def config_value(self, key: str, kind: type | tuple, what: str = "") -> Any:
         """``config[key]`` checked against ``kind`` (AnalyzerConfigError naming the key otherwise)."""

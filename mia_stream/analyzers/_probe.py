@@ -62,6 +62,12 @@ class LinearProbe:
         z = (np.asarray(x, np.float64) - self.mean) / self.scale
         return (z * self.weights).sum(axis=1) + self.bias  # row-wise: independent of the batch's other rows
 
+    def folded(self, dtype=np.float32) -> tuple[np.ndarray, float]:
+        """(v, c) with ``logits(x) == x . v + c``: the standardization folded into the weights, so scoring a row
+        reads it once (v = w / scale, c = b - (mean / scale) . w)."""
+        v = self.weights / self.scale
+        return v.astype(dtype), float(self.bias - (self.mean / self.scale) @ self.weights)
+
     def standardize(self, x: np.ndarray) -> np.ndarray:
         return (np.asarray(x, np.float64) - self.mean) / self.scale
 

@@ -24,16 +24,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from mia_stream.analyzers._adapter import EventAdapter
 from mia_stream.analyzers._base import Analyzer, Results
 from mia_stream.analyzers._registry import analyzer_class, available, create, load_config
+from mia_stream.consumers import _is_recording
 from mia_stream.errors import AnalyzerError, AnalyzerInputError, MiaStreamError
 from mia_stream.schemas import AnalysisBatch, GapNotice, RowGroup, StepBatch, StreamStart, TokenBatch
 
 log = logging.getLogger("mia_stream.analyzers")
-
-_IDLE_TICK_S = 0.05
-
 
 def select(batch: StepBatch, keep: np.ndarray) -> StepBatch:
     """The requests of ``batch`` where ``keep`` (bool per request) is true; their rows are copied."""
@@ -84,6 +81,7 @@ class AnalyzerRunner:
             return
         rid = start.request_id
         self.counters["requests"] += 1
+        self.analyzer.prompt_lengths[rid] = len(start.prompt_token_ids)
         try:
             self.analyzer.on_start(start)
         except AnalyzerInputError as e:
@@ -113,11 +111,39 @@ class AnalyzerRunner:
         self._emit(out, batch.step, batch.time_ns)
 
     def on_tokens(self, batch: TokenBatch) -> None:
-        if not any(rid in self._accepted for rid in batch.request_ids):
+        keep = [rid in self._accepted for rid in batch.request_ids]
+        if not any(keep):
             return
+        if not all(keep):
+            idx = [i for i, k in enumerate(keep) if k]
+            off = batch.offsets.tolist()
+            batch = TokenBatch(batch.producer_id, batch.epoch, batch.step, [batch.request_ids[i] for i in idx],
+                               batch.seqs[idx], batch.counts[idx],
+                               [t for i in idx for t in batch.token_ids[off[i]:off[i + 1]].tolist()],
+                               batch.first_positions[idx], [batch.finish_reasons[i] for i in idx], batch.time_ns)
         out = Results()
         self.analyzer.on_tokens(batch, out)
         self._emit(out, batch.step, batch.time_ns)
+
+    def feed(self, ev: Any) -> bool:
+        """One SDK event in batch mode (``open_batches``): step and token batches whole, starts, gaps and ends
+        per request; analysis results (other analyzers', or this one's own coming back) are not its input.
+        Returns whether it was a request's end."""
+        kind = ev.kind
+        if kind == "batch":
+            b = ev.batch
+            if b.KIND == "step_batch":
+                self.on_batch(b)
+            elif b.KIND == "token_batch":
+                self.on_tokens(b)
+        elif kind == "start":
+            self.on_start(ev.stream)
+        elif kind == "gap":
+            self.on_gap(ev.stream, ev.gap)
+        elif kind == "end":
+            self.on_end(ev.stream, ev.end)
+            return True
+        return False
 
     def on_gap(self, stream: Any, gap: GapNotice) -> None:
         self.counters["gaps"] += 1
@@ -135,6 +161,7 @@ class AnalyzerRunner:
         self.counters["requests_ended"] += 1
         self._emit(out, -1, getattr(end, "time_ns", 0))
         self._seqs.pop(rid, None)
+        self.analyzer.prompt_lengths.pop(rid, None)
 
     # ------------------------------------------------------------------------------------ internals
 
@@ -149,6 +176,7 @@ class AnalyzerRunner:
         self.analyzer.on_end(rid, None, Results())  # frees whatever state it had; its results are void
         self._emit(out, -1, 0)
         self._seqs.pop(rid, None)
+        self.analyzer.prompt_lengths.pop(rid, None)
 
     def _note_unstarted(self, rids: Sequence[str]) -> None:
         for rid in rids:
@@ -212,7 +240,7 @@ class AnalysisPublisher:
     def _announce(self, rids: Iterable[str]) -> None:
         for rid in rids:
             missing = self._lost.pop(rid)
-            gap = GapNotice(rid, self.producer_id, self.epoch, missing, "analyzer_queue_full", "producer",
+            gap = GapNotice(rid, self.producer_id, self.epoch, missing, "analysis_dropped", "producer",
                             time.time_ns())
             if not self.publisher.publish(gap):
                 self._lost[rid] = missing
@@ -238,19 +266,29 @@ def result_dict(a: Any) -> dict:
     """One request's analysis result as plain data (what ``--print`` writes)."""
     return {"request_id": a.request_id, "analyzer": a.analyzer, "version": a.analyzer_version, "seq": a.seq,
             "step": a.step, "positions": list(a.positions),
-            "values": {k: np.asarray(v).tolist() for k, v in sorted(a.values.items())},
+            "values": {k: _plain(v) for k, v in sorted(a.values.items())},
             "labels": {k: list(v) for k, v in sorted(a.labels.items())}, "alerts": list(a.alerts)}
+
+
+def _plain(v: Any) -> Any:
+    """An analysis value as JSON data: nested lists, NaN (a row without that value) as null."""
+    arr = np.asarray(v)
+    if arr.dtype.kind == "f" and np.isnan(arr).any():
+        return np.where(np.isnan(arr), None, arr.astype(object)).tolist()
+    return arr.tolist()
 
 
 def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = ("*",), from_start: bool = True,
                  sinks: Iterable[Callable] = (), publish: str | None = None, keys: Any = None,
                  max_streams: int | None = None, idle_timeout: float | None = None,
-                 stop: Callable[[], bool] | None = None, on_reject: Callable[[str, str], Any] | None = None,
+                 on_reject: Callable[[str, str], Any] | None = None,
                  consumer_id: str | None = None, window_bytes: int | None = None) -> AnalyzerRunner:
     """Run ``analyzer`` over ``source`` (a broker address or a recording) until the recording ends, ``max_streams``
-    requests ended, ``idle_timeout`` s passed without events, or ``stop()`` is true. ``publish``: a broker address
-    to publish the results to. Returns the runner (its ``counters`` and ``rejected``)."""
-    from mia_stream.consumers import _Source  # the per-request source; becomes the SDK's batch source
+    requests ended or ``idle_timeout`` s passed without events (live). It reads the SDK's batch events
+    (``open_batches``): a step's tensors arrive as one ``StepBatch``, or as one-request batches from producers
+    and recordings that send per-request messages. ``publish``: a broker address to publish the results to.
+    Returns the runner (its ``counters`` and ``rejected``)."""
+    from mia_stream.consumers import open_batches
 
     sinks = list(sinks)
     publisher = None
@@ -260,44 +298,35 @@ def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = (
         sinks.append(publisher)
     runner = AnalyzerRunner(analyzer, sinks, producer_id=producer_id,
                             epoch=publisher.epoch if publisher else None, on_reject=on_reject)
-    adapter = EventAdapter(runner)
-    src = _Source(source, tuple(patterns), from_start, consumer_id=consumer_id or
-                  f"analyzer:{analyzer.name}:{os.getpid()}", keys=keys, window_bytes=window_bytes)
+    live = not _is_recording(source)
+    options = {"consumer_id": consumer_id or f"analyzer:{analyzer.name}:{os.getpid()}", "keys": keys,
+               "window_bytes": window_bytes} if live else {}
+    events = None
+    ended = 0
     try:
-        if src.client is None:  # a recording: one pass
-            for ev in src.events():
-                adapter.feed(ev)
-            adapter.flush()
-            return runner
-        last_event = time.monotonic()
-        while True:
-            got = False
-            for ev in src.events(timeout=_IDLE_TICK_S):
-                got = True
-                adapter.feed(ev)
-                if ev.kind == "end":
-                    runner.counters["ended_streams"] += 1
-                    if max_streams is not None and runner.counters["ended_streams"] >= max_streams:
-                        break
-            adapter.flush()
-            now = time.monotonic()
-            if got:
-                last_event = now
-            if max_streams is not None and runner.counters["ended_streams"] >= max_streams:
-                return runner
-            if idle_timeout is not None and now - last_event >= idle_timeout:
-                return runner
-            if stop is not None and stop():
-                return runner
+        events = open_batches(source, patterns, from_start, timeout=idle_timeout if live else None, **options)
+        for ev in events:
+            if runner.feed(ev):
+                ended += 1
+                if max_streams is not None and ended >= max_streams:
+                    break
+        return runner
     finally:
-        adapter.flush()
-        src.close()
+        if events is not None:
+            events.close()
         if publisher is not None:
             publisher.close()
             runner.counters.update({f"publisher_{k}": v for k, v in publisher.counters.items()})
 
 
 # ------------------------------------------------------------------------------------------------ CLI
+
+class _Terminated(Exception):
+    """SIGTERM: leave the event loop (its ``finally`` closes the source and flushes the publisher)."""
+
+
+def _terminate(*_: Any) -> None:
+    raise _Terminated
 
 def _list() -> str:
     lines = []
@@ -353,16 +382,13 @@ def analyze_main(argv: list[str] | None = None) -> int:
         publish = None
         if args.publish is not None:
             publish = args.publish or args.source
-            from mia_stream.consumers import _is_recording
-
             if _is_recording(publish):
                 raise AnalyzerError("--publish needs a broker address when --source is a recording")
         sinks = [jsonl_printer()] if (publish is None or args.print_results) else []
-        stopping: list[bool] = []
-        signal.signal(signal.SIGTERM, lambda *_: stopping.append(True))
+        signal.signal(signal.SIGTERM, _terminate)
         runner = run_analyzer(analyzer, args.source, patterns=args.patterns, from_start=not args.no_from_start,
                               sinks=sinks, publish=publish, keys=args.keys, max_streams=args.max_streams,
-                              idle_timeout=args.idle_timeout, stop=lambda: bool(stopping),
+                              idle_timeout=args.idle_timeout,
                               window_bytes=args.window_bytes,
                               on_reject=lambda rid, why: print(f"{prog} {args.name}: {why}", file=sys.stderr,
                                                                flush=True))
@@ -371,6 +397,8 @@ def analyze_main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:
         return 130
+    except _Terminated:
+        return 143
     c = runner.counters
     print(f"{prog} {args.name}: {c['requests']} request(s), {c['request_steps']} request-steps, "
           f"{c['analysis_messages']} analysis messages, {c['rejected']} rejected, {c['gap_seqs']} seqs lost in gaps",

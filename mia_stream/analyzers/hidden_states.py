@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows
+from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows, segments_of
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 from mia_stream.schemas import StepBatch, StreamEnd, StreamStart
 
@@ -52,6 +52,7 @@ class HiddenStates(Analyzer):
         self._needs = Needs(hs_layers=layers if layers == "all" else tuple(layers), hs_positions=config["positions"])
         self.reductions = frozenset(red)
         self.stream_vectors = config["stream_vectors"]
+        self.positions = config["positions"]
         self.layers: tuple[int, ...] | None = None if layers == "all" else tuple(sorted(set(layers)))
         self.hidden_size = 0
         self.table: RequestTable | None = None
@@ -89,26 +90,31 @@ class HiddenStates(Analyzer):
             hs = t.numpy()
             if len(rows) != hs.shape[0] or (rows != np.arange(len(rows))).any():
                 hs = hs[rows]  # [L, N, H]: only the configured layers, in their order
+            mask = self.position_mask(batch, g, self.positions)
+            positions, row_requests = g.positions, g.row_requests
+            if mask is not None:  # the stream captures more positions than configured
+                hs, positions, row_requests = hs[:, mask], positions[mask], row_requests[mask]
+            if not hs.shape[1]:
+                continue
             if "norm" in self.reductions:
                 norms = np.sqrt(np.square(hs).sum(axis=2))  # [L, N]: row-wise, independent of the other rows
-                out.add(ids, g.row_requests, g.positions, {"norm": norms.T})
-            has_rows = g.rows > 0
-            seg_requests, seg_rows = g.requests[has_rows], g.rows[has_rows]
-            if not len(seg_requests):
-                continue
-            off = g.offsets[:-1][has_rows]
-            slots = table.slots([ids[i] for i in seg_requests.tolist()])
+                out.add(ids, row_requests, positions, {"norm": norms.T})
+            kept, off = segments_of(g.rows, mask)
+            has_rows = kept > 0
+            seg_requests, seg_rows, off = g.requests[has_rows], kept[has_rows], off[has_rows]
+            slots = table.rows_of(table.slots([ids[i] for i in seg_requests.tolist()]))
             table["count"][slots] += seg_rows
             if want_mean:
                 # one float32 sum per request segment (independent of the other requests of the step), kept in
                 # float64 across steps
-                table["sum"][slots] += np.add.reduceat(hs, off, axis=1).transpose(1, 0, 2)
+                seg = hs if len(off) == hs.shape[1] else np.add.reduceat(hs, off, axis=1)  # decode: 1 row each
+                table["sum"][slots] += seg.transpose(1, 0, 2)
             last = off + seg_rows - 1
             if want_last or self.stream_vectors:
                 table["last"][slots] = hs[:, last].transpose(1, 0, 2)
-            table["last_position"][slots] = g.positions[last]
+            table["last_position"][slots] = positions[last]
             if self.stream_vectors:
-                out.add(ids, seg_requests, g.positions[last], self._vectors(slots))
+                out.add(ids, seg_requests, positions[last], self._vectors(slots))
 
     def on_end(self, request_id: str, end: StreamEnd | None, out: Results) -> None:
         table = self.table

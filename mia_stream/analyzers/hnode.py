@@ -64,6 +64,7 @@ class HNode(Analyzer):
             raise AnalyzerConfigError(f"probe file {probe.path}: 'extra' h_nodes must be indices below "
                                       f"{probe.hidden_size} with one positive grounded_std and one grounded_mean each")
         self.nodes, self.node_sign = nodes, np.sign(probe.weights[nodes])
+        self.w_fold, self.c_fold = probe.folded(np.float32)
         self.node_mu, self.node_sd = mu, sd
         thr = config["threshold"]
         if thr is None:
@@ -71,7 +72,8 @@ class HNode(Analyzer):
         if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr <= 1:
             raise AnalyzerConfigError(f"hnode config: 'threshold' must be a probability in [0, 1], got {thr!r}")
         self.threshold = float(thr)
-        self._needs = Needs(hs_layers=(probe.layer,), hs_positions=config["positions"] or probe.position)
+        self.positions = config["positions"] or probe.position
+        self._needs = Needs(hs_layers=(probe.layer,), hs_positions=self.positions)
 
     def needs(self) -> Needs:
         return self._needs
@@ -92,12 +94,19 @@ class HNode(Analyzer):
             if t.shape[2] != probe.hidden_size:
                 raise AnalyzerInputError(f"hs rows of width {t.shape[2]}, the probe needs {probe.hidden_size}")
             x = t.numpy()[int(layer_rows(t, (probe.layer,))[0])]  # [N, H]
-            z = probe.standardize(x)
-            # row-wise sums (not a BLAS matvec, whose blocking depends on the batch): a request's score does not
-            # depend on which other requests share its step, so live and replayed results are bit-identical
-            p = sigmoid((z * probe.weights).sum(axis=1) + probe.bias)
-            dev = self.node_sign * (z[:, self.nodes] - self.node_mu) / self.node_sd
+            positions, row_requests = g.positions, g.row_requests
+            mask = self.position_mask(batch, g, self.positions)
+            if mask is not None:  # the stream captures more positions than the probe reads
+                x, positions, row_requests = x[mask], positions[mask], row_requests[mask]
+                if not len(x):
+                    continue
+            # x . (w / scale) + c in one pass over the rows; row-wise sums (not a BLAS matvec, whose blocking
+            # may depend on the batch): a request's score never depends on which other requests share its step,
+            # so live and replayed results are bit-identical
+            p = sigmoid((x * self.w_fold).sum(axis=1, dtype=np.float64) + self.c_fold)
+            z = (x[:, self.nodes] - probe.mean[self.nodes]) / probe.scale[self.nodes]  # the H-Nodes only
+            dev = self.node_sign * (z - self.node_mu) / self.node_sd
             excess = np.maximum(dev, 0.0).mean(axis=1)
-            out.add(batch.request_ids, g.row_requests, g.positions,
+            out.add(batch.request_ids, row_requests, positions,
                     {"p_hallucination": p.astype(np.float32), "h_node_excess": excess.astype(np.float32)},
                     alerts=p >= self.threshold)

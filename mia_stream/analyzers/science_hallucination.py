@@ -32,7 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows
+from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows, segments_of
 from mia_stream.analyzers._probe import LinearProbe, load_probe, resolve_probe_path, sigmoid
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 from mia_stream.schemas import StepBatch, StreamEnd, StreamStart
@@ -55,14 +55,38 @@ def final_norm(model_dir: str) -> tuple[np.ndarray, float]:
     files = sorted(d.glob("*.safetensors"))
     if not files:
         raise AnalyzerConfigError(f"model dir {d}: no *.safetensors weights")
-    from safetensors import safe_open  # torch reads bfloat16, which numpy cannot
-
     for f in files:
-        with safe_open(str(f), framework="pt") as st:
-            for key in _NORM_KEYS:
-                if key in st.keys():
-                    return st.get_tensor(key).float().numpy().astype(np.float32), float(eps)
+        found = _safetensors_vector(f, _NORM_KEYS)
+        if found is not None:
+            return found, float(eps)
     raise AnalyzerConfigError(f"model dir {d}: no final norm weight ({' / '.join(_NORM_KEYS)}) in its weights")
+
+
+_ST_DTYPES = {"F32": "<f4", "F16": "<f2", "BF16": "<u2", "F64": "<f8"}
+
+
+def _safetensors_vector(path: Path, keys: tuple) -> np.ndarray | None:
+    """One 1-D tensor of a safetensors file as float32, read by hand: numpy has no bfloat16 (the safetensors
+    package's numpy reader refuses it) and importing torch for one vector costs 5-16 s of an analyzer's start."""
+    with open(path, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        try:
+            header = json.loads(fh.read(n))
+        except ValueError:
+            raise AnalyzerConfigError(f"{path}: not a safetensors file") from None
+        key = next((k for k in keys if k in header), None)
+        if key is None:
+            return None
+        meta = header[key]
+        dtype = _ST_DTYPES.get(meta.get("dtype"))
+        a, b = meta.get("data_offsets", (0, 0))
+        if dtype is None or len(meta.get("shape", ())) != 1:
+            raise AnalyzerConfigError(f"{path}: {key} is {meta.get('dtype')} {meta.get('shape')}, want a vector")
+        fh.seek(8 + n + a)
+        raw = np.frombuffer(fh.read(b - a), dtype=dtype)
+    if meta["dtype"] == "BF16":
+        return (raw.astype(np.uint32) << 16).view(np.float32)
+    return raw.astype(np.float32)
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -94,8 +118,11 @@ class ScienceHallucination(Analyzer):
                                       f"got {model!r}")
         self._needs = Needs(hs_layers=(probe.layer,), hs_positions=probe.position)
         self.norm: tuple[np.ndarray, float] | None = None
-        self.table = RequestTable(sum=((probe.hidden_size,), np.float64), last=((probe.hidden_size,), np.float32),
-                                  count=((), np.int64))
+        self.row_weights: np.ndarray | None = None  # norm weight x (w / scale): a row's score in one pass
+        self.offset = 0.0
+        # per request: the sum of its rows' scores (the mean's score is linear in the rows), the last row's
+        # score, the rows counted: no hidden-size state per request
+        self.table = RequestTable(score_sum=((), np.float64), last_score=((), np.float64), count=((), np.int64))
 
     def needs(self) -> Needs:
         return self._needs
@@ -110,7 +137,9 @@ class ScienceHallucination(Analyzer):
             raise AnalyzerInputError(f"request {start.request_id!r}: the probe reads the final layer of a "
                                      f"{probe.num_layers}-layer model, the stream's model has {start.num_layers}")
         if self.norm is None:
-            self.norm = final_norm(self._model_dir(start))
+            weight, eps = self.norm = final_norm(self._model_dir(start))
+            v, self.offset = probe.folded(np.float64)
+            self.row_weights = (weight.astype(np.float64) * v).astype(np.float32)
 
     def _model_dir(self, start: StreamStart) -> str:
         if self.config["model"]:
@@ -124,27 +153,35 @@ class ScienceHallucination(Analyzer):
     def on_batch(self, batch: StepBatch, out: Results) -> None:
         if self.norm is None:
             return
-        weight, eps = self.norm
+        eps = self.norm[1]
         probe, table = self.probe, self.table
         ids = batch.request_ids
         for g in batch.groups:
             if not g.has("hs"):
                 continue
-            keep = g.rows > 0
-            if not keep.any():
-                continue
             t = g.tensor("hs")
             if t.shape[2] != probe.hidden_size:
                 raise AnalyzerInputError(f"hs rows of width {t.shape[2]}, the probe needs {probe.hidden_size}")
-            normed = rms_norm(t.numpy()[int(layer_rows(t, (probe.layer,))[0])], weight, eps)  # [N, H]
-            seg_requests, seg_rows = g.requests[keep], g.rows[keep]
-            off = g.offsets[:-1][keep]
+            x = t.numpy()[int(layer_rows(t, (probe.layer,))[0])]  # [N, H]
+            positions = g.positions
+            mask = self.position_mask(batch, g, probe.position)
+            if mask is not None:  # e.g. the prompt rows of a stream that captures every position
+                x, positions = x[mask], positions[mask]
+            if not len(x):
+                continue
+            x = np.asarray(x, np.float32)
+            # probe(norm(x)) = (x . (norm_weight * w / scale)) / rms(x) + c: one pass for the dot, one for the rms
+            rms = np.sqrt(np.square(x).mean(axis=1, dtype=np.float32) + np.float32(eps))
+            scores = (x * self.row_weights).sum(axis=1, dtype=np.float64) / rms
+            kept, off = segments_of(g.rows, mask)
+            keep = kept > 0
+            seg_requests, seg_rows, off = g.requests[keep], kept[keep], off[keep]
             last = off + seg_rows - 1
             slots = table.slots([ids[i] for i in seg_requests.tolist()])
-            table["sum"][slots] += np.add.reduceat(normed, off, axis=0)
-            table["last"][slots] = normed[last]
+            table["score_sum"][slots] += np.add.reduceat(scores, off) if len(scores) != len(off) else scores
+            table["last_score"][slots] = scores[last]
             table["count"][slots] += seg_rows
-            out.add(ids, seg_requests, g.positions[last], self._scores(slots))
+            out.add(ids, seg_requests, positions[last], self._scores(slots))
 
     def on_end(self, request_id: str, end: StreamEnd | None, out: Results) -> None:
         slot = self.table.slot(request_id)
@@ -156,10 +193,10 @@ class ScienceHallucination(Analyzer):
         self.table.release(request_id)
 
     def _scores(self, slots: np.ndarray) -> dict:
-        table, probe = self.table, self.probe
+        table = self.table
         count = table["count"][slots]
-        if probe.pool == "mean":
-            feats = table["sum"][slots] / np.maximum(count, 1)[:, None]
+        if self.probe.pool == "mean":
+            logit = table["score_sum"][slots] / np.maximum(count, 1)
         else:
-            feats = table["last"][slots]
-        return {"p_hallucination": sigmoid(probe.logits(feats)).astype(np.float32), "tokens": count.copy()}
+            logit = table["last_score"][slots]
+        return {"p_hallucination": sigmoid(logit + self.offset).astype(np.float32), "tokens": count.copy()}

@@ -1,7 +1,8 @@
 """The mia_stream broker: producers' streams in, demuxed by request id to subscribed consumers.
 
 ``mia-stream broker`` runs one (``main``); ``mia-stream stats`` prints a running one's counters
-(``stats_main``); ``run_broker_in_thread`` runs one inside this process. Protocol: docs/bus.md.
+(``stats_main``); ``run_broker_in_thread`` runs one inside this process. Every routing rule is in
+``_routing.Router`` (no I/O); ``_broker.Broker`` is its socket loop. Protocol: docs/bus.md.
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ import msgpack
 import zmq
 
 from mia_stream import _transport
-from mia_stream.broker._broker import (DEFAULT_CONSUMER_QUEUE_BYTES, DEFAULT_LATE_JOIN_BYTES,
-                                       DEFAULT_LATE_JOIN_LINGER_S, DEFAULT_LATE_JOIN_TOTAL_BYTES,
-                                       DEFAULT_PRODUCER_TIMEOUT_S, DEFAULT_RING_GRACE_S, Broker, BrokerConfig,
-                                       run_broker_in_thread)
+from mia_stream.broker._broker import Broker, run_broker_in_thread
+from mia_stream.broker._routing import (DEFAULT_CONSUMER_QUEUE_BYTES, DEFAULT_CONSUMER_TIMEOUT_S,
+                                        DEFAULT_LATE_JOIN_BYTES, DEFAULT_LATE_JOIN_LINGER_S,
+                                        DEFAULT_LATE_JOIN_TOTAL_BYTES, DEFAULT_PRODUCER_TIMEOUT_S,
+                                        DEFAULT_RING_GRACE_S, BrokerConfig, Router)
 from mia_stream.errors import BrokerTimeoutError, MiaStreamError
 from mia_stream.schemas import DEFAULT_MAX_MESSAGE_BYTES
 
-__all__ = ["Broker", "BrokerConfig", "run_broker_in_thread", "main", "stats_main", "fetch_stats"]
+__all__ = ["Broker", "BrokerConfig", "Router", "run_broker_in_thread", "main", "stats_main", "fetch_stats"]
 
 
 def _endpoints_from_args(args) -> _transport.BrokerEndpoints:
@@ -54,7 +56,7 @@ def main(argv: list[str]) -> int:
                     help="seconds an ended stream stays joinable from its start")
     ap.add_argument("--producer-timeout", type=float, default=DEFAULT_PRODUCER_TIMEOUT_S,
                     help="seconds without a message before a producer's open streams end as producer_lost")
-    ap.add_argument("--consumer-timeout", type=float, default=60.0)
+    ap.add_argument("--consumer-timeout", type=float, default=DEFAULT_CONSUMER_TIMEOUT_S)
     ap.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
     ap.add_argument("--heartbeat", type=float, default=_transport.HEARTBEAT_S)
     ap.add_argument("--no-steering", action="store_true", help="refuse every steering command")

@@ -7,7 +7,15 @@
 or subclass ``Consumer`` and hand it to ``run_consumer``. ``source`` is a broker address (a run dir with
 the broker's sockets, ``ipc://...``, ``tcp://...``; None = ``$MIA_STREAM_BROKER`` or the default run dir) or
 the path of a recording (a file, or a directory without broker sockets). Events: "start", "frame",
-"tokens", "gap", "end" (see ``_assemble`` for ordering, gap and TP-merge rules).
+"tokens", "analysis", "gap", "end" (see ``_assemble`` for ordering, gap and TP-merge rules).
+
+Vectorized consumers take whole steps instead (no per-request event is built for tensors and tokens):
+
+    for event in open_batches(source, patterns=("*",)):
+        if event.kind == "batch" and event.batch.KIND == "step_batch":
+            hs = event.batch.tensor("hs")           # [layers, rows of every request, hidden]
+
+or override ``Consumer.on_batch``; "start", "gap" and "end" stay per request.
 """
 
 from __future__ import annotations
@@ -23,12 +31,14 @@ from typing import Any, Iterator
 
 from mia_stream.consumers._assemble import (EVENT_KINDS, Event, RequestStream, StepFrame, StreamAssembler,
                                             merge_shards)
+from mia_stream.consumers._batch_ops import subset_batch
 from mia_stream.consumers._live import BrokerClient
 from mia_stream.errors import MiaStreamError, SteeringCommandError
 from mia_stream.schemas import SteeringAck, SteeringCommand
 
 __all__ = ["BrokerClient", "Consumer", "Event", "EventStream", "EVENT_KINDS", "RequestStream", "StepFrame", "StreamAssembler",
-           "consume_main", "merge_shards", "open_stream", "run_consumer"]
+           "consume_main", "dispatch", "merge_shards", "open_batches", "open_stream", "run_consumer", "subset_batch",
+           "wants_batches"]
 
 _IDLE_TICK_S = 0.05
 
@@ -51,9 +61,9 @@ class _Source:
     """Events from a live broker or a recording; ``client`` is the BrokerClient when live."""
 
     def __init__(self, source: Any, patterns=("*",), from_start: bool = False, *, consumer_id: str | None = None,
-                 keys: Any = None, window_bytes: int | None = None, shm: bool | None = None):
+                 keys: Any = None, window_bytes: int | None = None, shm: bool | None = None, batches: bool = False):
         self.source, self.patterns, self.from_start = source, tuple(patterns), from_start
-        self.assembler = StreamAssembler()
+        self.assembler = StreamAssembler(batches=batches)
         self.client: BrokerClient | None = None
         if not _is_recording(source):
             self.client = BrokerClient(source, consumer_id=consumer_id, keys=keys, window_bytes=window_bytes,
@@ -136,8 +146,23 @@ def open_stream(source: Any = None, patterns=("*",), from_start: bool = False,
     return EventStream(_Source(source, patterns, from_start, **options), timeout)
 
 
+def open_batches(source: Any = None, patterns=("*",), from_start: bool = False,
+                 timeout: float | None = None, **options: Any) -> EventStream:
+    """Like ``open_stream``, but tensors, tokens and analysis results come as "batch" events, one per columnar
+    message (``event.batch``: a ``StepBatch``, ``TokenBatch`` or ``AnalysisBatch`` naming the matched requests
+    of one step; a per-request frame of an older producer comes as a one-request batch). "start", "gap" and
+    "end" events stay per request; seqs are checked per request, so every loss is a "gap" event. With TP > 1
+    each rank's batch comes as it is (Q/K shards carry ``Tensor.shard``; hidden states come whole from rank 0).
+    """
+    return EventStream(_Source(source, patterns, from_start, batches=True, **options), timeout)
+
+
 class Consumer:
-    """Subclass and override the callbacks you need; run it with ``run_consumer`` or ``mia-stream consume``."""
+    """Subclass and override the callbacks you need; run it with ``run_consumer`` or ``mia-stream consume``.
+
+    Override ``on_batch`` for a vectorized consumer: it then gets every columnar message whole (one call per
+    step and producer) and ``on_frame``, ``on_tokens`` and ``on_analysis`` are not called; ``on_start``,
+    ``on_gap`` and ``on_end`` still are, per request."""
 
     patterns: tuple = ("*",)
     from_start: bool = False
@@ -148,6 +173,13 @@ class Consumer:
     def on_frame(self, stream: RequestStream, frame: StepFrame) -> None: ...
 
     def on_tokens(self, stream: RequestStream, tokens) -> None: ...
+
+    def on_analysis(self, stream: RequestStream, analysis) -> None:
+        """One request's rows of an analyzer's results (``schemas.Analysis``), in seq order per analyzer;
+        they may come after the request's ``on_end``."""
+
+    def on_batch(self, batch) -> None:
+        """A whole ``StepBatch`` / ``TokenBatch`` / ``AnalysisBatch`` (only called when overridden)."""
 
     def on_gap(self, stream: RequestStream, gap) -> None: ...
 
@@ -169,22 +201,12 @@ def run_consumer(consumer: Consumer, source: Any = None, max_streams: int | None
                  idle_timeout: float | None = None, **options: Any) -> int:
     """Drive ``consumer``'s callbacks; return the number of streams ended when the source ends (replay),
     after ``max_streams`` streams ended, or after ``idle_timeout`` s without events."""
-    src = _Source(source, consumer.patterns, consumer.from_start, **options)
+    src = _Source(source, consumer.patterns, consumer.from_start, batches=wants_batches(consumer), **options)
     consumer._client = src.client
     ended = 0
     try:
         for ev in src.events(idle_timeout):
-            kind = ev.kind
-            if kind == "frame":
-                consumer.on_frame(ev.stream, ev.frame)
-            elif kind == "tokens":
-                consumer.on_tokens(ev.stream, ev.tokens)
-            elif kind == "gap":
-                consumer.on_gap(ev.stream, ev.gap)
-            elif kind == "start":
-                consumer.on_start(ev.stream)
-            elif kind == "end":
-                consumer.on_end(ev.stream, ev.end)
+            if dispatch(consumer, ev):
                 ended += 1
                 if max_streams is not None and ended >= max_streams:
                     break
@@ -192,6 +214,32 @@ def run_consumer(consumer: Consumer, source: Any = None, max_streams: int | None
         consumer._client = None
         src.close()
     return ended
+
+
+def wants_batches(consumer: Any) -> bool:
+    """Whether ``consumer`` overrides ``Consumer.on_batch`` (then it is run in batch mode)."""
+    return getattr(type(consumer), "on_batch", Consumer.on_batch) is not Consumer.on_batch
+
+
+def dispatch(consumer: Any, ev: Event) -> bool:
+    """Call ``consumer``'s callback for ``ev``; whether it was a request's end."""
+    kind = ev.kind
+    if kind == "batch":
+        consumer.on_batch(ev.batch)
+    elif kind == "frame":
+        consumer.on_frame(ev.stream, ev.frame)
+    elif kind == "tokens":
+        consumer.on_tokens(ev.stream, ev.tokens)
+    elif kind == "analysis":
+        consumer.on_analysis(ev.stream, ev.analysis)
+    elif kind == "gap":
+        consumer.on_gap(ev.stream, ev.gap)
+    elif kind == "start":
+        consumer.on_start(ev.stream)
+    elif kind == "end":
+        consumer.on_end(ev.stream, ev.end)
+        return True
+    return False
 
 
 def _load_class(spec: str) -> type:

@@ -25,6 +25,24 @@ waited for as long as it takes (the broker ends the stream of a producer it lost
 has not come when every started rank has ended is waited for ``rank_wait_s`` (from a live source: ``flush``
 decides it; from a recording: ``finish``), then the request ends without it and each of its steps is
 "incomplete_shards" naming that rank.
+
+Columnar messages (schema 2.0). A ``StepBatch`` / ``TokenBatch`` names many requests, each with the one seq it
+uses in that request's stream, so each request's share is sequenced, gap-checked and TP-merged exactly like a
+per-request ``TensorFrame`` / ``TokenFrame`` of that seq (a request with segments in parts 0 and 1 gets two
+"frame" events from its one seq). A request's ``StepFrame`` is built lazily: its tensors are zero-copy views
+into the batch, made when first read. An ``AnalysisBatch`` gives each request an "analysis" event; its
+streams (request, analyzer producer, epoch) have no start or end, start at the first seq seen and are
+delivered after the request's end too.
+
+Batch mode (``StreamAssembler(batches=True)``, what ``Consumer.on_batch`` and ``open_batches`` use): a
+columnar message is not expanded; it becomes one "batch" event. Each request's seq is still checked (one dict
+lookup and compare per request): starts, ends and gaps stay per request. A batch is never held back for one
+request: an unexplained hole before a request's seq is reported at once (``seq_jump``, origin consumer), and a
+request whose seq was already delivered or reported (a duplicate, e.g. after re-subscribing) is cut out of
+the delivered batch. Per-request ``TensorFrame`` / ``TokenFrame`` messages (older producers, 1.x recordings)
+arrive as one-request batches. TP > 1: each rank's batch is delivered as it came (per-rank batches: hidden
+states whole from rank 0, Q/K shards carrying ``Tensor.shard``); use the per-request events for merged
+heads.
 """
 
 from __future__ import annotations
@@ -37,16 +55,24 @@ from typing import Any
 
 import numpy as np
 
+from mia_stream.consumers._batch_ops import frame_batch, subset_batch, tokens_batch
 from mia_stream.errors import IncompleteShardError
-from mia_stream.schemas import GapNotice, Message, StreamEnd, StreamStart, Tensor, TensorFrame, TokenFrame
+from mia_stream.schemas import (Analysis, AnalysisBatch, GapNotice, Message, RowGroup, StepBatch, StreamEnd,
+                                StreamStart, Tensor, TensorFrame, TokenBatch, TokenFrame)
 
-EVENT_KINDS = ("start", "frame", "tokens", "gap", "end")
+EVENT_KINDS = ("start", "frame", "tokens", "gap", "end", "analysis", "batch")
+_RECENT_STREAMS = 10_000  # ended requests remembered for the analysis results that follow their end
+_ANALYSIS_STREAMS = 100_000  # analysis streams (they never end) whose seqs are remembered, least recent dropped
 
 
 @dataclass
 class StepFrame:
     """One engine step of one request, TP shards merged. ``tensors`` are numpy (bf16 widened to float32);
-    ``raw_tensors`` are the ``schemas.Tensor`` objects (exact wire dtype, zero-copy where unmerged)."""
+    ``raw_tensors`` are the ``schemas.Tensor`` objects (exact wire dtype, zero-copy where unmerged).
+
+    From a ``StepBatch`` the frame is a view of the request's segment: ``positions``, ``token_ids``,
+    ``raw_tensors``, ``layers`` and ``rank_frames`` are made on first use (zero-copy slices of the batch).
+    A view keeps the whole step's buffers alive: copy (``np.array(frame.tensors["hs"])``) what you keep."""
 
     request_id: str
     step: int
@@ -57,11 +83,103 @@ class StepFrame:
     layers: dict[str, tuple]
     time_ns: int = 0
     rank_frames: list = field(default_factory=list, repr=False)  # the TensorFrames merged, by rank
+    part: int = 0  # 0: hidden states (and Q/K at the same positions), 1: Q/K at positions of their own
 
     @functools.cached_property
     def tensors(self) -> dict[str, np.ndarray]:
         """name -> array: hs ``[L,T,H]``, q ``[L,T,heads,D]``, k ``[L,T,kv_heads,D]`` (computed on first use)."""
         return {name: t.numpy() for name, t in self.raw_tensors.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        # Only reached for an attribute not yet set: the lazy fields of a frame cut from a StepBatch segment.
+        seg = self.__dict__.get("_segment")
+        if seg is None or name not in _LAZY_FIELDS:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        seg.fill(self, name)
+        return self.__dict__[name]
+
+
+_LAZY_FIELDS = frozenset(("positions", "token_ids", "raw_tensors", "layers", "rank_frames"))
+
+
+class _GroupView:
+    """A row group of a StepBatch, prepared once for all its segments: row offsets, the raw arrays."""
+
+    __slots__ = ("group", "offsets", "raws")
+
+    def __init__(self, group: RowGroup):
+        self.group = group
+        self.offsets = group.offsets.tolist()
+        self.raws = [(t, t.raw()) for t in group.tensors]
+
+    def tensors(self, j: int) -> list[Tensor]:
+        """Segment ``j``'s rows of every tensor: zero-copy views."""
+        a, b = self.offsets[j], self.offsets[j + 1]
+        out = []
+        for t, raw in self.raws:
+            view = raw[:, a:b]
+            scale = t.scale
+            if scale is not None and scale.ndim >= 2 and scale.shape[1] == t.shape[1]:
+                scale = scale[:, a:b]
+            out.append(Tensor(t.name, t.dtype, view.shape, view, t.layers, t.shard, scale, t.meta))
+        return out
+
+
+class _Segment:
+    """One part of one request in a StepBatch: what fills a lazy StepFrame (or builds its TensorFrame)."""
+
+    __slots__ = ("batch", "view", "i", "j", "version")
+
+    def __init__(self, batch: StepBatch, view: _GroupView, i: int, j: int, version: int):
+        self.batch, self.view, self.i, self.j, self.version = batch, view, i, j, version
+
+    def step_frame(self, request_id: str) -> StepFrame:
+        b = self.batch
+        sf = object.__new__(StepFrame)  # the lazy fields are filled by fill() when first read
+        d = sf.__dict__
+        d["request_id"], d["step"], d["time_ns"], d["part"] = request_id, b.step, b.time_ns, self.view.group.part
+        d["steering_version"] = self.version
+        d["_segment"] = self
+        return sf
+
+    def fill(self, sf: StepFrame, name: str) -> None:
+        d = sf.__dict__
+        if name == "rank_frames":
+            d["rank_frames"] = [self.tensor_frame()]
+            return
+        g, j = self.view.group, self.j
+        a, e = self.view.offsets[j], self.view.offsets[j + 1]
+        tensors = self.view.tensors(j)
+        d["positions"], d["token_ids"] = g.positions[a:e].tolist(), g.token_ids[a:e].tolist()
+        d["raw_tensors"] = {t.name: t for t in tensors}
+        d["layers"] = {t.name: tuple(t.layers) for t in tensors}
+
+    def tensor_frame(self) -> TensorFrame:
+        b, v, j = self.batch, self.view, self.j
+        a, e = v.offsets[j], v.offsets[j + 1]
+        g = v.group
+        return TensorFrame(b.request_ids[self.i], b.producer_id, b.epoch, int(b.seqs[self.i]), b.step,
+                           g.positions[a:e].tolist(), g.token_ids[a:e].tolist(), v.tensors(j), self.version,
+                           b.time_ns, g.part)
+
+
+class _Share:
+    """What one request holds in a StepBatch (its segments, one per part: maybe none) under its one seq."""
+
+    __slots__ = ("seq", "step", "segments")
+
+    def __init__(self, seq: int, step: int, segments: list):
+        self.seq, self.step, self.segments = seq, step, segments
+
+
+class _Mark:
+    """A batch's place in a request's seq order (batch mode): what the sequencer released before it goes
+    before the batch event, what it released after it goes after."""
+
+    __slots__ = ("seq",)
+
+    def __init__(self, seq: int):
+        self.seq = seq
 
 
 @dataclass
@@ -84,15 +202,17 @@ class RequestStream:
         return list(self.start.prompt_token_ids) if self.start is not None else []
 
 
-@dataclass
+@dataclass(slots=True)
 class Event:
     kind: str  # one of EVENT_KINDS
-    stream: RequestStream
+    stream: RequestStream | None  # None for a "batch" event (it names many requests)
     frame: StepFrame | None = None
     tokens: TokenFrame | None = None
     gap: GapNotice | None = None
     end: StreamEnd | None = None
     error: Exception | None = None  # IncompleteShardError for reason "incomplete_shards"
+    analysis: Analysis | None = None  # an "analysis" event: one request's rows of an AnalysisBatch
+    batch: StepBatch | TokenBatch | AnalysisBatch | None = None  # a "batch" event (batch mode)
 
     @property
     def start(self) -> StreamStart | None:
@@ -183,14 +303,16 @@ class _Sequencer:
         self.held[seq] = msg
         if len(self.held) == 1:
             self.held_since = now
-        return self._release(force=len(self.held) > self.window)
+        return self._release(len(self.held) > self.window, now)
 
     def flush(self, now: float, timeout: float) -> list:
         if self.held and now - self.held_since >= timeout:
-            return self._release(force=True)
+            return self._release(True, now)
         return []
 
-    def _release(self, force: bool) -> list:
+    def _release(self, force: bool, now: float) -> list:
+        """Held messages that can go now, in seq order (``force``: all of them, unexplained holes reported);
+        ``now`` (the caller's clock) restarts the wait of whatever stays held."""
         out: list = []
         while self.held:
             self._skip_known()
@@ -209,7 +331,7 @@ class _Sequencer:
             self.known = [r for r in self.known if r[0] >= first]
             self.expected = first
         self._skip_known()
-        self.held_since = time.monotonic() if self.held else 0.0
+        self.held_since = now if self.held else 0.0  # the caller's clock (injected in tests), not the real one
         return out
 
     def _skip_known(self) -> None:
@@ -227,6 +349,8 @@ def merge_shards(frames_by_rank: dict[int, TensorFrame], tp_size: int) -> StepFr
     if missing or f0 is None:
         step = next(iter(frames_by_rank.values())).step if frames_by_rank else -1
         raise IncompleteShardError(f"step {step}: no frame from rank(s) {missing}")
+    if not f0.tensors:  # rank 0 had nothing of this part: positions come from a rank that had
+        f0 = next((frames_by_rank[r] for r in range(tp_size) if frames_by_rank[r].tensors), f0)
     names: list[str] = []
     for r in range(tp_size):
         for t in frames_by_rank[r].tensors:
@@ -242,7 +366,7 @@ def merge_shards(frames_by_rank: dict[int, TensorFrame], tp_size: int) -> StepFr
         raw[name] = _concat(name, f0.step, [t for _, t in sharded], tp_size)
     return StepFrame(f0.request_id, f0.step, list(f0.positions), list(f0.token_ids), f0.steering_version, raw,
                      {n: tuple(t.layers) for n, t in raw.items()}, f0.time_ns,
-                     [frames_by_rank[r] for r in range(tp_size)])
+                     [frames_by_rank[r] for r in range(tp_size)], f0.part)
 
 
 def _concat(name: str, step: int, shards: list[Tensor], tp_size: int) -> Tensor:
@@ -280,7 +404,7 @@ def _concat(name: str, step: int, shards: list[Tensor], tp_size: int) -> Tensor:
 
 
 class _Merger:
-    __slots__ = ("tp_size", "window", "pending", "last_step", "ended", "done_up_to", "late")
+    __slots__ = ("tp_size", "window", "pending", "last_step", "ended", "done_up_to", "late", "named")
 
     def __init__(self, tp_size: int, window: int):
         self.tp_size, self.window = tp_size, window
@@ -289,15 +413,26 @@ class _Merger:
         self.ended: set[int] = set()
         self.done_up_to = (-1, 0)  # (step, part) keys, compared in order
         self.late = 0
+        # steps at which a rank's StepBatch named the request: a part it sent no segment of is empty there
+        # (a rank > 0 has no hidden states), not missing
+        self.named: dict[int, set[int]] = {}
 
-    def add(self, rank: int, frame: TensorFrame) -> list:
+    def add_share(self, rank: int, step: int, frames: list) -> list:
+        """Rank ``rank``'s StepBatch of ``step`` named the request: its frames of that step (maybe none)."""
+        for f in frames:
+            self.add(rank, f, resolve=False)
+        if step >= self.done_up_to[0]:
+            self.named.setdefault(rank, set()).add(step)
+        return self.resolve()
+
+    def add(self, rank: int, frame: TensorFrame, resolve: bool = True) -> list:
         key = (frame.step, frame.part)  # a step may have two frames (hidden states, Q/K) per rank
         if key <= self.done_up_to:
             self.late += 1  # its step was already delivered or declared incomplete
             return []
         self.pending.setdefault(key, {})[rank] = frame
         self.last_step[rank] = max(self.last_step.get(rank, (-1, 0)), key)
-        return self.resolve()
+        return self.resolve() if resolve else []
 
     def rank_ended(self, rank: int) -> list:
         self.ended.add(rank)
@@ -309,7 +444,7 @@ class _Merger:
         for key in sorted(self.pending):
             step = key[0]
             have = self.pending[key]
-            missing = [r for r in range(self.tp_size) if r not in have]
+            missing = [r for r in range(self.tp_size) if r not in have and step not in self.named.get(r, ())]
             if missing and not everything and len(self.pending) <= self.window and not all(
                     r in self.ended or self.last_step.get(r, (-1, 0)) > key for r in missing):
                 break
@@ -318,31 +453,44 @@ class _Merger:
             if missing:
                 out.append((step, IncompleteShardError(f"step {step}: no frame from rank(s) {missing}"), missing))
                 continue
+            if len(have) < self.tp_size:  # ranks that named the step without this part: nothing of theirs
+                f = next(iter(have.values()))
+                have = {r: have.get(r) or TensorFrame(f.request_id, "", 0, -1, step, part=key[1])
+                        for r in range(self.tp_size)}
             try:
                 out.append((step, merge_shards(have, self.tp_size), []))
             except IncompleteShardError as e:
                 out.append((step, e, []))
+        if self.named:
+            floor = self.done_up_to[0]
+            for steps in self.named.values():
+                for old in [x for x in steps if x < floor]:
+                    steps.discard(old)
         return out
 
 
 # ---------------------------------------------------------------------------------------------- assembler
 
 class _Rank:
-    __slots__ = ("stream", "rank")
+    __slots__ = ("stream", "rank", "started")
 
-    def __init__(self, stream: RequestStream, rank: int):
-        self.stream, self.rank = stream, rank
+    def __init__(self, stream: RequestStream, rank: int, started: bool = False):
+        self.stream, self.rank, self.started = stream, rank, started  # started: by its StreamStart
 
 
 class StreamAssembler:
-    """Feed decoded messages (live or replayed) in arrival order; get consumer events back."""
+    """Feed decoded messages (live or replayed) in arrival order; get consumer events back.
+
+    ``batches``: batch mode (module docstring): a columnar message becomes one "batch" event instead of
+    per-request "frame" / "tokens" / "analysis" events; starts, ends and gaps stay per request."""
 
     def __init__(self, *, reorder_window: int = 16, reorder_timeout_s: float = 0.2, merge_window: int = 64,
-                 rank_wait_s: float = 10.0):
+                 rank_wait_s: float = 10.0, batches: bool = False):
         self.reorder_window = reorder_window
         self.reorder_timeout_s = reorder_timeout_s
         self.merge_window = merge_window
         self.rank_wait_s = rank_wait_s
+        self.batches = batches
         self._seq: dict[tuple, _Sequencer] = {}
         self._ranks: dict[tuple, _Rank] = {}
         self._requests: dict[str, RequestStream] = {}
@@ -352,18 +500,37 @@ class StreamAssembler:
         self._waiting: dict[str, tuple[RequestStream, float]] = {}
         self._now = time.monotonic()
         self._done: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        # analysis streams (request, analyzer producer, epoch): no start or end, so kept least-recently-used
+        self._analysis: collections.OrderedDict[tuple, _Sequencer] = collections.OrderedDict()
+        self._analysis_held: set[tuple] = set()  # those of them holding results behind a hole
+        # ended requests (and requests known only from analysis results): what analysis events refer to
+        self._recent: collections.OrderedDict[str, RequestStream] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
     def holding(self) -> bool:
         """Something waits for time to pass (call ``flush`` periodically while this is true)."""
-        return bool(self._waiting) or any(s.held for s in self._seq.values())
+        return (bool(self._waiting) or any(s.held for s in self._seq.values())
+                or bool(self._analysis_held))
 
     def feed(self, msg: Message, now: float | None = None) -> list[Event]:
         now = self._now = time.monotonic() if now is None else now
+        kind = type(msg)
+        if kind is StepBatch:
+            return self._batch(msg, now) if self.batches else self._expand_steps(msg, now)
+        if kind is TokenBatch:
+            return self._batch(msg, now) if self.batches else self._expand_tokens(msg, now)
+        if kind is AnalysisBatch:
+            return self._batch(msg, now) if self.batches else self._expand_analysis(msg, now)
         if not isinstance(msg, (StreamStart, TensorFrame, TokenFrame, StreamEnd, GapNotice)):
             return []
         key = (msg.request_id, msg.producer_id, msg.epoch)
+        if isinstance(msg, GapNotice):
+            asq = self._analysis.get(key)
+            if asq is not None:  # a gap in an analyzer's results for this request
+                news = asq.gap(msg)
+                ready = asq._release(False, now) if asq.held else []
+                return (self._on_analysis_gap(key, news) if news else []) + self._handle_analysis(key, ready)
         if key in self._done:
             self.counters["after_end"] += 1
             return []
@@ -372,7 +539,7 @@ class StreamAssembler:
             sq = self._seq[key] = _Sequencer(key, self.reorder_window)
         if isinstance(msg, GapNotice):
             news = sq.gap(msg)
-            ready = sq._release(force=False) if sq.held else []
+            ready = sq._release(False, now) if sq.held else []
             return (self._on_gap(key, news) if news else []) + self._handle(key, ready)
         return self._handle(key, sq.push(msg, now))
 
@@ -383,6 +550,8 @@ class StreamAssembler:
         out = []
         for key, sq in list(self._seq.items()):
             out += self._handle(key, sq.flush(now, self.reorder_timeout_s))
+        for key in list(self._analysis_held):
+            out += self._handle_analysis(key, self._analysis[key].flush(now, self.reorder_timeout_s))
         for rs, since in list(self._waiting.values()):
             if now - since >= self.rank_wait_s:
                 out += self._try_end(rs, give_up=True)
@@ -393,7 +562,9 @@ class StreamAssembler:
         out = []
         for key, sq in list(self._seq.items()):
             if sq.held:
-                out += self._handle(key, sq._release(force=True))
+                out += self._handle(key, sq._release(True, self._now))
+        for key in list(self._analysis_held):
+            out += self._handle_analysis(key, self._analysis[key]._release(True, self._now))
         for rs, _since in list(self._waiting.values()):  # nothing more will come: not from unstarted ranks
             out += self._try_end(rs, give_up=True)
         for rid, merger in list(self._mergers.items()):
@@ -402,12 +573,205 @@ class StreamAssembler:
                 out += self._merge_events(rs, merger.resolve(everything=True))
         return out
 
+    # ---------------------------------------------------------------------------------------- columnar
+
+    def _push(self, key: tuple, item: Any, now: float) -> list[Event]:
+        """One request's share of a columnar message, through its stream's sequencer (the uncommon path)."""
+        if key in self._done:
+            self.counters["after_end"] += 1
+            return []
+        sq = self._seq.get(key)
+        if sq is None:
+            sq = self._seq[key] = _Sequencer(key, self.reorder_window)
+        return self._handle(key, sq.push(item, now))
+
+    def _expand_steps(self, b: StepBatch, now: float) -> list[Event]:
+        """Per-request "frame" events from a StepBatch: each request's share is sequenced like a TensorFrame
+        of its seq; frames are lazy views. The in-order case costs a dict lookup and a compare per request."""
+        ids, seqs, versions = b.request_ids, b.seqs.tolist(), b.steering_versions.tolist()
+        shares: list = [None] * len(ids)
+        for g in b.groups:
+            view = _GroupView(g)
+            for j, i in enumerate(g.requests.tolist()):
+                seg = _Segment(b, view, i, j, versions[i])
+                if shares[i] is None:
+                    shares[i] = [seg]
+                else:  # the request's frame of the other part: parts in order
+                    shares[i].append(seg)
+                    shares[i].sort(key=lambda sg: sg.view.group.part)
+        out: list[Event] = []
+        pid, epoch, seqd = b.producer_id, b.epoch, self._seq
+        for i, rid in enumerate(ids):
+            key = (rid, pid, epoch)
+            seq = seqs[i]
+            sq = seqd.get(key)  # present: the stream has not ended (ended keys leave _seq)
+            if sq is not None and seq == sq.expected and not sq.held and not sq.known:
+                sq.expected = seq + 1
+                if shares[i] or self._mergers:
+                    out += self._on_share(key, b.step, shares[i] or ())
+            else:
+                out += self._push(key, _Share(seq, b.step, shares[i] or []), now)
+        return out
+
+    def _on_share(self, key: tuple, step: int, segments: Any) -> list[Event]:
+        merger = self._mergers.get(key[0]) if self._mergers else None
+        if not segments and merger is None:
+            return []  # named without rows: its seq is used for nothing
+        r = self._ranks.get(key) or self._rank_of(key)
+        rs = r.stream
+        if merger is not None:  # TP: each rank's share joins its other ranks' shares of the step
+            return self._merge_events(rs, merger.add_share(r.rank, step, [seg.tensor_frame() for seg in segments]))
+        rs.frames += len(segments)
+        rid = rs.request_id
+        if rs.start is not None and len(segments) == 1:  # the common case, without _emit's checks
+            return [Event("frame", rs, frame=segments[0].step_frame(rid))]
+        return self._emit(rs, [Event("frame", rs, frame=seg.step_frame(rid)) for seg in segments])
+
+    def _expand_tokens(self, b: TokenBatch, now: float) -> list[Event]:
+        out: list[Event] = []
+        seqd = self._seq
+        for f in b.frames():
+            key = (f.request_id, f.producer_id, f.epoch)
+            sq = seqd.get(key)
+            if sq is not None and f.seq == sq.expected and not sq.held and not sq.known:
+                sq.expected = f.seq + 1
+                out += self._on_tokens(key, f)
+            else:
+                out += self._push(key, f, now)
+        return out
+
+    def _analysis_seq(self, key: tuple, first_seq: int) -> _Sequencer:
+        """The sequencer of an analysis stream: it starts at the first seq seen (no start message)."""
+        sq = self._analysis.get(key)
+        if sq is not None:
+            self._analysis.move_to_end(key)
+            return sq
+        r = self._ranks.get(key)
+        # a gap notice that came first was taken for a request stream's; a stream that started is one (an
+        # analyzer publishing under its engine's producer id breaks the spec: its results get a stream apart)
+        sq = self._seq.pop(key, None) if r is None or not r.started else None
+        if sq is not None:
+            self._ranks.pop(key, None)
+            if not sq.held and sq.expected == 0 and sq.known:
+                sq.expected = min(sq.known[0][0], first_seq)
+        else:
+            if r is not None and r.started:
+                self.counters["analysis_under_a_request_stream_key"] += 1
+            sq = _Sequencer(key, self.reorder_window)
+            sq.expected = first_seq
+        self._analysis[key] = sq
+        if len(self._analysis) > _ANALYSIS_STREAMS:
+            self._analysis_held.discard(self._analysis.popitem(last=False)[0])
+        return sq
+
+    def _expand_analysis(self, b: AnalysisBatch, now: float) -> list[Event]:
+        out: list[Event] = []
+        for a in b.results():
+            key = (a.request_id, a.producer_id, a.epoch)
+            sq = self._analysis_seq(key, a.seq)
+            out += self._handle_analysis(key, sq.push(a, now))
+        return out
+
+    def _handle_analysis(self, key: tuple, msgs: list) -> list[Event]:
+        """Events of what an analysis stream's sequencer released (called after each of its operations)."""
+        sq = self._analysis.get(key)
+        if sq is not None and sq.held:
+            self._analysis_held.add(key)
+        else:
+            self._analysis_held.discard(key)
+        out: list[Event] = []
+        for m in msgs:
+            if isinstance(m, GapNotice):
+                out += self._on_analysis_gap(key, m)
+            else:
+                out.append(Event("analysis", self._stream_for(key[0]), analysis=m))
+        return out
+
+    def _on_analysis_gap(self, key: tuple, gap: GapNotice) -> list[Event]:
+        rs = self._stream_for(key[0])
+        rs.gaps.append(gap)
+        self.counters["gap_seqs"] += gap.count
+        return [Event("gap", rs, gap=gap)]
+
+    def _stream_for(self, rid: str) -> RequestStream:
+        """The request's stream (live, or recently ended) for an analysis event; a bare one if unknown."""
+        rs = self._requests.get(rid) or self._recent.get(rid)
+        if rs is None:
+            rs = RequestStream(rid)
+            self._remember(rs)
+        return rs
+
+    def _remember(self, rs: RequestStream) -> None:
+        self._recent[rs.request_id] = rs
+        self._recent.move_to_end(rs.request_id)
+        if len(self._recent) > _RECENT_STREAMS:
+            self._recent.popitem(last=False)
+
+    def _batch(self, b: Any, now: float) -> list[Event]:
+        """Batch mode: one "batch" event for a columnar message, with each request's seq checked. Events a
+        request's stream owes before the batch (gaps, held messages) come first, those after it (a held
+        StreamEnd) after it; requests already delivered or ended are cut out of the batch."""
+        ids, seqs = b.request_ids, b.seqs.tolist()
+        pid, epoch = b.producer_id, b.epoch
+        analysis = type(b) is AnalysisBatch
+        seqd, ranks = self._seq, self._ranks
+        toks = off = None
+        if type(b) is TokenBatch:
+            toks, off = b.token_ids.tolist(), b.offsets.tolist()
+        before: list[Event] = []
+        after: list[Event] = []
+        drop: list[int] = []
+        for i, rid in enumerate(ids):
+            key = (rid, pid, epoch)
+            seq = seqs[i]
+            sq = self._analysis_seq(key, seq) if analysis else seqd.get(key)
+            if sq is None or seq != sq.expected or sq.held or sq.known:
+                if not self._batch_slow(key, sq, seq, now, before, after, analysis):
+                    drop.append(i)
+                    continue
+            else:
+                sq.expected = seq + 1
+            if toks is not None:
+                r = ranks.get(key)
+                if r is not None and r.rank == 0:
+                    r.stream.generated_token_ids.extend(toks[off[i]:off[i + 1]])
+        if drop:
+            b = subset_batch(b, sorted(set(range(len(ids))) - set(drop)))
+        batch_event = [Event("batch", None, batch=b)] if b.request_ids else []
+        return before + batch_event + after
+
+    def _batch_slow(self, key: tuple, sq: _Sequencer | None, seq: int, now: float, before: list, after: list,
+                    analysis: bool) -> bool:
+        """A request of a batch that is not simply next in its stream: whether its share stays in the batch."""
+        if sq is None:
+            if key in self._done:
+                self.counters["after_end"] += 1
+                return False
+            sq = self._seq[key] = _Sequencer(key, self.reorder_window)
+            if seq == 0:
+                sq.expected = 1
+                return True
+        if seq < sq.expected or seq in sq.held:
+            sq.duplicates += 1
+            self.counters["batch_duplicates"] += 1
+            return False
+        mark = _Mark(seq)
+        sq.held[seq] = mark
+        released = sq._release(True, now)  # a batch is not held back for one request: report holes now
+        k = next(n for n, m in enumerate(released) if m is mark)
+        handle = self._handle_analysis if analysis else self._handle
+        before += handle(key, released[:k])
+        after += handle(key, released[k + 1:])
+        return True
+
     # ---------------------------------------------------------------------------------------- internals
 
     def _handle(self, key: tuple, msgs: list) -> list[Event]:
         out: list[Event] = []
         for m in msgs:
-            if isinstance(m, GapNotice):
+            if isinstance(m, _Share):
+                out += self._on_share(key, m.step, m.segments)
+            elif isinstance(m, GapNotice):
                 out += self._on_gap(key, m)
             elif isinstance(m, StreamStart):
                 out += self._on_start(key, m)
@@ -440,10 +804,10 @@ class StreamAssembler:
         if rs is None or (rs.ended and m.tp_rank == 0):
             rs = self._requests[rid] = RequestStream(rid, tp_size=max(1, m.tp_size))
         rank = m.tp_rank if 0 <= m.tp_rank < max(1, m.tp_size) else 0
-        self._ranks[key] = _Rank(rs, rank)
+        self._ranks[key] = _Rank(rs, rank, started=True)
         rs.starts[rank] = m
         rs.tp_size = max(rs.tp_size, m.tp_size, 1)
-        if rs.tp_size > 1 and rid not in self._mergers:
+        if rs.tp_size > 1 and rid not in self._mergers and not self.batches:
             self._mergers[rid] = _Merger(rs.tp_size, self.merge_window)
         if rank != 0:
             return []
@@ -459,12 +823,14 @@ class StreamAssembler:
     def _on_frame(self, key: tuple, m: TensorFrame) -> list[Event]:
         r = self._rank_of(key)
         rs = r.stream
+        if self.batches:  # a per-request frame (older producer, 1.x recording): a one-request batch
+            return self._emit(rs, [Event("batch", None, batch=frame_batch(m))])
         merger = self._mergers.get(rs.request_id)
         if merger is None:
             rs.frames += 1
             sf = StepFrame(m.request_id, m.step, list(m.positions), list(m.token_ids), m.steering_version,
                            {t.name: t for t in m.tensors}, {t.name: tuple(t.layers) for t in m.tensors}, m.time_ns,
-                           [m])
+                           [m], m.part)
             return self._emit(rs, [Event("frame", rs, frame=sf)])
         return self._merge_events(rs, merger.add(r.rank, m))
 
@@ -490,6 +856,8 @@ class StreamAssembler:
             self.counters["tokens_from_other_ranks"] += 1
             return []
         r.stream.generated_token_ids.extend(m.token_ids)
+        if self.batches:  # a per-request TokenFrame: a one-request batch
+            return self._emit(r.stream, [Event("batch", None, batch=tokens_batch(m))])
         return self._emit(r.stream, [Event("tokens", r.stream, tokens=m)])
 
     def _on_end(self, key: tuple, m: StreamEnd) -> list[Event]:
@@ -528,6 +896,7 @@ class StreamAssembler:
         rs.ended, rs.end = True, rs.ends[0]
         if self._requests.get(rid) is rs:
             del self._requests[rid]
+        self._remember(rs)  # analysis results may still come for it
         return out + self._emit(rs, [Event("end", rs, end=rs.end)])
 
     def _forget(self, key: tuple) -> None:

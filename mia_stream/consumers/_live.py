@@ -23,8 +23,8 @@ from mia_stream import _transport
 from mia_stream.errors import BrokerTimeoutError, SharedBufferError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
                                 ShmRingReader, SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode,
-                                decode_header, encode, references_shm, shm_extent, shm_loss_gap, shm_reachable,
-                                split_batch)
+                                decode_header, encode, references_shm, shm_extent, shm_loss_gaps, shm_loss_reason,
+                                shm_reachable, split_batch)
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.consumers")
@@ -187,20 +187,26 @@ class BrokerClient:
             log.warning("mia_stream consumer: skipped an undecodable batch: %s", e)
             return None
         if messages is None:
-            return self._accept_one(frames)
-        self.counters["batches"] += 1
+            messages = [frames]
+        else:
+            self.counters["batches"] += 1
         first = None
         for m in messages:
             got = self._accept_one(m)
             if got is None:
                 continue
-            if first is None:
+            if type(got) is list:  # a lost columnar message: one gap notice per request it named (maybe none)
+                if got and first is None:
+                    first, got = got[0], got[1:]
+                self._unbatched.extend(got)
+            elif first is None:
                 first = got
             else:
                 self._unbatched.append(got)
         return first
 
     def _accept_one(self, frames: list):
+        """``(frames, message)``, or None (skipped), or a list of them (the gaps of a lost ring message)."""
         weight = None  # what the broker counted against the window for this message, when not its wire bytes
         try:
             if _references_shm(frames):
@@ -243,16 +249,19 @@ class BrokerClient:
         extent = shm_extent(header)
         return _nbytes(frames) + (extent[2] if extent else 0)
 
-    def _ring_loss(self, frames: list, error: SharedBufferError) -> tuple[list, GapNotice]:
-        """Credit a message whose ring-held bytes are gone; the gap notice that takes its place (frames,
-        message). Cheap on purpose: a consumer far behind its producer meets many of these in a row."""
+    def _ring_loss(self, frames: list, error: SharedBufferError) -> list[tuple[list, GapNotice]]:
+        """Credit a message whose ring-held bytes are gone (its weight, once); the gap notices that take its
+        place, one per request it named, as (frames, message). Cheap on purpose: a consumer far behind its
+        producer meets many of these in a row."""
         header = decode_header(frames, max_message_bytes=self.max_message_bytes)
-        gap = shm_loss_gap(header, error, "consumer")
-        self.counters[gap.reason] += 1
+        gaps = shm_loss_gaps(header, error, "consumer")
+        reason = shm_loss_reason(error)
+        self.counters[reason] += 1
+        self.counters["ring_loss_gaps"] += len(gaps)
         self._credit(self._ring_weight(frames, header))
-        if self.counters[gap.reason] <= 10:
+        if self.counters[reason] <= 10:
             log.warning("mia_stream consumer: lost a message's tensors: %s", error)
-        return encode(gap), gap
+        return [(encode(g), g) for g in gaps]
 
     def _credit(self, n: int) -> None:
         if not self.window_bytes:

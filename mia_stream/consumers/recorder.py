@@ -1,11 +1,16 @@
-"""Record bus messages into MCAP files, byte for byte as received (format: docs/wire-format.md §7).
+"""Record bus messages into MCAP files as received (format: docs/wire-format.md §7).
 
     with Recorder("runs/rec1") as rec:
         rec.write(frames)            # the raw multipart message, e.g. from recv_multipart(copy=False)
 
-One MCAP channel per request id (topic = request id), messages without a request id on ``_bus``. Chunks
-are written to the OS as soon as they are complete and at least every ``flush_interval_s``, so a killed
-recorder loses at most the chunk being filled. Parts rotate by size and before MCAP's u16 channel-id limit.
+One MCAP channel per request id (topic = request id) for per-request messages (start, end, gap, steering,
+and 1.x-style tensors/tokens), one per producer (``_producer/<producer_id>``) for its columnar messages
+(step and token batches, analyses), messages without a request id on ``_bus``. Tensors a message holds in a
+producer's shared-memory ring are copied in (a step batch: compacted to the rows it carries). When a part is
+finished it gets a request index (an MCAP attachment): which messages of each producer channel name each
+request, so one request loads without scanning the file. Chunks are written to the OS as soon as they are
+complete and at least every ``flush_interval_s``, so a killed recorder loses at most the chunk being filled.
+Parts rotate by size and before MCAP's u16 channel-id limit.
 """
 
 from __future__ import annotations
@@ -25,11 +30,14 @@ from pathlib import Path
 from typing import Any, Sequence
 
 import msgpack
+import numpy as np
 
-from mia_stream.consumers.recording import (BUS_TOPIC, MESSAGE_ENCODING, METADATA_NAME, PART_GLOB, SCHEMA_ENCODING,
+from mia_stream.consumers.recording import (BUS_TOPIC, INDEX_ATTACHMENT, INDEX_MEDIA_TYPE, MESSAGE_ENCODING,
+                                            METADATA_NAME, PART_GLOB, PRODUCER_TOPIC_PREFIX, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
 from mia_stream.errors import WireError
-from mia_stream.schemas import MESSAGE_TYPES, SCHEMA_VERSION, ShmRingReader, encode, inline_shm, shm_loss_gap
+from mia_stream.schemas import (COLUMNAR_KINDS, MESSAGE_TYPES, SCHEMA_VERSION, ShmRingReader, encode, inline_shm,
+                                shm_loss_gaps)
 from mia_stream.schemas._codec import SHM_RING_KEY
 
 log = logging.getLogger(__name__)
@@ -49,7 +57,7 @@ class RecorderStats:
     parts: int = 0
     channels: int = 0
     rejected: int = 0  # messages whose header is not a mia_stream header: counted and logged, not recorded
-    shm_lost: int = 0  # messages whose shared-memory tensors were gone: recorded as a gap instead
+    shm_lost: int = 0  # messages whose shared-memory tensors were gone: recorded as gaps instead (one per request)
 
 
 def _mia_stream_version() -> str:
@@ -83,6 +91,8 @@ class Recorder:
         self._file: Any = None
         self._channels: dict[str, int] = {}  # topic -> channel id, in the current part
         self._sequences: dict[int, int] = {}
+        # producer channel id -> (log time, request ids) of each of its messages in the current part: the index
+        self._batch_log: dict[int, tuple[list, list]] = {}
         self._part_index = self._next_part_index()
         self._chunk_fill = 0
         self._part_bytes = 0
@@ -123,10 +133,20 @@ class Recorder:
             self.stats.rejected += 1
             return False
         if SHM_RING_KEY in header:  # a recording keeps the bytes, not a producer's ring position
-            frames, header = self._inline_shm(frames, header)
+            messages = self._inline_shm(frames, header)
+        else:
+            messages = [(frames, header)]
+        for frames, header in messages:
+            self._write(frames, header, recv_time_ns)
+        return True
+
+    def _write(self, frames: Sequence[Any], header: dict, recv_time_ns: int | None) -> None:
+        columnar = header.get("kind") in COLUMNAR_KINDS
         topic = self._topic_of(frames, header)
         now = time.time_ns() if recv_time_ns is None else recv_time_ns
-        log_time = max(now, self._last_log_time)  # non-decreasing: log-time order == recorded order
+        # strictly increasing within a part: log-time order is recorded order, and a time range on one
+        # channel names exactly the messages the request index lists
+        log_time = max(now, self._last_log_time + 1)
         self._last_log_time = log_time
         publish_time = header.get("time_ns") if isinstance(header.get("time_ns"), int) else 0
         data = pack_frames(frames)
@@ -143,6 +163,10 @@ class Recorder:
         self._sequences[channel] = seq + 1
         self._writer.add_message(channel_id=channel, log_time=log_time, data=data,
                                  publish_time=publish_time if publish_time > 0 else log_time, sequence=seq & 0xFFFFFFFF)
+        if columnar:
+            log = self._batch_log.setdefault(channel, ([], []))
+            log[0].append(log_time)
+            log[1].append(header.get("request_ids") or ())
         self._chunk_fill += len(data) + _MESSAGE_RECORD_OVERHEAD
         self.stats.messages += 1
         self.stats.bytes += len(data)
@@ -150,19 +174,19 @@ class Recorder:
             self.flush()
         else:
             self.tick()
-        return True
 
-    def _inline_shm(self, frames: Sequence[Any], header: dict) -> tuple[list, dict]:
-        """The message with its ring-held bytes inline; a GapNotice for it when the ring lost them."""
+    def _inline_shm(self, frames: Sequence[Any], header: dict) -> list[tuple[list, dict]]:
+        """The message with its ring-held bytes inline (a step batch compacted to its rows); when the ring
+        lost them, the GapNotices that replace it (one per request it named)."""
         if self._shm is None:
             self._shm = ShmRingReader()
         try:
             frames = inline_shm(frames, self._shm)
         except WireError as e:
             self.stats.shm_lost += 1
-            log.warning("recorder: recorded a gap for a message whose tensors are gone: %s", e)
-            frames = encode(shm_loss_gap(header, e, "consumer"))
-        return frames, self._header_of(frames)
+            log.warning("recorder: recorded gaps for a message whose tensors are gone: %s", e)
+            return [(f, self._header_of(f)) for f in (encode(g) for g in shm_loss_gaps(header, e, "consumer"))]
+        return [(frames, self._header_of(frames))]
 
     def tick(self) -> None:
         """Flush a partly filled chunk once it is ``flush_interval_s`` old (call this when idle too)."""
@@ -181,6 +205,7 @@ class Recorder:
 
     @staticmethod
     def _header_of(frames: Sequence[Any]) -> dict | None:
+        """The header map of a mia_stream message of this major version, or None (logged)."""
         if len(frames) < 2:
             return None
         try:
@@ -198,10 +223,13 @@ class Recorder:
 
     @staticmethod
     def _topic_of(frames: Sequence[Any], header: dict) -> str:
+        """The channel key: the request id, or NUL + producer id / bus (a request id never starts with NUL)."""
+        if header.get("kind") in COLUMNAR_KINDS:
+            return "\0p" + str(header.get("producer_id", ""))
         rid = header.get("request_id")
         if isinstance(rid, str):
             return rid
-        return "\0" + BUS_TOPIC  # key of the bus channel; a request id never starts with NUL on the wire
+        return "\0" + BUS_TOPIC
 
     def _next_part_index(self) -> int:
         indices = [int(m.group(1)) for p in self.out_dir.glob(PART_GLOB)
@@ -230,7 +258,7 @@ class Recorder:
         })
         self._file.flush()  # header + metadata on disk: even an empty killed part opens
         self._part_bytes = self._file.tell()
-        self._channels, self._sequences = {}, {}
+        self._channels, self._sequences, self._batch_log = {}, {}, {}
         self._chunk_fill = 0
         self.stats.parts += 1
         log.info("recorder: writing %s", path)
@@ -238,6 +266,10 @@ class Recorder:
     def _register_channel(self, topic: str) -> int:
         if topic == "\0" + BUS_TOPIC:
             cid = self._writer.register_channel(BUS_TOPIC, MESSAGE_ENCODING, self._schema_id, {"kind": "bus"})
+        elif topic.startswith("\0p"):
+            producer_id = topic[2:]
+            cid = self._writer.register_channel(PRODUCER_TOPIC_PREFIX + producer_id, MESSAGE_ENCODING, self._schema_id,
+                                                {"kind": "producer", "producer_id": producer_id})
         else:
             cid = self._writer.register_channel(topic, MESSAGE_ENCODING, self._schema_id,
                                                 {"kind": "request", "request_id": topic})
@@ -250,12 +282,38 @@ class Recorder:
     def _finish_part(self) -> None:
         if self._writer is None:
             return
+        if self._batch_log:
+            self._write_index()
         self._writer.finish()
         self._file.flush()
         os.fsync(self._file.fileno())
         self._file.close()
         self._writer = self._file = None
         self._part_index += 1
+
+    def _write_index(self) -> None:
+        """The part's request index (spec 7): per producer channel the log time of each of its messages, and
+        per request the runs of consecutive messages of a channel that name it."""
+        channels, runs = [], {}
+        topics = {cid: topic for topic, cid in self._channels.items()}
+        for c, (cid, (log_times, names)) in enumerate(self._batch_log.items()):
+            channels.append({"topic": PRODUCER_TOPIC_PREFIX + topics[cid][2:], "channel_id": cid,
+                             "log_times": np.asarray(log_times, dtype="<i8").tobytes()})
+            for n, ids in enumerate(names):
+                for rid in ids:
+                    r = runs.get(rid)
+                    if r is not None and r[-3] == c and r[-1] == n - 1:
+                        r[-1] = n
+                    elif r is None:
+                        runs[rid] = [c, n, n]
+                    else:
+                        r += (c, n, n)
+        index = {"version": 1, "channels": channels,
+                 "requests": {rid: np.asarray(r, dtype="<i8").tobytes() for rid, r in runs.items()}}
+        now = time.time_ns()
+        self._writer.add_attachment(create_time=now, log_time=now, name=INDEX_ATTACHMENT, media_type=INDEX_MEDIA_TYPE,
+                                    data=msgpack.packb(index, use_bin_type=True))
+        self._batch_log = {}
 
     def _rotate(self) -> None:
         self._finish_part()

@@ -22,7 +22,8 @@ from mia_stream.consumers.recording import iter_recording
 from mia_stream.schemas import Message
 
 PACES = ("full", "recorded")
-_DISPATCH = {"start": "on_start", "tensors": "on_tensors", "tokens": "on_tokens", "end": "on_end", "gap": "on_gap"}
+_DISPATCH = {"start": "on_start", "tensors": "on_tensors", "tokens": "on_tokens", "end": "on_end", "gap": "on_gap",
+             "step_batch": "on_step_batch", "token_batch": "on_token_batch", "analysis": "on_analysis"}
 
 
 @dataclass
@@ -83,31 +84,18 @@ def _sdk_consumer_class() -> type | None:
 
 
 def _replay_into_sdk_consumer(path, consumer, pace, patterns, stats: ReplayStats) -> None:
-    """An SDK ``Consumer``: the live SDK's assembler (ordering, gaps, TP merge) fed from the recording."""
-    from mia_stream.consumers import StreamAssembler
+    """An SDK ``Consumer``: the live SDK's assembler (ordering, gaps, TP merge; batch mode for a consumer with
+    ``on_batch``) fed from the recording, and run_consumer's dispatch."""
+    from mia_stream.consumers import StreamAssembler, dispatch, wants_batches
 
-    assembler = StreamAssembler()
+    assembler = StreamAssembler(batches=wants_batches(consumer))
     for frames, msg in iter_replay(path, pace=pace, patterns=patterns):
         stats.messages += 1
         stats.bytes += sum(len(f) for f in frames)
         for event in assembler.feed(msg):
-            _dispatch_event(consumer, event)
+            dispatch(consumer, event)
     for event in assembler.finish():
-        _dispatch_event(consumer, event)
-
-
-def _dispatch_event(consumer: Any, ev: Any) -> None:
-    # Mirrors mia_stream.consumers.run_consumer's dispatch.
-    if ev.kind == "frame":
-        consumer.on_frame(ev.stream, ev.frame)
-    elif ev.kind == "tokens":
-        consumer.on_tokens(ev.stream, ev.tokens)
-    elif ev.kind == "gap":
-        consumer.on_gap(ev.stream, ev.gap)
-    elif ev.kind == "start":
-        consumer.on_start(ev.stream)
-    elif ev.kind == "end":
-        consumer.on_end(ev.stream, ev.end)
+        dispatch(consumer, event)
 
 
 def _replay_into_broker(path, address: str, pace, patterns, stats: ReplayStats, publisher_options: dict) -> None:

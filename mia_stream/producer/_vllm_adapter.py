@@ -18,6 +18,7 @@ API-server process never imports runner code it would not import anyway. Three p
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib.abc
 import importlib.util
 import logging
@@ -27,7 +28,6 @@ import socket
 import sys
 import threading
 import time
-import uuid
 from typing import Any, Callable
 
 import numpy as np
@@ -145,11 +145,11 @@ def _patch_input_processor(module) -> None:
         sp = request.sampling_params
         wire = dict(wire, id=spec.stream_id or str(request_id))
         sp.extra_args = dict(sp.extra_args or {}, **{SPEC_KEY: wire})
-        if spec.needs_every_prompt_token:
+        if not spec.reads_prefix_cache:
             sp.skip_reading_prefix_cache = True
-        if request.cache_salt is None:
-            # Live steering can change any streamed request mid-flight: its KV must never serve another.
-            request.cache_salt = f"mia-stream-{uuid.uuid4().hex}"
+        salt = spec.steering_salt()
+        if salt is not None:  # steered KV is shared only with requests steered alike (a live change: take())
+            request.cache_salt = salt if not request.cache_salt else f"{request.cache_salt}|{salt}"
         return request
 
     cls.process_inputs = process_inputs
@@ -254,8 +254,9 @@ class _EngineControl:
         with self._lock:
             self._commands.append(cmd)
 
-    def take(self, scheduler, step: int) -> list:
-        """Validate queued commands against the live requests; return worker updates for ``step``."""
+    def take(self, scheduler, step: int, scheduled: dict | None = None) -> list:
+        """Validate queued commands against the live requests; return worker updates for ``step``
+        (``scheduled``: tokens each request computes in this step, which the new steering already shapes)."""
         from mia_stream.schemas import SteeringAck
 
         with self._lock:
@@ -289,11 +290,35 @@ class _EngineControl:
                         version += 1
                         self.ops[eid] = (ops, version)
                         updates.append((eid, [o.to_wire(compact=True) for o in ops], version))
+                        diverge_block_hashes(scheduler, scheduler.requests[eid], f"{eid}|{version}",
+                                             (scheduled or {}).get(eid, 0))
             self.publisher.ack(SteeringAck(
                 command_id=cmd.command_id, request_id=cmd.request_id, ok=err is None,
                 applied_step=None if err else step, steering_version=version, error=err,
                 producer_id=self.control_id, time_ns=time.time_ns()))
         return updates
+
+
+def diverge_block_hashes(scheduler, request, nonce: str, computing_now: int = 0) -> None:
+    """From now on, ``request``'s prefix-cache block hashes differ from anyone else's.
+
+    Its steering changed mid-flight: KV it computes from here on was made under a configuration no other
+    request shares, but block hashes chain over tokens (and the salt of the first block) only, so another
+    request with the same tokens would find those blocks. Every block hashed from now on is re-hashed with
+    ``nonce``, and hashes of blocks not yet fully computed are dropped so they are hashed again that way;
+    blocks computed before the change keep their hashes (their KV is what others compute too)."""
+    hasher = getattr(request, "_block_hasher", None)
+    if hasher is None:  # prefix caching off
+        return
+    size = getattr(scheduler, "hash_block_size", None) or scheduler.block_size
+    tag = nonce.encode()
+
+    def salted(req, _inner=hasher, _tag=tag):
+        return [type(h)(hashlib.sha256(bytes(h) + _tag).digest()) for h in _inner(req)]
+
+    request._block_hasher = salted
+    # the scheduler counts this step's tokens as computed already; they are computed under the new steering
+    del request.block_hashes[max(0, request.num_computed_tokens - computing_now) // size:]
 
 
 def _patch_scheduler(module) -> None:
@@ -349,7 +374,7 @@ def _patch_scheduler(module) -> None:
             self._mia_step = step
         out._mia_step = step
         ctl = getattr(self, "_mia_control", None)
-        out._mia_control = ctl.take(self, step) if ctl is not None else []
+        out._mia_control = ctl.take(self, step, out.num_scheduled_tokens) if ctl is not None else []
         return out
 
     def check_stop(request, *args, **kwargs):  # called per request per step: one set lookup at most

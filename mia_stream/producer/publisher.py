@@ -50,7 +50,7 @@ from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotic
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
 from mia_stream.schemas._codec import batch_header
 from mia_stream.schemas._shm import (DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY,
-                                     SHM_RING_TAKEN_KEY, ShmRingWriter, shm_reachable)
+                                     SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY, ShmRingWriter, shm_reachable)
 
 log = logging.getLogger("mia_stream.publisher")
 
@@ -509,6 +509,8 @@ class FramePublisher:
 
     def _send_heartbeat(self, sock: zmq.Socket) -> None:
         stats = self.stats()
+        if self.shm_ring is not None:  # the broker takes this ring's references only from its proven owner
+            stats[SHM_RING_PROOF_KEY] = self.shm_ring.ownership_proof()
         hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(), stats)
         try:
             sock.send_multipart(encode(hb), zmq.NOBLOCK)

@@ -31,7 +31,8 @@ SPEC_KEY = "mia_stream"
 POSITIONS = ("all", "prompt", "generated", "last_prompt")
 STEER_POSITIONS = ("all", "prompt", "generated")
 STEER_OPS = ("add", "cap", "ablate")
-_TOP_KEYS = {"capture", "steer", "tags", "id"}
+_TOP_KEYS = {"capture", "steer", "tags", "id", "prefix_cache"}
+PREFIX_CACHE_POLICIES = ("recompute", "reuse")  # what a capture of prompt positions does with cached ones
 _CAPTURE_KEYS = {"hidden_states", "qk"}
 _HS_KEYS = {"layers", "positions"}
 _QK_KEYS = {"layers", "heads", "positions"}
@@ -92,6 +93,7 @@ class RequestSpec:
     steer: tuple[SteerOp, ...] = ()
     tags: dict = field(default_factory=dict)
     stream_id: str | None = None
+    prefix_cache: str = "recompute"
 
     @property
     def captures(self) -> bool:
@@ -103,8 +105,16 @@ class RequestSpec:
         return ((bool(self.hs_layers) and self.hs_positions in ("all", "prompt"))
                 or (bool(self.qk_layers) and self.qk_positions in ("all", "prompt")))
 
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether the request may take prompt KV from the prefix cache: always, unless it captures prompt
+        positions under the ``recompute`` policy (then they are computed, so they can be captured); under
+        ``reuse`` the cached positions are not captured and ``StreamEnd.uncaptured_positions`` names them."""
+        return not (self.needs_every_prompt_token and self.prefix_cache == "recompute")
+
     def steering_salt(self) -> str | None:
-        """A prefix-cache salt unique to this steering config (steered KV must never be shared)."""
+        """A prefix-cache salt derived from the steering that shapes this request's KV: requests steered
+        alike share cache entries, steered and unsteered KV never meet (None: unsteered)."""
         if not self.steer:
             return None
         return "mia-steer-" + hashlib.blake2b("".join(o.key() for o in self.steer).encode(),
@@ -123,7 +133,7 @@ class RequestSpec:
         """The normalized spec as plain data (what the frontend puts back into extra_args; steering vectors as
         float32 bytes unless ``compact=False``)."""
         return {"capture": self.capture_wire(), "steer": [o.to_wire(compact) for o in self.steer],
-                "tags": self.tags, "id": self.stream_id, "_normalized": True}
+                "tags": self.tags, "id": self.stream_id, "prefix_cache": self.prefix_cache, "_normalized": True}
 
 
 def _fail(cls, path: str, msg: str):
@@ -204,6 +214,11 @@ def parse_spec(raw: Any, geo: ModelGeometry,
         if not isinstance(d["id"], str) or not d["id"] or "\x00" in d["id"]:
             _fail(CaptureSpecError, "['id']", f"must be a non-empty string without NUL, got {d['id']!r}")
         kw["stream_id"] = d["id"]
+    if "prefix_cache" in d:
+        if d["prefix_cache"] not in PREFIX_CACHE_POLICIES:
+            _fail(CaptureSpecError, "['prefix_cache']",
+                  f"must be one of {', '.join(PREFIX_CACHE_POLICIES)}, got {d['prefix_cache']!r}")
+        kw["prefix_cache"] = d["prefix_cache"]
     return RequestSpec(**kw)
 
 

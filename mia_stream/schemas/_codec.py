@@ -19,8 +19,8 @@ from mia_stream.errors import (MalformedFrameError, OversizedMessageError, Schem
 from mia_stream.schemas._batches import (BATCH_MESSAGE_TYPES, VALUE_WIRE_DTYPES, AnalysisBatch, RowGroup, StepBatch,
                                          TokenBatch)
 from mia_stream.schemas._messages import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, Message, TensorFrame
-from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter
-from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, compress, crc32,
+from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter, is_ring_name
+from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, byte_view, compress, crc32,
                                         decompress, verify_crc32)
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 30  # 1 GiB: larger messages are refused (broker sets zmq MAXMSGSIZE too)
@@ -111,7 +111,7 @@ def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list, s
         entry["shm"] = pos
     if t.scale is not None:
         entry["scale"] = {"dtype": "float32", "shape": list(t.scale.shape)}
-        buffers.append(memoryview(np.ascontiguousarray(t.scale, dtype="<f4")).cast("B"))
+        buffers.append(byte_view(np.ascontiguousarray(t.scale, dtype="<f4")))
     extra = {k: v for k, v in t.meta.items() if k not in ("compression", "checksum")}
     if extra:
         entry["meta"] = extra
@@ -201,9 +201,12 @@ _EXACT_TYPES = {"str": {str}, "int": {int}, "bool": {bool}, "list": {list}, "dic
                 "str | None": {str, type(None)}, "int | None": {int, type(None)}}
 # Arrays whose elements the spec types (kind, field) -> element type; the other arrays and maps are free-form.
 _ELEMENTS = {("start", "prompt_token_ids"): int, ("tensors", "positions"): int, ("tensors", "token_ids"): int,
-             ("tokens", "token_ids"): int, ("tokens", "positions"): int, ("end", "uncaptured_positions"): int,
+             ("tokens", "token_ids"): int, ("tokens", "positions"): int,
              ("steer", "layers"): int, ("subscribe", "patterns"): str, ("unsubscribe", "patterns"): str}
 # Columnar kinds: their numeric columns are int64 bins (checked by _check_columnar), request ids strs.
+# Int fields the spec bounds below (negative values are malformed).
+_NON_NEGATIVE = {"start": ("seq",), "tensors": ("seq",), "tokens": ("seq",), "end": ("seq",),
+                 "credit": ("nbytes",), "subscribe": ("window_bytes",)}
 _COLUMNAR_TYPES = {"request_ids": "list", "seqs": "bin", "steering_versions": "bin", "groups": "list",
                    "counts": "bin", "token_ids": "bin", "first_positions": "bin", "finish_reasons": "list",
                    "rows": "bin", "positions": "bin", "alerts": "bin", "values": "dict", "labels": "dict"}
@@ -234,8 +237,16 @@ def _check_fields(kind: str, header: dict) -> None:
             for x in value:
                 if type(x) is not str:
                     raise MalformedFrameError(f"{kind}.{name} must be an array of strs, got an element {x!r}")
+    for name in _NON_NEGATIVE.get(kind, ()):
+        if header.get(name, 0) < 0:
+            raise MalformedFrameError(f"{kind}.{name} must be >= 0, got {header[name]}")
     if kind == "gap":
-        _check_gap_ranges(header.get("missing", ()))
+        _check_gap_ranges(header.get("missing", ()), "gap.missing")
+    elif kind == "end":
+        _check_gap_ranges(header.get("uncaptured_positions", ()), "end.uncaptured_positions")
+        for reason, count in header.get("drops", _NO_META).items():
+            if type(reason) is not str or type(count) is not int:
+                raise MalformedFrameError(f"end.drops must map str to int, got {reason!r}: {count!r}")
     if kind in COLUMNAR_KINDS:
         for name, ann in _COLUMNAR_TYPES.items():
             if name in header and name in _FIELDS[kind]:
@@ -244,17 +255,18 @@ def _check_fields(kind: str, header: dict) -> None:
                       else type(value) is dict)
                 if not ok:
                     raise MalformedFrameError(f"{kind}.{name} must be {ann}, got {type(value).__name__}")
-    shard_ring = header.get(SHM_RING_KEY)
-    if shard_ring is not None and type(shard_ring) is not str:
-        raise MalformedFrameError(f"header field {SHM_RING_KEY!r} must be str, got {type(shard_ring).__name__}")
+    if SHM_RING_KEY in header and not is_ring_name(header[SHM_RING_KEY]):  # nil and "" too (spec 9)
+        raise MalformedFrameError(f"header field {SHM_RING_KEY!r} must be a ring name "
+                                  f"mia-stream-ring-<pid>-<12 hex digits>, got {header[SHM_RING_KEY]!r}")
 
 
-def _check_gap_ranges(missing: Any) -> None:
+def _check_gap_ranges(missing: Any, name: str = "gap.missing") -> None:
+    """Inclusive ``[first, last]`` int ranges (``gap.missing``, ``end.uncaptured_positions``)."""
     for r in missing:
         if (type(r) is not list or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not int
                 or r[0] < 0 or r[0] > r[1]):
-            raise MalformedFrameError(f"gap.missing must hold [first_seq, last_seq] int ranges with "
-                                      f"0 <= first <= last, got {r!r}")
+            raise MalformedFrameError(f"{name} must hold [first, last] int ranges with 0 <= first <= last, "
+                                      f"got {r!r}")
 
 
 def _entry_field(e: dict, key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
@@ -270,6 +282,7 @@ def _entry_field(e: dict, key: str, kind: type, default: Any = dataclasses.MISSI
 
 
 _NO_META: dict = {}  # shared defaults, never mutated
+_SHARD_KEYS = ("tp_rank", "tp_size", "dim", "start", "stop", "total")
 _NO_LAYERS: list = []
 
 
@@ -291,12 +304,13 @@ class _Entry:
     """A tensor entry's fields, validated (``_parse_entry``)."""
 
     __slots__ = ("name", "dtype", "shape", "layers", "method", "nbytes", "raw_nbytes", "meta", "shm", "scale",
-                 "crc", "shard", "count")
+                 "crc", "shard", "count", "buf", "scale_buf")
 
     def __init__(self, name, dtype, shape, layers, method, nbytes, raw_nbytes, meta, shm, scale, crc, shard, count):
         self.name, self.dtype, self.shape, self.layers, self.method = name, dtype, shape, layers, method
         self.nbytes, self.raw_nbytes, self.meta, self.shm, self.scale = nbytes, raw_nbytes, meta, shm, scale
         self.crc, self.shard, self.count = crc, shard, count
+        self.buf = self.scale_buf = None  # indices of its payload and scale buffer frames (_check_tensor_entries)
 
 
 def _parse_entry(e: Any, max_message_bytes: int, has_ring: bool) -> _Entry:
@@ -354,31 +368,50 @@ def _parse_entry(e: Any, max_message_bytes: int, has_ring: bool) -> _Entry:
             raise MalformedFrameError(f"tensor {name!r}: negative dimension in scale shape {list(scale)}")
         if scale_entry.get("dtype", "float32") != "float32":
             raise MalformedFrameError(f"tensor {name!r}: scale dtype must be float32, got {scale_entry['dtype']!r}")
+        # spec 4.7: it broadcasts to the tensor's shape (aligned at the trailing dims, each 1 or equal)
+        if len(scale) > len(shape) or any(s != 1 and s != d for s, d in zip(reversed(scale), reversed(shape))):
+            raise MalformedFrameError(f"tensor {name!r}: scale shape {list(scale)} does not broadcast to "
+                                      f"{list(shape)}")
     crc = _entry_field(e, "crc32", int) if "crc32" in e else None
     shard = None
     if "shard" in e:
         sh = _entry_field(e, "shard", dict)
+        if any(type(sh.get(k)) is not int for k in _SHARD_KEYS):  # a bool, float or str is not an int
+            raise MalformedFrameError(f"tensor {name!r}: bad shard geometry {sh!r}: needs int {list(_SHARD_KEYS)}")
         shard = Shard.from_wire(sh)
-        if not (0 <= shard.tp_rank < shard.tp_size and 0 <= shard.dim < max(1, len(shape))
-                and 0 <= shard.start <= shard.stop <= shard.total
-                and (not shape or shape[shard.dim] == shard.stop - shard.start)):
+        if not (0 <= shard.tp_rank < shard.tp_size and 0 <= shard.dim < len(shape)
+                and 0 <= shard.start <= shard.stop <= shard.total and shape[shard.dim] == shard.stop - shard.start):
             raise MalformedFrameError(f"tensor {name!r}: inconsistent shard geometry {sh!r} for shape {list(shape)}")
     return _Entry(name, dtype, shape, layers, method, nbytes, raw_nbytes, meta, pos, scale, crc, shard, count)
 
 
 def _check_tensor_entries(entries: Any, sizes: list[int], i: int, has_ring: bool, max_message_bytes: int,
-                          stored_rows: int | None = None) -> int:
-    """Check entries against the buffer frame sizes from index ``i``; the index after them."""
+                          stored_rows: int | None = None, parsed: list | None = None) -> int:
+    """Check entries against the buffer frame sizes from index ``i``; the index after them. ``parsed`` gets
+    each validated ``_Entry`` with its buffer indices: a decoder reads no payload before every header rule
+    and frame size of the message has been checked (spec section 6)."""
     if type(entries) is not list:
         raise MalformedFrameError("'tensors' must be a list")
     for e in entries:
         p = _parse_entry(e, max_message_bytes, has_ring)
-        if stored_rows is not None and (len(p.shape) < 2 or p.shape[1] != stored_rows):
-            raise MalformedFrameError(f"tensor {p.name!r}: shape {list(p.shape)} does not have the group's "
-                                      f"{stored_rows} rows along dim 1")
+        if parsed is not None:
+            parsed.append(p)
+        if stored_rows is not None:  # an entry of a row group (spec 10.2)
+            if len(p.shape) < 2 or p.shape[1] != stored_rows:
+                raise MalformedFrameError(f"tensor {p.name!r}: shape {list(p.shape)} does not have the group's "
+                                          f"{stored_rows} rows along dim 1")
+            if p.scale is not None and len(p.scale) != len(p.shape):  # its dim 1 is then 1 or the rows
+                raise MalformedFrameError(f"tensor {p.name!r}: in a row group a scale has the tensor's "
+                                          f"{len(p.shape)} dims, got {list(p.scale)}")
+            if p.shard is not None and p.shard.dim < 2:  # dims 0 and 1 are layers and rows
+                raise MalformedFrameError(f"tensor {p.name!r}: in a row group a shard splits a dim >= 2, "
+                                          f"got {p.shard.dim}")
         if p.shm is None:
-            if i >= len(sizes) or sizes[i] != p.nbytes:
-                raise MalformedFrameError(f"tensor {p.name!r}: buffer missing or not {p.nbytes} bytes")
+            if i >= len(sizes):
+                raise MalformedFrameError(f"tensor {p.name!r}: its buffer frame is missing")
+            if sizes[i] != p.nbytes:
+                raise MalformedFrameError(f"tensor {p.name!r}: buffer has {sizes[i]} bytes, header says {p.nbytes}")
+            p.buf = i
             i += 1
         if p.scale is not None:
             if i >= len(sizes):
@@ -388,6 +421,7 @@ def _check_tensor_entries(entries: Any, sizes: list[int], i: int, has_ring: bool
                 n *= d
             if sizes[i] != n:
                 raise MalformedFrameError(f"tensor {p.name!r}: scale buffer has {sizes[i]} bytes, its shape needs {n}")
+            p.scale_buf = i
             i += 1
     return i
 
@@ -396,11 +430,11 @@ def _check_tensor_entries(entries: Any, sizes: list[int], i: int, has_ring: bool
 
 def _column(kind: str, header: dict, key: str, n: int | None, default: Any = dataclasses.MISSING) -> np.ndarray:
     """A numeric column (int64 LE bin) of ``n`` values (any count when ``n`` is None)."""
-    v = header.get(key)
-    if v is None:
+    if key not in header:  # absent; a nil value is not absent: it is not a bin (spec 2)
         if default is dataclasses.MISSING:
             raise MalformedFrameError(f"{kind} header lacks required field {key!r}")
         return default
+    v = header[key]
     if type(v) is not bytes or len(v) % 8:
         raise MalformedFrameError(f"{kind}.{key} must be a bin of little-endian int64s")
     arr = np.frombuffer(v, _I64)
@@ -462,6 +496,8 @@ def _check_step_batch(header: dict, sizes: list[int], max_message_bytes: int) ->
         positions = _column(kind, g, "positions", n)
         token_ids = _column(kind, g, "token_ids", n, None)
         stored, take = n, None
+        if ("row0" in g) != ("stored_rows" in g):
+            raise MalformedFrameError(f"{kind}: a group has row0 and stored_rows together or neither")
         if "row0" in g:
             row0 = _column(kind, g, "row0", len(requests))
             stored = g.get("stored_rows")
@@ -472,8 +508,8 @@ def _check_step_batch(header: dict, sizes: list[int], max_message_bytes: int) ->
             take = np.concatenate([np.arange(a, a + c, dtype=np.intp) for a, c in zip(row0.tolist(), rows.tolist())]
                                   ) if len(row0) else np.zeros(0, dtype=np.intp)
         plan = _GroupPlan(g, part, requests, rows, positions, token_ids, stored, take)
-        plan.entries = g.get("tensors", [])
-        i = _check_tensor_entries(plan.entries, sizes, i, has_ring, max_message_bytes, stored)
+        plan.entries = []
+        i = _check_tensor_entries(g.get("tensors", []), sizes, i, has_ring, max_message_bytes, stored, plan.entries)
         plans.append(plan)
     if i != len(sizes):
         raise MalformedFrameError(f"{len(sizes) - i} buffer frame(s) not described by the header")
@@ -508,6 +544,8 @@ def _check_analysis(header: dict) -> None:
     if alerts is not None and len(alerts) and (int(alerts.min()) < 0 or int(alerts.max()) > 1):
         raise MalformedFrameError(f"{kind}.alerts must be 0 or 1")
     for name, v in header.get("values", {}).items():
+        if type(name) is not str:
+            raise MalformedFrameError(f"{kind}: a value name must be a str, got {name!r}")
         if type(v) is not dict or type(v.get("dtype")) is not str or v["dtype"] not in VALUE_WIRE_DTYPES:
             raise MalformedFrameError(f"{kind}: value {name!r} must be a map with a dtype of "
                                       f"{sorted(VALUE_WIRE_DTYPES)}")
@@ -520,7 +558,11 @@ def _check_analysis(header: dict) -> None:
             count *= d
         if type(data) is not bytes or len(data) != count * VALUE_WIRE_DTYPES[v["dtype"]][1]:
             raise MalformedFrameError(f"{kind}: value {name!r}: data is not {count} {v['dtype']} values")
+        if v["dtype"] == "bool" and data and max(data) > 1:
+            raise MalformedFrameError(f"{kind}: value {name!r}: a bool is the byte 0 or 1")
     for name, v in header.get("labels", {}).items():
+        if type(name) is not str:
+            raise MalformedFrameError(f"{kind}: a label name must be a str, got {name!r}")
         if type(v) is not list or len(v) != n or any(x is not None and type(x) is not str for x in v):
             raise MalformedFrameError(f"{kind}: label {name!r} must be an array of {n} str|nil")
 
@@ -570,11 +612,12 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
         return _decode_columnar(kind, header, buffers, verify, max_message_bytes, shm)
     fields = {n: header[n] for n in _FIELDS[kind] if n in header}
     if cls is TensorFrame:
-        tensors, i = _decode_tensors(header.get("tensors", []), buffers, 0, verify, max_message_bytes,
-                                     _ring_of(header, shm))
+        entries: list[_Entry] = []
+        i = _check_tensor_entries(header.get("tensors", []), _frame_sizes(buffers), 0, SHM_RING_KEY in header,
+                                  max_message_bytes, None, entries)
         if i != len(buffers):
             raise MalformedFrameError(f"{len(buffers) - i} buffer frame(s) not described by the header")
-        fields["tensors"] = tensors
+        fields["tensors"] = _decode_tensors(entries, buffers, verify, _ring_of(header, shm))
     elif buffers:
         raise MalformedFrameError(f"{kind} message carries {len(buffers)} unexpected buffer frame(s)")
     try:
@@ -584,31 +627,27 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
 
 
 def _ring_of(header: dict, shm: ShmRingReader | None):
-    """``(reader, ring name)`` for a header that references a ring, else None."""
-    name = header.get(SHM_RING_KEY)
-    if name is None:
+    """``(reader or None, ring name)`` for a header that names a ring, else None."""
+    if SHM_RING_KEY not in header:
         return None
-    if shm is None:
-        raise ShmUnavailableError(f"this message's tensors are in the shared-memory ring {name!r}; decode it "
-                                  "with shm=ShmRingReader() on the producer's host")
-    return shm, name
+    return shm, header[SHM_RING_KEY]
 
 
-def _decode_tensors(entries: Any, buffers: list, i: int, verify: bool, max_message_bytes: int,
-                    ring: tuple | None = None, take: tuple | None = None) -> tuple[list[Tensor], int]:
-    """The tensors of ``entries`` whose buffers start at ``buffers[i]``; and the index after them.
+def _decode_tensors(entries: list, buffers: list, verify: bool, ring: tuple | None = None,
+                    take: tuple | None = None) -> list[Tensor]:
+    """The tensors of ``entries`` (validated by ``_check_tensor_entries``, which gave each its buffer indices).
 
     ``take = (stored_rows, rows)``: each stored tensor has ``stored_rows`` along dim 1, of which only ``rows``
     (an index array) are wanted (a consumer given some requests of a step batch)."""
-    if type(entries) is not list:
-        raise MalformedFrameError("'tensors' must be a list")
     out = []
-    for e in entries:
-        p = _parse_entry(e, max_message_bytes, ring is not None)
+    for p in entries:
         gathered = False
         if p.shm is not None:
             if ring is None:
                 raise MalformedFrameError(f"tensor {p.name!r}: 'shm' without the header's {SHM_RING_KEY!r}")
+            if ring[0] is None:  # only an entry that uses the ring needs a reader
+                raise ShmUnavailableError(f"this message's tensors are in the shared-memory ring {ring[1]!r}; "
+                                          "decode it with shm=ShmRingReader() on the producer's host")
             if take is not None and p.method == "none" and len(p.shape) >= 2:
                 # only this reader's rows leave the ring
                 row_bytes = WIRE_DTYPES[p.dtype][1]
@@ -618,33 +657,24 @@ def _decode_tensors(entries: Any, buffers: list, i: int, verify: bool, max_messa
                 gathered = True
             else:
                 payload = ring[0].read(ring[1], p.shm, p.nbytes)
+                if _len(payload) != p.nbytes:
+                    raise MalformedFrameError(f"tensor {p.name!r}: ring gave {_len(payload)} bytes, header says "
+                                              f"{p.nbytes}")
         else:
-            if i >= len(buffers):
-                raise MalformedFrameError(f"tensor {p.name!r}: its buffer frame is missing")
-            payload = buffers[i]
-            i += 1
+            payload = buffers[p.buf]
         if not gathered:
-            if _len(payload) != p.nbytes:
-                raise MalformedFrameError(f"tensor {p.name!r}: buffer has {_len(payload)} bytes, header says "
-                                          f"{p.nbytes}")
             data = decompress(payload, p.method, p.raw_nbytes)
             if verify and p.crc is not None:
                 verify_crc32(p.name, data, p.crc)
         scale = None
         if p.scale is not None:
-            if i >= len(buffers):
-                raise MalformedFrameError(f"tensor {p.name!r}: its scale buffer is missing")
-            try:
-                scale = np.frombuffer(buffers[i], dtype="<f4").reshape(p.scale)
-            except ValueError as err:
-                raise MalformedFrameError(f"tensor {p.name!r}: bad scale buffer: {err}") from None
-            i += 1
+            scale = np.frombuffer(buffers[p.scale_buf], dtype="<f4").reshape(p.scale)
         shape = p.shape
         if take is not None:
             shape = (shape[0], len(take[1]), *shape[2:])
             if not gathered:
                 data = _take_rows(p, data, take)
-            if scale is not None and scale.ndim >= 2 and scale.shape[1] == take[0] and take[0] != 1:
+            if scale is not None and scale.shape[1] == take[0] and take[0] != 1:  # per row: its rows too
                 scale = scale[:, take[1]]
         have = data.nbytes if type(data) is memoryview or isinstance(data, np.ndarray) else _len(data)
         want = WIRE_DTYPES[p.dtype][1]
@@ -654,7 +684,7 @@ def _decode_tensors(entries: Any, buffers: list, i: int, verify: bool, max_messa
             raise MalformedFrameError(f"tensor {p.name!r}: {have} bytes for shape {shape} {p.dtype} (want {want})")
         out.append(Tensor(p.name, p.dtype, shape, data, p.layers, p.shard, scale,
                           dict(p.meta) if p.meta else {}))
-    return out, i
+    return out
 
 
 def _take_rows(p: _Entry, data: Any, take: tuple) -> np.ndarray:
@@ -673,11 +703,11 @@ def _decode_columnar(kind: str, header: dict, buffers: list, verify: bool, max_m
     common = {"producer_id": header["producer_id"], "epoch": header["epoch"], "request_ids": ids, "seqs": seqs,
               "time_ns": header.get("time_ns", 0)}
     if kind == "step_batch":
-        ring = _ring_of(header, shm) if SHM_RING_KEY in header else None
-        groups, i = [], 0
+        ring = _ring_of(header, shm)
+        groups = []
         for plan in plans:
             take = (plan.stored_rows, plan.take) if plan.take is not None else None
-            tensors, i = _decode_tensors(plan.entries, buffers, i, verify, max_message_bytes, ring, take)
+            tensors = _decode_tensors(plan.entries, buffers, verify, ring, take)
             groups.append(RowGroup(plan.requests, plan.rows, plan.positions, tensors, plan.token_ids, plan.part))
         return StepBatch(step=header["step"], groups=groups,
                          steering_versions=_column(kind, header, "steering_versions", len(ids), None), **common)
@@ -879,7 +909,13 @@ def compact(frames: Sequence[Any], shm: ShmRingReader | None = None) -> list[Any
     """The same message with every tensor payload inline and holding exactly its wanted rows (no ``row0``):
     what a consumer that cannot read the producer's ring, or that matches a few requests of a step, is sent.
     Raises ``SharedBufferError`` when the ring cannot give the bytes."""
-    return encode(decode(frames, shm=shm, verify=False))
+    msg = decode(frames, shm=shm, verify=False)
+    tensors = ([t for g in msg.groups for t in g.tensors] if isinstance(msg, StepBatch)
+               else getattr(msg, "tensors", ()))
+    for t in tensors:  # a wire meta naming these would be read by encode as an override (spec 10.4: none)
+        if "compression" in t.meta or "checksum" in t.meta:
+            t.meta = {k: v for k, v in t.meta.items() if k not in ("compression", "checksum")}
+    return encode(msg)
 
 
 # ---------------------------------------------------------------------------------------------- shared memory

@@ -14,16 +14,24 @@ otherwise the bytes may be torn and the read fails with ``ShmOverrunError``, whi
 gap. Positions are absolute byte counts (u64), so a stale position is always recognised. The check relies
 on stores becoming visible in program order (x86-64 TSO): the writer stores ``reserved`` before it copies.
 
-Layout: a 4096-byte header (``magic``, ``size``, ``reserved``, ``pid``, ``handed_over``, ``received``;
-little-endian u64s) then ``size`` bytes of data; the buffer at position ``pos`` lies at ``4096 + pos % size``
-and never wraps (the writer skips to the next lap instead).
+A ring belongs to the producer that made it. Its header holds ``owner``, the SHA-256 of a random secret only
+the writer knows; the writer presents the secret to its broker (``ownership_proof``, in its heartbeats), and
+the broker accepts ring references, notes ``received`` and takes a handover only from the peer that proved it
+(a peer that can read the ring, as every consumer can, sees only the digest).
+
+Layout: a 4096-byte header (``magic``, ``size``, ``reserved``, ``pid``, ``handed_over``, ``received``:
+little-endian u64s; ``owner``: 32 bytes) then ``size`` bytes of data; the buffer at position ``pos`` lies at
+``4096 + pos % size`` and never wraps (the writer skips to the next lap instead).
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import mmap
 import os
 import re
+import secrets
 import struct
 import time
 import uuid
@@ -42,13 +50,24 @@ SHM_RING_CLOSED_KEY = "shm_ring_closed"
 SHM_RING_TAKEN_KEY = "shm_ring_taken"
 # A broker's heartbeats carry this stats key, true, when it keeps each ring's ``received`` field (spec section 9)
 SHM_RECEIVED_KEY = "shm_received"
+# A producer's heartbeats carry this stats key: {"ring": name, "secret": hex}, the secret whose SHA-256 is the ring's
+# ``owner`` field; the broker accepts that ring's references only from the peer that presented it (spec section 9)
+SHM_RING_PROOF_KEY = "shm_ring_proof"
 _MAGIC = b"MIASHM01"
 _HEADER = 4096
 _RESERVED_AT = 16
 _HANDED_OVER_AT = 32  # u64 CLOCK_REALTIME ns; 0 while its producer has it
 _RECEIVED_AT = 40  # u64: the end of the newest payload the broker has received (the broker writes it)
+_OWNER_AT, _OWNER_LEN = 48, 32  # SHA-256 of the writer's secret: what its ownership proof must hash to
 HANDOVER_KEEP_S = 60.0  # a handed-over ring outlives its writer's pid this long before a sweep may remove it
-_NAME = re.compile(r"mia-stream-ring-(\d+)-[0-9a-f]{12}")
+# spec 9: the writer's pid in ASCII decimal without leading zeros, then 12 lowercase hex digits (``\d`` would also
+# match non-ASCII digits)
+_NAME = re.compile(r"mia-stream-ring-([1-9][0-9]*)-[0-9a-f]{12}")
+
+
+def is_ring_name(name: object) -> bool:
+    """Whether ``name`` is a ring file name of the spec's grammar (section 9); any other is malformed."""
+    return type(name) is str and _NAME.fullmatch(name) is not None
 _U64 = struct.Struct("<Q")
 # Page tables filled at map time: touching a fresh page of a mapping otherwise costs a fault per 4 KiB, which
 # on the first pass over a ring made the reader fall behind the writer (measured: docs/benchmarks.md)
@@ -88,6 +107,8 @@ class ShmRingWriter:
         self._mm[:8] = _MAGIC
         _U64.pack_into(self._mm, 8, self.size)
         _U64.pack_into(self._mm, 24, os.getpid())
+        self._secret = secrets.token_bytes(16)  # never written anywhere readers can see: only its digest is
+        self._mm[_OWNER_AT:_OWNER_AT + _OWNER_LEN] = hashlib.sha256(self._secret).digest()
         self._view = memoryview(self._mm)
         self._reserved = _counter(self._mm)
         self._received = _counter(self._mm, _RECEIVED_AT)
@@ -116,6 +137,11 @@ class ShmRingWriter:
         self.buffers += 1
         self.bytes += n
         return pos
+
+    def ownership_proof(self) -> dict:
+        """What this ring's writer presents to its broker (heartbeat stats key ``SHM_RING_PROOF_KEY``) so that
+        the broker accepts this ring's references from it and from no other peer."""
+        return {"ring": self.name, "secret": self._secret.hex()}
 
     @property
     def received(self) -> int:
@@ -189,8 +215,10 @@ class ShmRingReader:
             ring = self._open(name)
         size = ring.size
         offset = pos % size
-        if pos < 0 or nbytes < 0 or offset + nbytes > size:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
+        if pos < 0 or nbytes < 0:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes}: negative position or size")
+        if offset + nbytes > size:  # only the ring shows it: the payload is unavailable (spec 9), not malformed
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
         if int(ring.reserved[0]) > pos + size:  # already overwritten: no copy (a reader far behind its writer
             # would otherwise spend its time copying bytes it must discard, and never catch up)
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader got to {nbytes} bytes at {pos}")
@@ -198,7 +226,7 @@ class ShmRingReader:
         data = ring.mm[_HEADER + offset:_HEADER + offset + nbytes]
         reserved = int(ring.reserved[0])
         if reserved < pos + nbytes:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
                                       f"holds ({reserved})")
         if reserved > pos + size:
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader copied {nbytes} bytes at "
@@ -216,9 +244,11 @@ class ShmRingReader:
             ring = self._open(name)
         size = ring.size
         offset = pos % size
-        if pos < 0 or nbytes < 0 or offset + nbytes > size or outer * stored_rows * row_bytes != nbytes:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r} or does "
-                                      f"not hold [{outer}, {stored_rows}, {row_bytes} bytes]")
+        if pos < 0 or nbytes < 0 or outer * stored_rows * row_bytes != nbytes:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes}: negative, or not "
+                                      f"[{outer}, {stored_rows}, {row_bytes} bytes]")
+        if offset + nbytes > size:
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
         if int(ring.reserved[0]) > pos + size:
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader got to {nbytes} bytes at {pos}")
         view = np.frombuffer(ring.mm, np.uint8, count=nbytes, offset=_HEADER + offset)
@@ -228,7 +258,7 @@ class ShmRingReader:
         self.bytes_copied += copied
         reserved = int(ring.reserved[0])
         if reserved < pos + nbytes:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
                                       f"holds ({reserved})")
         if reserved > pos + size:
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader copied {copied} bytes at "
@@ -252,6 +282,27 @@ class ShmRingReader:
         if received is not None and int(received[0]) < end <= int(ring.reserved[0]):
             received[0] = end
 
+    def verify_owner(self, name: str, proof: object) -> bool:
+        """Whether ``proof`` (a writer's ``ownership_proof()["secret"]``, hex) hashes to ring ``name``'s ``owner``
+        field: only the process that made the ring knows it. False for a ring that cannot be read. Reads the
+        header alone (no mapping: mapping a ring populates its page tables, tens of ms for 256 MiB)."""
+        if type(proof) is not str or len(proof) != 32 or type(name) is not str or not _NAME.fullmatch(name):
+            return False
+        try:
+            secret = bytes.fromhex(proof)
+            fd = os.open(os.path.join(self.directory, name), os.O_RDONLY)
+        except (ValueError, OSError):
+            return False
+        try:
+            head = os.pread(fd, _OWNER_AT + _OWNER_LEN, 0)
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+        owner = head[_OWNER_AT:_OWNER_AT + _OWNER_LEN]
+        return (head[:8] == _MAGIC and len(owner) == _OWNER_LEN and owner != bytes(_OWNER_LEN)
+                and hmac.compare_digest(owner, hashlib.sha256(secret).digest()))
+
     def _ring_or_none(self, name: str) -> _MappedRing | None:
         """The mapped ring, opened on first use; None for one that cannot be opened (a caller that does not
         read its bytes: where they are read, the failure is reported)."""
@@ -261,7 +312,7 @@ class ShmRingReader:
             return None
 
     def _open(self, name: str) -> _MappedRing:
-        if type(name) is not str or not _NAME.fullmatch(name):
+        if not is_ring_name(name):
             raise MalformedFrameError(f"not a shared-memory ring name: {name!r}")
         path = os.path.join(self.directory, name)
         try:
@@ -323,7 +374,7 @@ def _recently_handed_over(path: str) -> bool:
 def remove_ring(name: str, directory: str = SHM_DIR) -> bool:
     """Remove ring ``name`` (a broker, once the grace after its producer handed it over has passed); whether
     a file was removed. Only a ring's name is accepted, never a path."""
-    if type(name) is not str or not _NAME.fullmatch(name):
+    if not is_ring_name(name):
         return False
     try:
         os.unlink(os.path.join(directory, name))
@@ -349,6 +400,8 @@ def sweep_stale_rings(directory: str = SHM_DIR) -> int:
         except ProcessLookupError:
             pass
         except PermissionError:  # alive, another user's
+            continue
+        except (OverflowError, ValueError):  # a pid no process can have (a name another user made up)
             continue
         if _recently_handed_over(os.path.join(directory, name)):  # its broker removes it after its grace
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,12 @@ _TORCH_NAMES = {
     "uint8": "uint8", "int32": "int32", "int64": "int64",
     "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
 }
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """The bytes of a numpy array as a flat memoryview (copied only when not contiguous). Not
+    ``memoryview(a).cast("B")``: that refuses arrays with a zero-length dimension (a step with no rows)."""
+    return memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
 
 
 def wire_dtype_of(obj: Any) -> str:
@@ -95,7 +102,7 @@ class Tensor:
             t = array.detach().contiguous()
             data = memoryview(t.view(-1).view(__import__("torch").uint8).numpy()).cast("B")
         else:
-            data = memoryview(np.ascontiguousarray(array)).cast("B")
+            data = byte_view(array)
         return cls(name, dtype, shape, data, tuple(int(x) for x in layers), shard,
                    None if scale is None else np.ascontiguousarray(scale, dtype=np.float32), meta or {})
 
@@ -104,13 +111,13 @@ class Tensor:
         data = self.data
         if isinstance(data, np.ndarray):
             return data.nbytes
-        return len(memoryview(data).cast("B")) if not isinstance(data, bytes) else len(data)
+        return memoryview(data).nbytes if not isinstance(data, bytes) else len(data)
 
     def buffer(self) -> Any:
         """The raw bytes as one contiguous bytes-like (copied only for a non-contiguous array view)."""
         data = self.data
         if isinstance(data, np.ndarray):
-            return memoryview(np.ascontiguousarray(data)).cast("B")
+            return byte_view(data)
         return data
 
     def raw(self) -> np.ndarray:
@@ -120,11 +127,11 @@ class Tensor:
         if isinstance(data, np.ndarray):
             if data.dtype != np_dtype:  # bytes (e.g. rows gathered by the decoder): viewed as the dtype
                 data = np.ascontiguousarray(data).view(np.uint8).reshape(-1).view(np_dtype)
-            if data.size != int(np.prod(self.shape, dtype=np.int64)):
+            if data.size != math.prod(self.shape):  # math.prod: np.prod cost 6 us here, per request per step
                 raise MalformedFrameError(f"tensor {self.name!r}: {data.nbytes} bytes for shape {self.shape} "
                                           f"{self.dtype}")
             return data.reshape(self.shape)
-        want = int(np.prod(self.shape, dtype=np.int64)) * itemsize
+        want = math.prod(self.shape) * itemsize
         if self.nbytes != want:
             raise MalformedFrameError(
                 f"tensor {self.name!r}: {self.nbytes} bytes for shape {self.shape} {self.dtype} (want {want})")

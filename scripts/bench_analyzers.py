@@ -1,0 +1,135 @@
+#!/usr/bin/env python
+"""What one analyzer process costs per request-step, and how many request-steps/s it sustains.
+
+    python scripts/bench_analyzers.py                         # 256 requests, 4096 wide, 1 layer bf16, decode
+    python scripts/bench_analyzers.py --requests 64 --rounds 50 --analyzers hnode
+
+Input: synthetic ``StepBatch`` messages of ``--requests`` decoding requests (one row each), ``--layers`` captured
+layers of ``--hidden`` bfloat16 values per row (8B geometry by default: 1 x 4096), encoded as the wire carries
+them; fresh random rows every round. Each round times, in this process, what an analyzer process does per step:
+decode the message (inline payload), assemble it, run the analyzer (vectorized numpy; its ``Results`` -> one
+``AnalysisBatch``), encode the result for publishing. Analyzers are measured side by side in
+one run, interleaved round by round. Probes of the benched width are random (cost does not depend on weights).
+
+Each step goes the way ``run_analyzer`` takes it: ``decode`` -> the SDK's assembler in batch mode (seq checks
+per request) -> ``AnalyzerRunner.feed``. ``--per-request`` also times, side by side, the same step sent as 256
+per-request ``tensors`` messages (a producer that does not send step batches; the SDK hands them over as
+one-request batches). Socket I/O and the broker are not in these numbers (the bus at this load:
+scripts/bench_load.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mia_stream.analyzers import AnalyzerRunner, create  # noqa: E402
+from mia_stream.consumers import StreamAssembler  # noqa: E402
+from mia_stream.analyzers._probe import LinearProbe  # noqa: E402
+from mia_stream.schemas import RowGroup, StepBatch, StreamStart, Tensor, decode, encode  # noqa: E402
+
+
+def _bf16(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16, round to nearest even)."""
+    b = x.astype(np.float32).view(np.uint32)
+    return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _probe_files(tmp: Path, hidden: int, layer: int, num_layers: int, rng) -> dict:
+    w = rng.standard_normal(hidden) / np.sqrt(hidden)
+    common = dict(model="synthetic", hidden_size=hidden, mean=np.zeros(hidden), scale=np.ones(hidden),
+                  weights=w, bias=0.0, num_layers=num_layers)
+    hn = LinearProbe("hnode", layer=layer, position="last_prompt", **common,
+                     extra={"h_nodes": list(range(16)), "grounded_mean": [0.0] * 16, "grounded_std": [1.0] * 16})
+    sc = LinearProbe("science_hallucination", layer=num_layers - 1, position="generated", final_norm=True,
+                     pool="mean", **common)
+    hn.save(tmp / "hnode.json")
+    sc.save(tmp / "science.json")
+    model = tmp / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-5, "hidden_size": hidden}))
+    from safetensors.numpy import save_file
+
+    save_file({"model.norm.weight": np.ones(hidden, np.float32)}, str(model / "model.safetensors"))
+    return {"hnode": {"probe": str(tmp / "hnode.json"), "positions": "generated"},
+            "science_hallucination": {"probe": str(tmp / "science.json"), "model": str(model)},
+            "hidden_states": {"layers": [layer]}}
+
+
+def _step(rng, ids, step, layers, hidden, prompt):
+    rows = _bf16(rng.standard_normal((len(layers), len(ids), hidden)).astype(np.float32))
+    g = RowGroup(np.arange(len(ids)), np.ones(len(ids)), np.full(len(ids), prompt + step),
+                 [Tensor("hs", "bfloat16", rows.shape, memoryview(rows).cast("B"), tuple(layers))],
+                 np.full(len(ids), 11))
+    return StepBatch("bench", 1, step, ids, np.full(len(ids), step + 1), [g], time_ns=time.time_ns())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=1, help="captured layers per row")
+    ap.add_argument("--num-layers", type=int, default=32, help="layers of the (synthetic) model")
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--analyzers", nargs="+", default=["hidden_states", "hnode", "science_hallucination"])
+    ap.add_argument("--per-request", action="store_true", help="also time the per-request event path")
+    args = ap.parse_args(argv)
+    rng = np.random.default_rng(0)
+    layers = list(range(args.num_layers - args.layers, args.num_layers))
+    ids = [f"req-{i}" for i in range(args.requests)]
+    prompt = 100
+    tmp = Path(tempfile.mkdtemp(prefix="mia-bench-an-"))
+    configs = _probe_files(tmp, args.hidden, layers[0], args.num_layers, rng)
+    starts = [StreamStart(rid, "bench", 1, 0, capture={"hidden_states": {"layers": layers, "positions": "all"}},
+                          num_layers=args.num_layers, hidden_size=args.hidden, prompt_token_ids=list(range(prompt)))
+              for rid in ids]
+    paths = {}  # label -> (assembler, runner, per_request)
+    for name in args.analyzers:
+        for per_request in ((False, True) if args.per_request else (False,)):
+            an = create(name, configs[name] if name != "hidden_states" else {"layers": layers})
+            runner = AnalyzerRunner(an, [lambda b: encode(b)])  # what publishing costs: the encode
+            asm = StreamAssembler(batches=True)  # the SDK's batch mode, as run_analyzer reads it
+            for st in starts:
+                for ev in asm.feed(st):
+                    runner.feed(ev)
+            label = f"{name}{' (per-request messages)' if per_request else ''}"
+            paths[label] = (asm, runner, per_request)
+    times = {label: [] for label in paths}
+    for rnd in range(args.warmup + args.rounds):
+        batch = _step(rng, ids, rnd, layers, args.hidden, prompt)
+        wire = encode(batch)
+        wires = [encode(f) for f in batch.frames()] if args.per_request else []  # a per-request producer's
+        for label, (asm, runner, per_request) in paths.items():
+            t0 = time.perf_counter()
+            for w in (wires if per_request else (wire,)):
+                for ev in asm.feed(decode(w)):
+                    runner.feed(ev)
+            dt = time.perf_counter() - t0
+            if rnd >= args.warmup:
+                times[label].append(dt)
+        for label, (asm, runner, _) in paths.items():
+            assert runner.counters["request_steps"] == len(ids) * (rnd + 1), (label, runner.counters)
+    print(f"# {args.requests} requests x 1 row, {args.layers} layer(s) x {args.hidden} bf16 per row, "
+          f"{args.rounds} rounds (+{args.warmup} warm-up)")
+    print(f"{'analyzer':<48} {'ms/step (median)':>16} {'p90 ms':>8} {'us/request-step':>16} "
+          f"{'request-steps/s':>16} {'steps/s at R':>13}")
+    for name, ts in times.items():
+        med, p90 = statistics.median(ts), float(np.percentile(ts, 90))
+        print(f"{name:<48} {med * 1e3:>16.2f} {p90 * 1e3:>8.2f} {med / args.requests * 1e6:>16.2f} "
+              f"{args.requests / med:>16.0f} {1 / med:>13.1f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Columnar messages (schema 2.0, docs/wire-format.md section 10) through a real broker process, real sockets and
+real shared-memory rings: whole to a consumer matching every request, a selection to one matching 10%, bit-exact
+inline and through a ring; per-request gaps for a batch dropped for a slow consumer; late join of a request in
+the middle of batches. The producer is a raw DEALER sending encoded frames (the broker must not depend on the
+publisher), the consumers raw DEALERs that decode what they get."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+
+from bus_helpers import RawConsumer, RawProducer, processes, run_dir, start_broker, stats, wait_for
+from mia_stream.schemas import (GapNotice, RowGroup, ShmRingWriter, StepBatch, StreamEnd, StreamStart, Tensor,
+                                TokenBatch, decode_header, shm_available)
+
+HIDDEN = 1024  # floats per row: 4 KiB, ring payloads of one step are 4 KiB x rows
+
+
+def rows_of(rid: str, step: int, n: int) -> np.ndarray:
+    """A request's rows at a step; every value names (request, step, row), so any mix-up shows."""
+    base = int(rid.split("-")[1]) * 100_000 + step * 10
+    return (base + np.arange(n, dtype=np.float32))[:, None] + np.zeros(HIDDEN, np.float32)
+
+
+def step_batch(producer: str, step: int, ids: list[str], seq: int, rows: dict[str, int]) -> StepBatch:
+    n = [rows[r] for r in ids]
+    hs = np.concatenate([rows_of(r, step, rows[r]) for r in ids])[None]
+    group = RowGroup(np.arange(len(ids)), n, np.arange(sum(n)), [Tensor.from_array("hs", hs, layers=(7,))])
+    return StepBatch(producer, 1, step, ids, [seq] * len(ids), groups=[group])
+
+
+def token_batch(producer: str, step: int, ids: list[str], seq: int) -> TokenBatch:
+    return TokenBatch(producer, 1, step, ids, [seq] * len(ids), token_ids=np.arange(len(ids)) + step)
+
+
+def check_rows(batch: StepBatch) -> None:
+    for rid in batch.request_ids:
+        (frame,) = batch.segment(rid)
+        np.testing.assert_array_equal(frame.tensor("hs").numpy()[0], rows_of(rid, batch.step, len(frame.positions)))
+
+
+def per_request(messages) -> dict[str, list]:
+    """Per request, in arrival order: (kind, seq) of what it got, or ("gap", reason, seqs)."""
+    out = collections.defaultdict(list)
+    for _, m in messages:
+        if isinstance(m, (StepBatch, TokenBatch)):
+            for rid, seq in zip(m.request_ids, m.seqs.tolist()):
+                out[rid].append((m.KIND, seq))
+        elif isinstance(m, GapNotice):
+            out[m.request_id].append(("gap", m.reason, [s for a, b in m.missing for s in range(a, b + 1)]))
+        elif hasattr(m, "seq"):
+            out[m.request_id].append((m.KIND, m.seq))
+    return out
+
+
+def ended(n: int):
+    return lambda messages: sum(isinstance(m, StreamEnd) for _, m in messages) >= n
+
+
+@pytest.mark.parametrize("use_ring", [False, True], ids=["inline", "ring"])
+def test_a_step_batch_goes_whole_to_a_consumer_of_all_and_as_its_selection_to_a_consumer_of_ten_percent(use_ring):
+    if use_ring and not shm_available():
+        pytest.skip("needs a writable /dev/shm")
+    ids = [f"req-{i}" for i in range(40)]
+    tenth = ids[::10]
+    steps = 12
+    rows = {rid: 1 + i % 3 for i, rid in enumerate(ids)}  # 2 rows on average: 80 rows, 320 KiB per step
+    ring = ShmRingWriter(size=64 << 20, min_bytes=1024) if use_ring else None
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d))
+        consumers = {"all-ring": RawConsumer(d, "all-ring", ["*"], shm=True),
+                     "all-inline": RawConsumer(d, "all-inline", ["*"]),
+                     "tenth-ring": RawConsumer(d, "tenth-ring", tenth, shm=True),
+                     "tenth-inline": RawConsumer(d, "tenth-inline", tenth)}
+        prod = RawProducer(d, "columns/1")
+        try:
+            wait_for(lambda: len(stats(d)["consumers"]) == 4, timeout=15)
+            prod.hello(ring)
+            for rid in ids:
+                prod.send(StreamStart(rid, "columns", 1, 0))
+            sent = []
+            for step in range(1, steps + 1):
+                sent.append(prod.send(step_batch("columns", step, ids, 2 * step - 1, rows), ring=ring))
+                prod.send(token_batch("columns", step, ids, 2 * step))
+            for rid in ids:
+                prod.send(StreamEnd(rid, "columns", 1, 2 * steps + 1))
+            for name, c in consumers.items():
+                c.read(30, ended(len(ids) if name.startswith("all") else len(tenth)))
+            st = stats(d)
+        finally:
+            prod.close()
+            for c in consumers.values():
+                c.close()
+            if ring is not None:
+                ring.close()
+    if use_ring:
+        assert st["totals"]["shm_bytes_in"] == steps * sum(rows.values()) * HIDDEN * 4
+        assert st["totals"]["shm_rings_proven"] == 1
+    for name, c in consumers.items():
+        want = ids if name.startswith("all") else tenth
+        got = per_request(c.messages)
+        assert sorted(got) == sorted(want), name
+        for rid in want:
+            assert [e[1] for e in got[rid]] == list(range(2 * steps + 2)), (name, rid, got[rid])
+        batches = [(f, m) for f, m in c.messages if isinstance(m, StepBatch)]
+        assert len(batches) == steps
+        for (frames, batch), original in zip(batches, sent):
+            assert batch.request_ids == want
+            check_rows(batch)  # bit-exact, ring or inline, whole or selected
+            header = decode_header(frames)
+            reads_ring = use_ring and name.endswith("ring")
+            assert ("shm_ring" in header) == reads_ring, name
+            if name == "all-ring" or (name == "all-inline" and not use_ring):
+                assert frames[1] == bytes(original[1])  # the header as the producer sent it: forwarded unchanged
+            elif name == "tenth-ring" and use_ring:
+                assert "row0" in header["groups"][0]  # a selection: ring references untouched, rows named
+            else:
+                assert "row0" not in header["groups"][0]  # compacted: just its rows, inline
+                assert sum(map(len, frames[2:])) == sum(rows[r] for r in want) * HIDDEN * 4
+    assert not any(k.startswith(("malformed", "internal", "dropped")) for k in st["totals"]), st["totals"]
+
+
+def test_a_slow_consumer_gets_a_gap_per_request_for_each_batch_dropped_for_it():
+    ids = [f"req-{i}" for i in range(8)]
+    steps = 60
+    rows = {rid: 2 for rid in ids}  # 16 rows x 4 KiB = 64 KiB per step batch
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d, "--consumer-queue-bytes", str(256 << 10), "--no-shm"))
+        slow = RawConsumer(d, "slow", ["*"], window=128 << 10)  # credits nothing until the end
+        fast = RawConsumer(d, "fast", ["*"])
+        prod = RawProducer(d, "lossy/1")
+        try:
+            wait_for(lambda: len(stats(d)["consumers"]) == 2, timeout=15)
+            prod.hello()
+            for rid in ids:
+                prod.send(StreamStart(rid, "lossy", 1, 0))
+            for step in range(1, steps + 1):
+                prod.send(step_batch("lossy", step, ids, 2 * step - 1, rows))
+                prod.send(token_batch("lossy", step, ids, 2 * step))
+                fast.read(0.005)
+            for rid in ids:
+                prod.send(StreamEnd(rid, "lossy", 1, 2 * steps + 1))
+            fast.read(30, ended(len(ids)))
+            wait_for(lambda: stats(d)["consumers"]["slow"]["queue_messages"] > 0, timeout=10)
+            slow.read(1)
+            slow.credit(1 << 40)  # now it reads everything that is left
+            slow.read(30, ended(len(ids)), credit=True)
+            st = stats(d)
+        finally:
+            prod.close()
+            slow.close()
+            fast.close()
+    full = list(range(2 * steps + 2))
+    for rid, events in per_request(fast.messages).items():
+        assert [e[1] for e in events] == full, rid
+    got = per_request(slow.messages)
+    lost_by_request = {}
+    for rid in ids:
+        events = got[rid]
+        delivered = [e[1] for e in events if e[0] != "gap"]
+        lost = [s for e in events if e[0] == "gap" for s in e[2]]
+        assert {e[1] for e in events if e[0] == "gap"} == {"consumer_queue_full"}
+        assert sorted(delivered + lost) == full and delivered == sorted(delivered)
+        assert all(s % 2 == 1 for s in lost)  # step batches were dropped, never token batches
+        lost_by_request[rid] = lost
+    lost = lost_by_request[ids[0]]
+    assert lost, "the slow consumer should have lost batches"
+    assert all(v == lost for v in lost_by_request.values())  # a dropped batch: a gap for every request it named
+    assert st["totals"]["dropped_for_consumers"] == len(lost) * len(ids)
+
+
+def test_late_join_of_a_request_in_the_middle_of_batches():
+    ids = [f"req-{i}" for i in range(6)]
+    rows = {rid: 1 + i for i, rid in enumerate(ids)}
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d))
+        prod = RawProducer(d, "mid/1")
+        joiners = []
+        try:
+            prod.hello()
+            for rid in ids:
+                prod.send(StreamStart(rid, "mid", 1, 0))
+            for step in range(1, 6):
+                prod.send(step_batch("mid", step, ids, 2 * step - 1, rows))
+                prod.send(token_batch("mid", step, ids, 2 * step))
+            wait_for(lambda: stats(d)["streams"].get("req-3|mid|1", {}).get("next_seq") == 11, timeout=10)
+            joiners = [RawConsumer(d, "from-start", ["req-3"], from_start=True),
+                       RawConsumer(d, "live", ["req-3"])]
+            wait_for(lambda: len(stats(d)["consumers"]) == 2, timeout=10)
+            for step in range(6, 11):
+                prod.send(step_batch("mid", step, ids, 2 * step - 1, rows))
+                prod.send(token_batch("mid", step, ids, 2 * step))
+            prod.send(StreamEnd("req-3", "mid", 1, 21))
+            for c in joiners:
+                c.read(20, ended(1))
+        finally:
+            prod.close()
+            for c in joiners:
+                c.close()
+    from_start, live = (per_request(c.messages)["req-3"] for c in joiners)
+    assert [e[1] for e in from_start] == list(range(22))  # start, the buffered batches, then live
+    assert [e[0] for e in from_start[1:3]] == ["step_batch", "token_batch"]
+    assert live[:2] == [("start", 0), ("gap", "joined_late", list(range(1, 11)))]
+    assert [e[1] for e in live[2:]] == list(range(11, 22))
+    for c in joiners:
+        batches = [m for _, m in c.messages if isinstance(m, (StepBatch, TokenBatch))]
+        assert batches and all(m.request_ids == ["req-3"] for m in batches)  # selections naming that request
+        for m in batches:
+            if isinstance(m, StepBatch):
+                check_rows(m)
