@@ -33,10 +33,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # ------------------------------------------------------------------------------------------ streaming
 
 def stream_requests(sllm, prompts, specs, timeout=300.0):
-    """Generate ``prompts`` (token id lists), each with its own ``mia_stream`` spec, yielding stream events."""
+    """Generate ``prompts`` (token id lists), each with its own ``mia_stream`` spec; yield the SDK's batch events
+    (``open_batches``, what ``mia-stream analyze`` reads) until every request ended. Request ``i`` is
+    ``PREFIX-i``."""
     from vllm import SamplingParams
 
-    from mia_stream.consumers import open_stream
+    from mia_stream.consumers import open_batches
 
     prefix = f"eval-{uuid.uuid4().hex[:8]}"
     params, ids = [], []
@@ -45,13 +47,13 @@ def stream_requests(sllm, prompts, specs, timeout=300.0):
         ids.append(rid)
         params.append(SamplingParams(max_tokens=1, temperature=0.0, extra_args={"mia_stream": {**spec, "id": rid}}))
     done: dict = {}
-    with open_stream(sllm.broker, patterns=[f"{prefix}-*"], timeout=timeout) as events:
+    ended = set()
+    with open_batches(sllm.broker, patterns=[f"{prefix}-*"], timeout=timeout) as events:
         worker = threading.Thread(target=lambda: done.setdefault("out", sllm.llm.generate(
             [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)), daemon=True)
         worker.start()
-        ended = set()
         for ev in events:
-            yield ids.index(ev.stream.request_id), ev
+            yield ev
             if ev.kind == "end":
                 ended.add(ev.stream.request_id)
                 if len(ended) == len(ids):
@@ -66,7 +68,6 @@ def run_analyzers(sllm, analyzers, prompts, tags, chunk=8, about=None):
     events to each analyzer's runner. Returns, per analyzer, a list (per prompt) of its ``Analysis`` results,
     and the number of gaps seen. ``about(result)``: the request id a result is about (default its own)."""
     from mia_stream.analyzers import AnalyzerRunner
-    from mia_stream.analyzers._adapter import EventAdapter
 
     capture = _union_capture([a.capture_spec() for a in analyzers])
     per = [[None] * len(prompts) for _ in analyzers]
@@ -74,25 +75,20 @@ def run_analyzers(sllm, analyzers, prompts, tags, chunk=8, about=None):
     for c0 in range(0, len(prompts), chunk):
         part = list(range(c0, min(c0 + chunk, len(prompts))))
         sinks = [[] for _ in analyzers]
-        runners = [AnalyzerRunner(a, [s.append]) for a, s in zip(analyzers, sinks)]
-        adapters = [EventAdapter(r) for r in runners]
-        index: dict[str, int] = {}
+        runners = [AnalyzerRunner(a, [s.append], on_reject=lambda rid, why: print(f"  rejected {rid}: {why}",
+                                                                                  file=sys.stderr))
+                   for a, s in zip(analyzers, sinks)]
         specs = [{"capture": capture, "tags": tags[i]} for i in part]
-        for j, ev in stream_requests(sllm, [prompts[i] for i in part], specs):
-            index[ev.stream.request_id] = part[j]
+        for ev in stream_requests(sllm, [prompts[i] for i in part], specs):
             gaps += ev.kind == "gap"
-            for ad in adapters:
-                ad.feed(ev)
-        for ad in adapters:
-            ad.flush()
+            for r in runners:
+                r.feed(ev)
         for a_i, sink in enumerate(sinks):
             for batch in sink:
                 for res in batch.results():
-                    i = index[about(res) if about is not None and "error" not in res.labels else res.request_id]
+                    rid = about(res) if about is not None and "error" not in res.labels else res.request_id
+                    i = part[int(rid.rsplit("-", 1)[1])]
                     per[a_i][i] = res if per[a_i][i] is None or "error" in per[a_i][i].labels else per[a_i][i]
-        for r in runners:
-            for rid, why in r.rejected.items():
-                print(f"  rejected {rid}: {why}", file=sys.stderr)
     return per, gaps
 
 
@@ -247,48 +243,58 @@ def eval_sql(sllm, tok, geo, args):
     from mia_stream.analyzers.attnlink import choose_head
     from mia_stream.spans import prompt_parts
 
-    t0 = time.time()
     attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=4)  # noqa: E731
-    cfg = choose_head(tok, attend, geo.num_hidden_layers, args.num_detection, seed=1, top_p=args.top_p,
-                      temperature=args.temperature)
     Path(args.configs).mkdir(parents=True, exist_ok=True)
-    (Path(args.configs) / "attnlink.json").write_text(json.dumps(cfg, indent=1))
-    print(f"head: layer {cfg['layer']} head {cfg['head']} (gold MRR {cfg['selection']['gold_mrr']:.3f} on "
-          f"{args.num_detection} labelled questions, seed 1) ({time.time() - t0:.0f} s)")
+    configs = []
+    for anchor in ("last_prompt", "question"):
+        t0 = time.time()
+        cfg = choose_head(tok, attend, geo.num_hidden_layers, args.num_detection, seed=1, top_p=args.top_p,
+                          temperature=args.temperature, anchor=anchor)
+        (Path(args.configs) / f"attnlink-{anchor}.json").write_text(json.dumps(cfg, indent=1))
+        print(f"anchor {anchor}: head layer {cfg['layer']} head {cfg['head']} (gold MRR "
+              f"{cfg['selection']['gold_mrr']:.3f} on {args.num_detection} labelled questions, seed 1) "
+              f"({time.time() - t0:.0f} s)")
+        configs.append(cfg)
 
     test = sql_set(args.num_test, seed=0)
     pps = [prompt_parts(tok, e.messages) for e in test]
     tags = [{**pp.tags(), "attnlink": {"columns": e.columns}} for pp, e in zip(pps, test)]
     t0 = time.time()
-    per, gaps = run_analyzers(sllm, [create("attnlink", cfg)], [p.token_ids for p in pps], tags)
+    per, gaps = run_analyzers(sllm, [create("attnlink", c) for c in configs], [p.token_ids for p in pps], tags)
     print(f"test: {len(test)} questions over 3-table schemas ({np.mean([len(e.columns) for e in test]):.1f} columns "
-          f"each, {np.mean([len(e.gold) for e in test]):.1f} gold); top_p {cfg['top_p']}, temperature "
-          f"{cfg['temperature']}; {gaps} gaps, {time.time() - t0:.0f} s")
-    recall, size, prec, rak = [], [], [], []
-    for r, e in zip(per[0], test):
-        if _error(r):
-            continue
-        n = int(r.value("num_columns")[0])
-        sel = set(np.flatnonzero(r.value("selected")[0][:n]).tolist())
-        recall.append(len(sel & e.gold) / len(e.gold))
-        prec.append(len(sel & e.gold) / len(sel))
-        size.append(len(sel))
-        top = set(np.argsort(-r.value("probs")[0][:n], kind="stable")[:len(e.gold)].tolist())
-        rak.append(len(top & e.gold) / len(e.gold))
-    print(f"  attnlink  recall {np.mean(recall):.3f}  precision {np.mean(prec):.3f}  selected {np.mean(size):.1f} "
-          f"columns  recall@|gold| {np.mean(rak):.3f}  (n={len(recall)})")
-    # baselines at the same selection sizes
-    b_rec, b_rak, rnd = [], [], []
-    for e, k in zip(test, size):
+          f"each, {np.mean([len(e.gold) for e in test]):.1f} gold); top_p {args.top_p}, temperature "
+          f"{args.temperature}; {gaps} gaps, {time.time() - t0:.0f} s")
+    sizes = None
+    for cfg, results in zip(configs, per):
+        recall, size, prec, rak = [], [], [], []
+        for r, e in zip(results, test):
+            if _error(r):
+                continue
+            n = int(r.value("num_columns")[0])
+            sel = set(np.flatnonzero(r.value("selected")[0][:n]).tolist())
+            recall.append(len(sel & e.gold) / len(e.gold))
+            prec.append(len(sel & e.gold) / len(sel))
+            size.append(len(sel))
+            top = set(np.argsort(-r.value("probs")[0][:n], kind="stable")[:len(e.gold)].tolist())
+            rak.append(len(top & e.gold) / len(e.gold))
+        sizes = size if sizes is None else sizes
+        print(f"  attnlink anchor {cfg['anchor']:<12} recall {np.mean(recall):.3f}  precision {np.mean(prec):.3f}  "
+              f"selected {np.mean(size):.1f} columns  recall@|gold| {np.mean(rak):.3f}  (n={len(recall)})")
+        b_rec, rnd = [], []
+        for e, k in zip(test, size):
+            docs = [_words(c.replace(".", " ").replace("_", " ")) for c in e.columns]
+            order = np.argsort(-BM25Okapi(docs).get_scores(_words(e.question)), kind="stable")
+            b_rec.append(len(set(order[:k].tolist()) & e.gold) / len(e.gold))
+            rnd.append(min(k, len(e.columns)) / len(e.columns))
+        print(f"    same selection sizes: BM25 over column names recall {np.mean(b_rec):.3f}, random (expected) "
+              f"recall {np.mean(rnd):.3f}")
+    b_rak = []
+    for e in test:
         docs = [_words(c.replace(".", " ").replace("_", " ")) for c in e.columns]
-        s = BM25Okapi(docs).get_scores(_words(e.question))
-        order = np.argsort(-s, kind="stable")
-        b_rec.append(len(set(order[:k].tolist()) & e.gold) / len(e.gold))
+        order = np.argsort(-BM25Okapi(docs).get_scores(_words(e.question)), kind="stable")
         b_rak.append(len(set(order[:len(e.gold)].tolist()) & e.gold) / len(e.gold))
-        rnd.append(min(k, len(e.columns)) / len(e.columns))
-    print(f"  BM25 over column names (same selection sizes)  recall {np.mean(b_rec):.3f}  recall@|gold| "
-          f"{np.mean(b_rak):.3f}")
-    print(f"  random selection of the same sizes (expected)   recall {np.mean(rnd):.3f}")
+    print(f"  BM25 over column names recall@|gold| {np.mean(b_rak):.3f}; random recall@|gold| (expected) "
+          f"{np.mean([len(e.gold) / len(e.columns) for e in test]):.3f}")
 
 
 def main() -> int:

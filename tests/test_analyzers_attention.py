@@ -12,12 +12,13 @@ leaves room for the summation order and still catches a wrong span, head or row 
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import time
 
 import numpy as np
 import pytest
 
-from producer_helpers import collecting
 
 pytestmark = pytest.mark.slow
 
@@ -44,29 +45,60 @@ def _hf_attn(model, token_ids):
     return [a[0].double().numpy() for a in out.attentions]
 
 
-def _run(analyzer_name, config, events_by_rid):
-    """Feed recorded SDK events through an AnalyzerRunner (the code ``mia-stream analyze`` runs); returns the
-    rejected requests (id -> the one-line reason) and each request's analysis results."""
+def _run(analyzer_name, config, events, only=None):
+    """Feed recorded SDK batch events (``open_batches``) through an AnalyzerRunner (the code ``mia-stream
+    analyze`` runs), keeping the requests in ``only`` (all when None); returns the rejected requests (id -> the
+    one-line reason) and each request's analysis results."""
     from mia_stream.analyzers import AnalyzerRunner, create
-    from mia_stream.analyzers._adapter import EventAdapter
+    from mia_stream.analyzers._runner import select
 
     batches = []
     rejected: dict[str, str] = {}  # the runner forgets a rejection when its request ends
     runner = AnalyzerRunner(create(analyzer_name, config), [batches.append],
                             on_reject=lambda rid, why: rejected.__setitem__(rid, why))
-    rejected_all = rejected
-    adapter = EventAdapter(runner)
-    # interleave the requests' events by step, as the live stream delivers them
-    evs = sorted((e for evs in events_by_rid.values() for e in evs),
-                 key=lambda e: (e.frame.step if e.kind == "frame" else -1 if e.kind == "start" else 1 << 40))
-    for ev in evs:
-        adapter.feed(ev)
-    adapter.flush()
+    for ev in events:
+        if only is not None:
+            if ev.kind == "batch":
+                keep = np.array([rid in only for rid in ev.batch.request_ids])
+                if not keep.any():
+                    continue
+                if not keep.all() and ev.batch.KIND == "step_batch":
+                    ev = dataclasses.replace(ev, batch=select(ev.batch, keep))
+            elif ev.stream.request_id not in only:
+                continue
+        runner.feed(ev)
     results = {}
     for b in batches:
         for r in b.results():
             results.setdefault(r.request_id, []).append(r)
     return rejected, results
+
+
+class _BatchCollector:
+    """Subscribes (batch mode, as the analyzer runner reads) before the engine runs; keeps every event."""
+
+    def __init__(self, address, patterns):
+        from mia_stream.consumers import open_batches
+
+        self.events = []
+        self._stream = open_batches(address, patterns=patterns, timeout=None)
+
+    def wait_ended(self, request_ids, timeout):
+        import time
+
+        deadline = time.monotonic() + timeout
+        ended = set()
+        while ended != set(request_ids) and time.monotonic() < deadline:
+            for ev in self._stream._source.events(timeout=0.5):
+                self.events.append(ev)
+                if ev.kind == "end":
+                    ended.add(ev.stream.request_id)
+                    if ended == set(request_ids):
+                        break
+        assert ended == set(request_ids), f"not ended in {timeout} s: {sorted(set(request_ids) - ended)}"
+
+    def close(self):
+        self._stream.close()
 
 
 def _one_line(msg: str) -> bool:
@@ -112,10 +144,16 @@ def streams(engine, tokenizer, broker_address):
         params.append(SamplingParams(max_tokens=2, temperature=0.0,
                                      extra_args={"mia_stream": {"id": rid, "capture": cap, "tags": tags}}))
         token_ids.append({"prompt_token_ids": pp.token_ids})
-    with collecting(broker_address, ["at-*"]) as col:
+    col = _BatchCollector(broker_address, ["at-*"])
+    time.sleep(0.2)  # let the subscription reach the broker before the engine publishes
+    try:
         engine.generate(token_ids, params, use_tqdm=False)
         col.wait_ended(list(prompts), timeout=120)
-    return {"prompts": prompts, "messages": messages, "events": dict(col.events), "inj": inj, "rr": rr, "sq": sq}
+    finally:
+        col.close()
+    starts = {ev.stream.request_id: ev.stream.start for ev in col.events if ev.kind == "start"}
+    return {"prompts": prompts, "messages": messages, "events": col.events, "starts": starts, "inj": inj,
+            "rr": rr, "sq": sq}
 
 
 def _flat(messages):
@@ -129,7 +167,7 @@ def test_spans_reproduce_the_hf_tokenization(tokenizer, streams):
         ref = tokenizer.apply_chat_template(_flat(streams["messages"][rid]), tokenize=True, add_generation_prompt=True)
         ref = list(ref["input_ids"] if hasattr(ref, "keys") else ref)
         assert pp.token_ids == ref, rid
-        assert list(streams["events"][rid][0].stream.start.prompt_token_ids) == ref, rid
+        assert list(streams["starts"][rid].prompt_token_ids) == ref, rid
     # each named piece's tokens decode to its text (an edge token may carry a neighbouring space)
     pp = streams["prompts"]["at-sql"][0]
     cols = [tokenizer.decode(pp.token_ids[a:b]).strip() for a, b in pp.ranges("column")]
@@ -141,7 +179,7 @@ def test_spans_reproduce_the_hf_tokenization(tokenizer, streams):
 
 
 def test_attention_tracker_equals_hf_reference(streams, hf_eager):
-    rejected, results = _run("attention_tracker", TRACKER, {r: streams["events"][r] for r in ("at-inj-0", "at-inj-1")})
+    rejected, results = _run("attention_tracker", TRACKER, streams["events"], {"at-inj-0", "at-inj-1"})
     assert not rejected
     for rid in ("at-inj-0", "at-inj-1"):
         pp, tags, _ = streams["prompts"][rid]
@@ -165,8 +203,7 @@ def test_attention_tracker_equals_hf_reference(streams, hf_eager):
 
 
 def test_core_reranker_equals_hf_reference(streams, hf_eager):
-    rids = ("at-rr-calibration", "at-rr-query")
-    rejected, results = _run("core_reranker", RERANKER, {r: streams["events"][r] for r in rids})
+    rejected, results = _run("core_reranker", RERANKER, streams["events"], {"at-rr-calibration", "at-rr-query"})
     assert not rejected
     rows = [r for rs in results.values() for r in rs]
     assert len(rows) == 1 and rows[0].labels["query_request"] == ["at-rr-query"]
@@ -196,13 +233,17 @@ def test_core_reranker_equals_hf_reference(streams, hf_eager):
     assert list(res.value("ranking")[0][:n_docs]) == sorted(range(n_docs), key=lambda i: -ref[i])
 
 
-def test_attnlink_equals_hf_reference(streams, hf_eager):
-    rejected, results = _run("attnlink", LINK, {"at-sql": streams["events"]["at-sql"]})
+@pytest.mark.parametrize("anchor", ["last_prompt", "question"])
+def test_attnlink_equals_hf_reference(streams, hf_eager, anchor):
+    cfg = {**LINK, "anchor": anchor}
+    rejected, results = _run("attnlink", cfg, streams["events"], {"at-sql"})
     assert not rejected
     (res,) = results["at-sql"]
     pp, tags, _ = streams["prompts"]["at-sql"]
     n = len(pp.token_ids)
-    row = _hf_attn(hf_eager, pp.token_ids)[LINK["layer"]][LINK["head"], n - 1]
+    att = _hf_attn(hf_eager, pp.token_ids)[LINK["layer"]][LINK["head"]]
+    rows = [n - 1] if anchor == "last_prompt" else range(*tags["spans"]["question"][0])
+    row = sum(att[r] for r in rows) / len(rows)
     scores = np.array([sum(row[j] for j in range(a, b)) for a, b in tags["spans"]["column"]])
     w = scores ** (1 / LINK["temperature"])  # softmax(log S / T)
     probs = w / w.sum()
@@ -215,6 +256,7 @@ def test_attnlink_equals_hf_reference(streams, hf_eager):
             break
     c = int(res.value("num_columns")[0])
     assert c == len(streams["sq"].columns)
+    assert res.positions == [n - 1]
     np.testing.assert_allclose(res.value("scores")[0][:c], scores, atol=TOL, rtol=0)
     np.testing.assert_allclose(res.value("probs")[0][:c], probs, atol=TOL, rtol=0)
     assert sorted(np.flatnonzero(res.value("selected")[0][:c]).tolist()) == sorted(chosen)
@@ -222,10 +264,11 @@ def test_attnlink_equals_hf_reference(streams, hf_eager):
 
 
 def test_bad_requests_are_rejected_with_one_line(streams):
-    ev = {r: streams["events"][r] for r in streams["events"] if r.startswith("at-bad-")}
-    rejected, results = _run("attention_tracker", TRACKER, ev)
+    bad = {r for r in streams["starts"] if r.startswith("at-bad-")}
+    assert len(bad) == 4
+    rejected, results = _run("attention_tracker", TRACKER, streams["events"], bad)
     why = rejected
-    assert set(why) == set(ev)
+    assert set(why) == bad
     assert "has no tags['spans']" in why["at-bad-nospans"]
     assert "span 'data'" in why["at-bad-range"] and "out of range" in why["at-bad-range"]
     assert "does not capture qk" in why["at-bad-noqk"]
@@ -256,22 +299,22 @@ def test_bad_configs_are_one_line_errors(streams):
             create(name, cfg)
         assert want in str(e.value) and _one_line(str(e.value)), (name, cfg, str(e.value))
     # heads the model does not have: known only once a stream says which model it is
-    rejected, _ = _run("attention_tracker", {"heads": [[3, 0], [31, 2]]}, {"at-inj-0": streams["events"]["at-inj-0"]})
+    rejected, _ = _run("attention_tracker", {"heads": [[3, 0], [31, 2]]}, streams["events"], {"at-inj-0"})
     msg = rejected["at-inj-0"]
     assert "layer 31 is out of range: the model has layers 0..29" in msg and _one_line(msg)
-    rejected, _ = _run("attnlink", {"layer": 3, "head": 9}, {"at-sql": streams["events"]["at-sql"]})
+    rejected, _ = _run("attnlink", {"layer": 3, "head": 9}, streams["events"], {"at-sql"})
     msg = rejected["at-sql"]
     assert "head 9 is out of range: the model has query heads 0..8" in msg and _one_line(msg)
 
 
 def test_reranker_pairs_and_uncalibrated_mode(streams):
     """Without its calibration twin no ranking is made; with calibrate: false every query is ranked alone."""
-    rejected, results = _run("core_reranker", RERANKER, {"at-rr-query": streams["events"]["at-rr-query"]})
+    rejected, results = _run("core_reranker", RERANKER, streams["events"], {"at-rr-query"})
     assert not rejected and not results  # still waiting for the twin: no row, no error
-    rejected, results = _run("core_reranker", {**RERANKER, "calibrate": False},
-                           {r: streams["events"][r] for r in ("at-rr-calibration", "at-rr-query")})
+    rejected, results = _run("core_reranker", {**RERANKER, "calibrate": False}, streams["events"],
+                             {"at-rr-calibration", "at-rr-query"})
     assert set(results) == {"at-rr-query"}  # the calibration twin gives no row
-    rejected, _ = _run("core_reranker", RERANKER, {"at-inj-0": streams["events"]["at-inj-0"]})
+    rejected, _ = _run("core_reranker", RERANKER, streams["events"], {"at-inj-0"})
     assert "its spans lack 'doc'" in rejected["at-inj-0"]
 
 
@@ -288,3 +331,24 @@ def test_print_spec_is_what_the_analyzers_need(tmp_path):
         assert analyze_main(["attention_tracker", "--config", str(cfg), "--print-spec"]) == 0
     assert json.loads(buf.getvalue()) == {"capture": {"qk": {"layers": [3, 9, 17], "heads": [0, 2, 4, 6, 8],
                                                              "positions": "prompt"}}}
+
+
+def test_qk_buffer_joins_tensor_parallel_shards():
+    """With TP > 1 each rank streams its shard of the heads (KV heads possibly on several ranks); the buffer
+    joins them by head id, whatever order the ranks' rows arrive in."""
+    from mia_stream.analyzers._attention import QKBuffer
+
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((2, 7, 6, 4)).astype(np.float32)  # 2 layers, 7 positions, 6 query heads
+    k = rng.standard_normal((2, 7, 3, 4)).astype(np.float32)  # 3 KV heads
+    whole, shards = QKBuffer(), QKBuffer()
+    whole.add(range(7), q, k, [4, 9], range(6), range(3))
+    assert whole.heads_at(6) == set(range(6))
+    # rank 1 (query heads 3-5, KV heads 1-2) first and in two prefill chunks, rank 0 (0-2, KV 0-1) after
+    shards.add([0, 1, 2, 3], q[:, :4, 3:], k[:, :4, 1:], [4, 9], [3, 4, 5], [1, 2])
+    shards.add([4, 5, 6], q[:, 4:, 3:], k[:, 4:, 1:], [4, 9], [3, 4, 5], [1, 2])
+    assert shards.heads_at(6) == {3, 4, 5}  # rank 0 not in yet: not ready
+    shards.add(range(7), q[:, :, :3], k[:, :, :2], [4, 9], [0, 1, 2], [0, 1])
+    assert shards.heads_at(6) == set(range(6)) and shards.q_heads == tuple(range(6)) and shards.k_heads == (0, 1, 2)
+    np.testing.assert_array_equal(shards.queries([6, 2]), q[:, [6, 2]])
+    np.testing.assert_array_equal(shards.keys(7), k)

@@ -131,54 +131,82 @@ class HeadSet:
 class QKBuffer:
     """One request's captured Q/K rows, gathered by token position across the steps that streamed them.
 
-    ``add`` takes one frame's tensors (``q [L, T, Hq, D]``, ``k [L, T, Hk, D]`` and their layers / heads);
-    ``keys(n)`` returns K at positions ``0..n-1`` and ``queries(positions)`` Q at those positions, or raise a
-    one-line ``AnalyzerInputError`` naming what the stream lacks.
+    ``add`` takes one frame's (or one TP rank's) tensors: ``q [L, T, Hq, D]``, ``k [L, T, Hk, D]`` with their
+    layers and the query / KV heads they hold (``Tensor.meta["heads"]``). With TP > 1 each rank adds its shard
+    of the heads; ``queries`` / ``keys`` join them by head id. ``keys(n)`` returns K at positions ``0..n-1``,
+    ``queries(positions)`` Q at those positions, over ``q_heads`` / ``k_heads`` (sorted), or raise a one-line
+    ``AnalyzerInputError`` naming what the stream lacks.
     """
 
     def __init__(self) -> None:
         self.layers: tuple | None = None
-        self.q_heads: tuple | None = None
-        self.k_heads: tuple | None = None
-        self._pos: list[np.ndarray] = []
-        self._q: list[np.ndarray] = []
-        self._k: list[np.ndarray] = []
+        self._parts: dict[tuple, dict] = {}  # (q heads, k heads) -> {"pos": [...], "q": [...], "k": [...]}
 
     def add(self, positions: Iterable[int], q: np.ndarray, k: np.ndarray, layers: Sequence[int],
             q_heads: Sequence[int], k_heads: Sequence[int]) -> None:
-        layers, q_heads, k_heads = tuple(layers), tuple(q_heads), tuple(k_heads)
+        layers = tuple(int(x) for x in layers)
         if self.layers is None:
-            self.layers, self.q_heads, self.k_heads = layers, q_heads, k_heads
-        elif (layers, q_heads, k_heads) != (self.layers, self.q_heads, self.k_heads):
-            raise AnalyzerInputError("the request's Q/K frames changed layers or heads mid-stream")
-        self._pos.append(np.asarray(list(positions), dtype=np.int64))
-        self._q.append(q)
-        self._k.append(k)
+            self.layers = layers
+        elif layers != self.layers:
+            raise AnalyzerInputError(f"the request's Q/K frames changed layers mid-stream ({list(self.layers)} "
+                                     f"then {list(layers)})")
+        key = (tuple(int(h) for h in q_heads), tuple(int(h) for h in k_heads))
+        if len(key[0]) != q.shape[2] or len(key[1]) != k.shape[2]:
+            raise AnalyzerInputError(f"Q/K frames name heads {list(key[0])} / {list(key[1])} for tensors of "
+                                     f"{q.shape[2]} / {k.shape[2]} heads")
+        part = self._parts.setdefault(key, {"pos": [], "q": [], "k": []})
+        part["pos"].append(np.asarray(list(positions), dtype=np.int64))
+        part["q"].append(q)
+        part["k"].append(k)
 
     @property
     def empty(self) -> bool:
-        return not self._pos
+        return not self._parts
 
-    def _gather(self, which: list, positions: np.ndarray, name: str) -> np.ndarray:
-        if not self._pos:
-            raise AnalyzerInputError(f"the stream has no Q/K frames (capture spec lacks 'qk')")
-        allpos = np.concatenate(self._pos)
-        order = np.argsort(allpos, kind="stable")
-        sorted_pos = allpos[order]
-        idx = np.searchsorted(sorted_pos, positions)
-        found = (idx < len(sorted_pos)) & (sorted_pos[np.minimum(idx, len(sorted_pos) - 1)] == positions)
-        if not found.all():
-            miss = positions[~found]
-            raise AnalyzerInputError(f"the stream lacks {name} at {len(miss)} position(s) (first: {int(miss[0])}); "
-                                     "capture Q/K with positions 'prompt' or 'all'")
-        rows = np.concatenate(which, axis=1)
-        return rows[:, order[idx]]
+    def heads_at(self, position: int) -> set:
+        """The query heads whose rows at ``position`` have arrived (TP: every rank's shard, once all came)."""
+        return {h for (qh, _), part in self._parts.items() if any((p == position).any() for p in part["pos"])
+                for h in qh}
+
+    @property
+    def q_heads(self) -> tuple:
+        return tuple(sorted({h for qh, _ in self._parts for h in qh}))
+
+    @property
+    def k_heads(self) -> tuple:
+        return tuple(sorted({h for _, kh in self._parts for h in kh}))
+
+    def _gather(self, name: str, positions: np.ndarray) -> np.ndarray:
+        if not self._parts:
+            raise AnalyzerInputError("the stream has no Q/K frames (capture spec lacks 'qk')")
+        blocks, heads = [], []
+        for (qh, kh), part in self._parts.items():
+            hs = qh if name == "q" else kh
+            new = [i for i, h in enumerate(hs) if h not in heads]  # KV heads replicated across TP ranks: once
+            if not new:
+                continue
+            allpos = np.concatenate(part["pos"])
+            order = np.argsort(allpos, kind="stable")
+            sorted_pos = allpos[order]
+            idx = np.searchsorted(sorted_pos, positions)
+            found = (idx < len(sorted_pos)) & (sorted_pos[np.minimum(idx, len(sorted_pos) - 1)] == positions)
+            if not found.all():
+                miss = positions[~found]
+                raise AnalyzerInputError(f"the stream lacks {name.upper()} at {len(miss)} position(s) (first: "
+                                         f"{int(miss[0])}); capture Q/K with positions 'prompt' or 'all'")
+            rows = part[name][0] if len(part[name]) == 1 else np.concatenate(part[name], axis=1)
+            block = rows[:, order[idx]]
+            blocks.append(block if len(new) == len(hs) else block[:, :, new])
+            heads.extend(hs[i] for i in new)
+        out = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=2)
+        by_head = np.argsort(heads, kind="stable")
+        return out if (by_head == np.arange(len(heads))).all() else out[:, :, by_head]
 
     def keys(self, n: int) -> np.ndarray:
-        return self._gather(self._k, np.arange(n, dtype=np.int64), "K")
+        return self._gather("k", np.arange(n, dtype=np.int64))
 
     def queries(self, positions: Sequence[int]) -> np.ndarray:
-        return self._gather(self._q, np.asarray(positions, dtype=np.int64), "Q")
+        return self._gather("q", np.asarray(positions, dtype=np.int64))
 
 
 def span_mask(ranges: Sequence[tuple[int, int]], n: int, name: str = "span") -> np.ndarray:

@@ -151,7 +151,8 @@ class SpanAttentionAnalyzer(Analyzer):
                 sel = np.flatnonzero(keep) + a
                 # copies: the batch's buffers may be a ring the producer overwrites
                 st.qk.add(g.positions[sel], qn[:, sel], kn[:, sel], qt.layers, q_heads, k_heads)
-                if st.prompt_len - 1 in pos[keep]:
+                # scored once the last prompt row of every head it needs is in (TP > 1: of every rank)
+                if st.prompt_len - 1 in pos[keep] and set(st.heads.heads) <= st.qk.heads_at(st.prompt_len - 1):
                     finished.append(st)
         if finished:
             ok = []

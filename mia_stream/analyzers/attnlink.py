@@ -2,7 +2,9 @@
 
 At the generation anchor (the last prompt token: the row that predicts the first token of the SQL), one
 chosen (layer, head) spreads attention over the schema; a column's score is the attention its tokens receive,
-``S_c = sum_{i in c} alpha[anchor, i]``. Columns are ranked by ``p_c = softmax(log(S_c) / T)`` (a temperature
+``S_c = sum_{i in c} alpha[anchor, i]``. Config ``anchor``: ``"last_prompt"`` (the method) or the name of a
+span (e.g. ``"question"``) whose rows' attention is averaged instead: a variant for small models, whose last
+prompt token (a chat-template token) attends little to the schema (docs/analyzers.md). Columns are ranked by ``p_c = softmax(log(S_c) / T)`` (a temperature
 softmax over log span scores: ``T = 1`` is the normalized span mass, lower ``T`` sharpens it) and the smallest
 set whose probability reaches ``top_p`` is selected, so the number of linked columns adapts to how peaked the
 head is. No training: the head is chosen once per model on a few labelled questions (``select_head``: the
@@ -87,7 +89,7 @@ class AttnLink(SpanAttentionAnalyzer):
     name = "attnlink"
     version = "1"
     defaults = {"layer": None, "head": None, "temperature": 1.0, "top_p": 0.9, "column_span": "column",
-                "scale": None, "selection": None, "model": None}
+                "anchor": "last_prompt", "scale": None, "selection": None, "model": None}
 
     def configure(self, config: dict) -> None:
         for key in ("layer", "head"):
@@ -102,9 +104,13 @@ class AttnLink(SpanAttentionAnalyzer):
         self.top_p = check_number(config, "top_p", self.name, lo=1e-9, hi=1.0)
         self.scale = check_number(config, "scale", self.name, positive=True, optional=True)
         self.column_span = check_span_name(config, "column_span", self.name)
-        self.span_names = (self.column_span,)
+        self.anchor = check_span_name(config, "anchor", self.name)
+        self.span_names = (self.column_span,) + (() if self.anchor == "last_prompt" else (self.anchor,))
 
     def check_request(self, st: PromptState) -> None:
+        if self.anchor != "last_prompt" and len(st.spans[self.anchor]) != 1:
+            raise AnalyzerInputError(f"request {st.request_id!r}: {len(st.spans[self.anchor])} spans named "
+                                     f"{self.anchor!r} (the anchor), want 1")
         names = self.column_names(st)
         n = len(st.spans[self.column_span])
         if names is not None and len(names) != n:
@@ -122,8 +128,14 @@ class AttnLink(SpanAttentionAnalyzer):
                                      f"got {tag!r}")
         return cols
 
+    def anchor_rows(self, st: PromptState) -> np.ndarray:
+        if self.anchor == "last_prompt":
+            return np.array([st.prompt_len - 1])
+        (a, b), = st.spans[self.anchor]
+        return np.arange(a, b)
+
     def score(self, st: PromptState) -> dict:
-        alpha = st.attention([st.prompt_len - 1], self.scale)[0, 0]  # the one head, the anchor row: [P]
+        alpha = st.attention(self.anchor_rows(st), self.scale)[0].mean(axis=0)  # the one head, anchor rows: [T]
         return link(alpha, st.spans[self.column_span], self.temperature, self.top_p)
 
     def report(self, scored: list, out) -> None:
@@ -146,7 +158,7 @@ class AttnLink(SpanAttentionAnalyzer):
 # ---------------------------------------------------------------------------------------- head selection
 
 def choose_head(tokenizer, attend, num_layers: int, num: int = 21, seed: int = 1, top_p: float = 0.9,
-                temperature: float = 1.0) -> dict:
+                temperature: float = 1.0, anchor: str = "last_prompt") -> dict:
     """Run labelled questions (``sql_set(num, seed)``) through ``attend``; the config of the best head."""
     from mia_stream.analyzers._attention_data import sql_set
     from mia_stream.spans import prompt_parts
@@ -156,9 +168,10 @@ def choose_head(tokenizer, attend, num_layers: int, num: int = 21, seed: int = 1
     per_head = []
     for pp, att in zip(pps, attend([p.token_ids for p in pps], list(range(num_layers)))):
         n = len(pp.token_ids)
-        per_head.append(column_scores(att.rows([n - 1])[:, :, 0], pp.ranges("column")))  # [L, H, C]
+        rows = [n - 1] if anchor == "last_prompt" else list(range(*pp.ranges(anchor)[0]))
+        per_head.append(column_scores(att.rows(rows).mean(axis=2), pp.ranges("column")))  # [L, H, C]
     (layer, head), mrr = select_head(per_head, [e.gold for e in examples])
-    return {"layer": layer, "head": head, "temperature": temperature, "top_p": top_p,
+    return {"layer": layer, "head": head, "temperature": temperature, "top_p": top_p, "anchor": anchor,
             "model": getattr(tokenizer, "name_or_path", None),
             "selection": {"num": num, "seed": seed, "gold_mrr": float(mrr[layer, head])}}
 
@@ -175,6 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--seed", type=int, default=1, help="question set seed (the evaluation uses seed 0)")
     d.add_argument("--top-p", type=float, default=0.9)
     d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--anchor", default="last_prompt",
+                   help="last_prompt (the method) or a span name whose rows are averaged (e.g. question)")
     d.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     args = ap.parse_args(argv)
 
@@ -184,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with attention_backend(args.model, args.backend) as (tok, attend):
         L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers
-        config = choose_head(tok, attend, L, args.num, args.seed, args.top_p, args.temperature)
+        config = choose_head(tok, attend, L, args.num, args.seed, args.top_p, args.temperature, args.anchor)
     with open(args.out, "w") as f:
         json.dump(config, f, indent=1)
     print(f"layer {config['layer']} head {config['head']} (gold-column MRR {config['selection']['gold_mrr']:.3f} "
