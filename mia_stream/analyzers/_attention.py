@@ -21,7 +21,7 @@ import numpy as np
 
 from mia_stream.errors import AnalyzerInputError
 
-__all__ = ["HeadSet", "QKBuffer", "attention_rows", "auroc", "kv_index", "span_mask"]
+__all__ = ["HeadSet", "QKBuffer", "attention_rows", "auroc", "head_attention", "kv_index", "span_mask", "widen"]
 
 
 def kv_index(q_heads: Sequence[int], k_heads: Sequence[int], num_heads: int, num_kv_heads: int) -> np.ndarray:
@@ -41,35 +41,68 @@ def kv_index(q_heads: Sequence[int], k_heads: Sequence[int], num_heads: int, num
     return idx
 
 
+_BLAS = None
+
+
+def _one_blas_thread():
+    """BLAS on one thread for these small products: OpenBLAS's two threads on the 2 shared cores here took
+    21 ms median for a [2, 90, 128] x [2, 128, 512] product that one thread does in 1.4 ms (load average 8:
+    its threads spin waiting for each other). A cached controller costs 8 us per use."""
+    global _BLAS
+    if _BLAS is None:
+        from threadpoolctl import ThreadpoolController
+
+        _BLAS = ThreadpoolController()
+    return _BLAS.limit(limits=1, user_api="blas")
+
+
+def head_attention(q: np.ndarray, k: np.ndarray, q_positions: Sequence[int], scale: float | None = None
+                   ) -> np.ndarray:
+    """Attention probabilities of heads given side by side: ``q [H, Tq, D]`` at token positions ``q_positions``,
+    ``k [H, Tk, D]`` (each head's K, its KV head's, at positions ``0..Tk-1``) -> ``[H, Tq, Tk]`` float64, zero
+    past each query's position (the causal mask). One BLAS product per head, in float64."""
+    pos = np.asarray(q_positions, dtype=np.int64)
+    tk = k.shape[1]
+    if pos.shape != (q.shape[1],):
+        raise AnalyzerInputError(f"{len(pos)} query positions for {q.shape[1]} query rows")
+    if len(pos) and (pos.min() < 0 or pos.max() >= tk):
+        raise AnalyzerInputError(f"query positions {pos.min()}..{pos.max()} need keys 0..{pos.max()}, "
+                                 f"the stream has {tk}")
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    # contiguous float64 operands: matmul takes the BLAS path only for those (a transposed view of the frame's
+    # rows ran its generic loop, 40x slower: 78 ms per layer for 90 x 512 rows of 8 heads)
+    q = np.ascontiguousarray(q, dtype=np.float64)
+    k = np.ascontiguousarray(k, dtype=np.float64)
+    with _one_blas_thread():
+        logits = np.matmul(q, k.transpose(0, 2, 1))
+    logits *= scale
+    masked = np.arange(tk)[None, :] > pos[:, None]  # [Tq, Tk]
+    if masked.any():
+        logits[:, masked] = -np.inf
+    logits -= logits.max(axis=-1, keepdims=True)
+    np.exp(logits, out=logits)
+    logits /= logits.sum(axis=-1, keepdims=True)
+    return logits
+
+
 def attention_rows(q: np.ndarray, k: np.ndarray, q_positions: Sequence[int], kv_of_q: np.ndarray,
                    scale: float | None = None) -> np.ndarray:
-    """Attention probabilities of some query rows over all keys before them.
+    """Attention probabilities of some query rows over all keys before them, every captured head.
 
     ``q``: ``[L, Tq, Hq, D]`` at token positions ``q_positions``; ``k``: ``[L, Tk, Hk, D]`` at positions
     ``0..Tk-1`` (every key the queries may see); ``kv_of_q``: ``[Hq]`` index into dim 2 of ``k`` per query head
-    (``kv_index``). Returns ``[L, Hq, Tq, Tk]`` float64, zero past each query's position (the causal mask).
+    (``kv_index``). Returns ``[L, Hq, Tq, Tk]`` float64 (layer by layer: memory stays one layer's worth).
     """
     q = np.asarray(q)
     k = np.asarray(k)
     if q.ndim != 4 or k.ndim != 4 or q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise AnalyzerInputError(f"Q {q.shape} and K {k.shape} must be [layers, tokens, heads, head_dim] with "
                                  "the same layers and head_dim")
-    pos = np.asarray(q_positions, dtype=np.int64)
-    if pos.shape != (q.shape[1],):
-        raise AnalyzerInputError(f"{len(pos)} query positions for {q.shape[1]} query rows")
-    tk = k.shape[1]
-    if len(pos) and (pos.min() < 0 or pos.max() >= tk):
-        raise AnalyzerInputError(f"query positions {pos.min()}..{pos.max()} need keys 0..{pos.max()}, "
-                                 f"the stream has {tk}")
-    scale = q.shape[3] ** -0.5 if scale is None else float(scale)
-    kr = k[:, :, np.asarray(kv_of_q, dtype=np.int64)]  # [L, Tk, Hq, D]: GQA heads repeated
-    logits = np.einsum("lqhd,lkhd->lhqk", q.astype(np.float64), kr.astype(np.float64)) * scale
-    masked = np.arange(tk)[None, :] > pos[:, None]  # [Tq, Tk]
-    logits[:, :, masked] = -np.inf
-    logits -= logits.max(axis=-1, keepdims=True)
-    np.exp(logits, out=logits)
-    logits /= logits.sum(axis=-1, keepdims=True)
-    return logits
+    kv = np.asarray(kv_of_q, dtype=np.int64)
+    out = np.empty((q.shape[0], q.shape[2], q.shape[1], k.shape[1]), dtype=np.float64)
+    for l in range(q.shape[0]):
+        out[l] = head_attention(q[l].transpose(1, 0, 2), k[l][:, kv].transpose(1, 0, 2), q_positions, scale)
+    return out
 
 
 @dataclass(frozen=True)
@@ -140,10 +173,14 @@ class QKBuffer:
 
     def __init__(self) -> None:
         self.layers: tuple | None = None
+        self.dtype: str | None = None
         self._parts: dict[tuple, dict] = {}  # (q heads, k heads) -> {"pos": [...], "q": [...], "k": [...]}
 
     def add(self, positions: Iterable[int], q: np.ndarray, k: np.ndarray, layers: Sequence[int],
-            q_heads: Sequence[int], k_heads: Sequence[int]) -> None:
+            q_heads: Sequence[int], k_heads: Sequence[int], dtype: str | None = None) -> None:
+        """``dtype``: the wire dtype when ``q``/``k`` are raw bits (``Tensor.raw()``: "bfloat16" as uint16);
+        rows are widened to float32 only when read."""
+        self.dtype = dtype
         layers = tuple(int(x) for x in layers)
         if self.layers is None:
             self.layers = layers
@@ -200,13 +237,24 @@ class QKBuffer:
             heads.extend(hs[i] for i in new)
         out = blocks[0] if len(blocks) == 1 else np.concatenate(blocks, axis=2)
         by_head = np.argsort(heads, kind="stable")
-        return out if (by_head == np.arange(len(heads))).all() else out[:, :, by_head]
+        out = out if (by_head == np.arange(len(heads))).all() else out[:, :, by_head]
+        return widen(out, self.dtype)
 
     def keys(self, n: int) -> np.ndarray:
         return self._gather("k", np.arange(n, dtype=np.int64))
 
     def queries(self, positions: Sequence[int]) -> np.ndarray:
         return self._gather("q", np.asarray(positions, dtype=np.int64))
+
+
+def widen(bits: np.ndarray, dtype: str | None) -> np.ndarray:
+    """Raw wire bits as numbers: bfloat16 (uint16 bits) exactly to float32; other dtypes as they are."""
+    if dtype == "bfloat16":
+        return (bits.astype(np.uint32) << 16).view(np.float32)
+    if dtype is not None and dtype.startswith("float8"):
+        raise AnalyzerInputError(f"Q/K arrive as {dtype}: the attention analyzers read float32, float16 or "
+                                 "bfloat16 captures")
+    return bits
 
 
 def span_mask(ranges: Sequence[tuple[int, int]], n: int, name: str = "span") -> np.ndarray:

@@ -1,6 +1,7 @@
 """The shared half of the attention analyzers (attention_tracker, core_reranker, attnlink): per request, gather
 the prompt's Q/K rows as its steps stream in (chunked prefill spreads a prompt over several steps), and once
-the last prompt row has arrived hand the request to ``on_prompt`` with its attention source and named spans.
+the last prompt row has arrived score it (``score``: the attention of the rows it needs, rebuilt from Q/K)
+and report every request scored in the step at once (``report``).
 
 A request is rejected at its start (one line naming the missing piece) when its capture lacks the Q/K the
 analyzer needs or its tags lack the spans (``mia_stream.spans.PromptParts.tags``). Q/K rows are copied out of
@@ -15,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mia_stream.analyzers._attention import HeadSet, QKBuffer, attention_rows, kv_index
+from mia_stream.analyzers._attention import HeadSet, QKBuffer, head_attention, kv_index
 from mia_stream.analyzers._base import Analyzer, Results
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError, SpanError
 from mia_stream.schemas import StepBatch, StreamEnd, StreamStart
@@ -33,22 +34,45 @@ class PromptState:
     heads: HeadSet
     qk: QKBuffer = field(default_factory=QKBuffer)
     done: bool = False
+    group: int = 1  # query heads per KV head
+    _keep: dict = field(default_factory=dict)
+
+    def keep_index(self, layers: list, q_heads: list, k_heads: list) -> tuple:
+        """Indices into a frame's layers, query heads and KV heads of what the chosen pairs read (memoized per
+        layout: the same for every step of a request)."""
+        key = (tuple(layers), tuple(q_heads), tuple(k_heads))
+        got = self._keep.get(key)
+        if got is None:
+            want_l, want_h = set(self.heads.layers), set(self.heads.heads)
+            want_kv = {h // self.group for h in want_h}
+            got = self._keep[key] = (np.array([i for i, l in enumerate(layers) if l in want_l], np.int64),
+                                     np.array([i for i, h in enumerate(q_heads) if h in want_h], np.int64),
+                                     np.array([i for i, h in enumerate(k_heads) if h in want_kv], np.int64))
+        return got
 
     def attention(self, positions: Sequence[int], scale: float | None) -> np.ndarray:
-        """Attention of the query rows at ``positions`` over keys ``0..max(positions)``, for the chosen heads:
-        ``[len(heads.pairs), len(positions), max + 1]``."""
+        """Attention of the query rows at ``positions`` over keys ``0..max(positions)``, for the chosen heads
+        (in ``heads.pairs`` order): ``[len(heads.pairs), len(positions), max + 1]`` float64."""
         positions = np.asarray(positions, dtype=np.int64)
         qk = self.qk
         kv = kv_index(qk.q_heads, qk.k_heads, self.start.num_heads, self.start.num_kv_heads)
-        # only the layers and query heads the chosen pairs use
-        layers = self.heads.layers
-        li = [qk.layers.index(l) for l in layers]
-        hs = self.heads.heads
-        hi = [qk.q_heads.index(h) for h in hs]
-        q = qk.queries(positions)[li][:, :, hi]
-        k = qk.keys(int(positions.max()) + 1)[li]
-        alpha = attention_rows(q, k, positions, kv[hi], scale)  # [L', H', Tq, Tk]
-        return self.heads.select(alpha, layers, hs)
+        q = qk.queries(positions)  # [L', Tq, H', D]: the layers and heads the pairs use (see on_batch)
+        k = qk.keys(int(positions.max()) + 1)
+        li = {l: i for i, l in enumerate(qk.layers)}
+        hi = {h: i for i, h in enumerate(qk.q_heads)}
+        missing = [p for p in self.heads.pairs if p[0] not in li or p[1] not in hi]
+        if missing:
+            raise AnalyzerInputError(f"the stream lacks Q/K of (layer, head) {missing[:4]}")
+        out = np.empty((len(self.heads.pairs), len(positions), k.shape[1]), dtype=np.float64)
+        by_layer: dict[int, list] = {}
+        for j, (l, h) in enumerate(self.heads.pairs):
+            by_layer.setdefault(l, []).append((j, hi[h]))
+        for l, items in by_layer.items():  # one layer at a time: memory stays one layer's worth
+            rows = [j for j, _ in items]
+            heads = np.array([h for _, h in items])
+            out[rows] = head_attention(q[li[l]][:, heads].transpose(1, 0, 2),
+                                       k[li[l]][:, kv[heads]].transpose(1, 0, 2), positions, scale)
+        return out
 
 
 def check_number(config: dict, key: str, name: str, *, positive: bool = False, optional: bool = False,
@@ -82,7 +106,7 @@ def pad_rows(rows: Sequence[np.ndarray], fill: Any) -> np.ndarray:
 
 class SpanAttentionAnalyzer(Analyzer):
     """Base of the attention analyzers. Subclasses set ``self.heads_value`` (config ``heads``: pairs or "all")
-    and ``self.span_names`` in ``configure`` and implement ``on_prompt``; ``check_request`` may refuse a
+    and ``self.span_names`` in ``configure`` and implement ``score`` and ``report``; ``check_request`` may refuse a
     request at its start (``AnalyzerInputError``)."""
 
     heads_value: Any = "all"
@@ -126,6 +150,7 @@ class SpanAttentionAnalyzer(Analyzer):
             if name not in spans:
                 raise AnalyzerInputError(f"request {rid!r}: its spans lack {name!r} (it has {sorted(spans)})")
         state = PromptState(rid, start, prompt_len, spans, heads)
+        state.group = self.start_geometry(state)
         self.check_request(state)
         self._requests[rid] = state
 
@@ -136,8 +161,9 @@ class SpanAttentionAnalyzer(Analyzer):
             if not (g.has("q") and g.has("k")):
                 continue
             qt, kt = g.tensor("q"), g.tensor("k")
-            qn, kn = qt.numpy(), kt.numpy()
-            q_heads, k_heads = qt.meta.get("heads", ()), kt.meta.get("heads", ())
+            qraw, kraw = qt.raw(), kt.raw()  # bits; widened only for the rows and heads kept
+            q_heads, k_heads = list(qt.meta.get("heads", ())), list(kt.meta.get("heads", ()))
+            layers = list(qt.layers)
             off = g.offsets.tolist()
             for j, i in enumerate(g.requests.tolist()):
                 st = self._requests.get(ids[i])
@@ -148,9 +174,14 @@ class SpanAttentionAnalyzer(Analyzer):
                 keep = pos < st.prompt_len
                 if not keep.any():
                     continue
+                li, qi, ki = st.keep_index(layers, q_heads, k_heads)
+                if not len(qi):
+                    continue  # a TP rank holding none of the heads this analyzer reads
                 sel = np.flatnonzero(keep) + a
-                # copies: the batch's buffers may be a ring the producer overwrites
-                st.qk.add(g.positions[sel], qn[:, sel], kn[:, sel], qt.layers, q_heads, k_heads)
+                # one gathering copy of only the layers and heads the pairs use (the batch's buffers may be a
+                # ring the producer reuses)
+                st.qk.add(g.positions[sel], qraw[np.ix_(li, sel, qi)], kraw[np.ix_(li, sel, ki)],
+                          [layers[x] for x in li], [q_heads[x] for x in qi], [k_heads[x] for x in ki], qt.dtype)
                 # scored once the last prompt row of every head it needs is in (TP > 1: of every rank)
                 if st.prompt_len - 1 in pos[keep] and set(st.heads.heads) <= st.qk.heads_at(st.prompt_len - 1):
                     finished.append(st)
@@ -171,6 +202,15 @@ class SpanAttentionAnalyzer(Analyzer):
         if st is not None and not st.done and end is not None:
             out.add_one(request_id, labels={"error": f"request {request_id!r} ended before its last prompt "
                                                      f"row ({st.prompt_len - 1}) arrived"})
+
+    @staticmethod
+    def start_geometry(st: PromptState) -> int:
+        """Query heads per KV head (GQA group size) of the request's model."""
+        nkv = st.start.num_kv_heads or st.start.num_heads
+        if not nkv or st.start.num_heads % nkv:
+            raise AnalyzerInputError(f"request {st.request_id!r}: bad head geometry {st.start.num_heads} query "
+                                     f"/ {st.start.num_kv_heads} KV heads")
+        return st.start.num_heads // nkv
 
     # ------------------------------------------------------------------------------------ to implement
     def check_request(self, state: PromptState) -> None:

@@ -25,13 +25,13 @@ import argparse
 import collections
 import json
 import sys
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from mia_stream.analyzers._span_analyzer import (PromptState, SpanAttentionAnalyzer, check_number, check_span_name,
                                                  pad_rows)
-from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
+from mia_stream.errors import AnalyzerInputError
 
 CALIBRATION_QUERY = "N/A"
 TAG = "core_reranker"
