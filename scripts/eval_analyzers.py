@@ -28,6 +28,10 @@ import numpy as np
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Head discovery captures Q/K of all 30 layers at every prompt position: ~92 KB per token, ~94 MB for a step of
+# 1024 tokens. A producer drops what runs more than a quarter of its ring ahead of the broker (the default
+# 256 MiB ring lost a frame to shm_ahead_of_broker here), so the ring is 4x a step's bytes (README).
+os.environ.setdefault("MIA_STREAM_SHM_BYTES", str(1 << 30))
 
 
 # ------------------------------------------------------------------------------------------ streaming

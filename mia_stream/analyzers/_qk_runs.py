@@ -109,7 +109,13 @@ def attention_backend(model: str | None = None, backend: str = "vllm", chunk: in
         m = load_hf_eager(model_dir)
         yield tok, lambda prompts, layers: hf_attention(m, prompts, layers)
     elif backend == "vllm":
+        import os
+
         from mia_stream import StreamLLM
+
+        # all-layer Q/K at every prompt position: ~92 KB per token on the embedded model; a producer ring of 4x
+        # a step's bytes keeps the source bound from dropping frames (scripts/eval_analyzers.py)
+        os.environ.setdefault("MIA_STREAM_SHM_BYTES", str(1 << 30))
 
         kw = {"dtype": "float32", "enforce_eager": True, "max_model_len": 4096, **llm_kwargs}
         with StreamLLM(model_dir, **kw) as sllm:
