@@ -27,6 +27,9 @@ BUILTIN: dict[str, str] = {
     "attnlink": "mia_stream.analyzers.attnlink:AttnLink",
     "hnode": "mia_stream.analyzers.hnode:HNode",
     "science_hallucination": "mia_stream.analyzers.science_hallucination:ScienceHallucination",
+    "token_probe": "mia_stream.analyzers.token_probe:TokenProbe",
+    "semantic_entropy_probe": "mia_stream.analyzers.semantic_entropy_probe:SemanticEntropyProbe",
+    "lookback_ratio": "mia_stream.analyzers.lookback_ratio:LookbackRatio",
 }
 
 
