@@ -130,6 +130,10 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("MIA_STREAM_STEERING", "flag", "engine",
             "0 leaves the steering ops out of the graph; a request with `steer` is then refused at admission and "
             "live steering commands get an error ack.", default=True),
+    Setting("MIA_STREAM_STEP_BATCHES", "flag", "engine",
+            "0 makes the drain publish per request (a TensorFrame per request part and a TokenFrame per request "
+            "each step, the pre-2.0 form) instead of one StepBatch and one TokenBatch per step: for comparisons.",
+            default=True),
     Setting("MIA_STREAM_ALLOW_ANY_VLLM", "flag", "engine",
             "1 lets the plugin try a vLLM version other than the supported 0.26.x and 0.32.x.", default=False),
     Setting("MIA_STREAM_KERNELS", "choice", "engine",

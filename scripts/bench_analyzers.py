@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -84,7 +86,15 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--analyzers", nargs="+", default=["hidden_states", "hnode", "science_hallucination"])
     ap.add_argument("--per-request", action="store_true", help="also time the per-request event path")
+    ap.add_argument("--bus", action="store_true",
+                    help="instead: broker, analyzer and producer as processes, paced at --rate steps/s")
+    ap.add_argument("--rate", type=float, default=100.0, help="--bus: steps/s the producer is paced at")
+    ap.add_argument("--seconds", type=float, default=10.0, help="--bus: how long the producer runs")
+    ap.add_argument("--publish", action="store_true", help="--bus: the analyzer publishes its results")
+    ap.add_argument("--broker-args", default="", help="--bus: extra arguments for mia-stream broker")
     args = ap.parse_args(argv)
+    if args.bus:
+        return bus(args)
     rng = np.random.default_rng(0)
     layers = list(range(args.num_layers - args.layers, args.num_layers))
     ids = [f"req-{i}" for i in range(args.requests)]
@@ -128,6 +138,105 @@ def main(argv=None) -> int:
         med, p90 = statistics.median(ts), float(np.percentile(ts, 90))
         print(f"{name:<48} {med * 1e3:>16.2f} {p90 * 1e3:>8.2f} {med / args.requests * 1e6:>16.2f} "
               f"{args.requests / med:>16.0f} {1 / med:>13.1f}")
+    return 0
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def bus(args) -> int:
+    """The topology users run: ``mia-stream broker``, one ``mia-stream analyze NAME`` process per analyzer (one
+    at a time), and a producer (this process) publishing one StepBatch + one TokenBatch per step for
+    ``--requests`` decoding requests at ``--rate`` steps/s. Reports what the analyzer processed, what it lost,
+    how long after the producer's last step it finished, and its CPU per request-step (/proc)."""
+    from mia_stream.broker import fetch_stats
+    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.schemas import StreamEnd, TokenBatch
+
+    rng = np.random.default_rng(0)
+    layers = list(range(args.num_layers - args.layers, args.num_layers))
+    ids = [f"req-{i:04d}" for i in range(args.requests)]
+    tmp = Path(tempfile.mkdtemp(prefix="mia-bench-an-", dir="/tmp"))
+    configs = _probe_files(tmp, args.hidden, layers[0], args.num_layers, rng)
+    configs["hidden_states"] = {"layers": layers, "positions": "generated"}
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    steps = int(args.rate * args.seconds)
+    rows = [_bf16(rng.standard_normal((len(layers), len(ids), args.hidden)).astype(np.float32)) for _ in range(8)]
+    print(f"# bus: {args.requests} requests x {steps} steps at {args.rate:g} steps/s, {args.layers} layer(s) x "
+          f"{args.hidden} bf16 per row; broker and analyzer as processes{'; results published' if args.publish else ''}")
+    print(f"{'analyzer':<24} {'request-steps':>14} {'lost':>7} {'producer dropped msgs':>22} {'publish s':>10} "
+          f"{'done after last step s':>23} {'analyzer CPU us/request-step':>29}")
+    for name in args.analyzers:
+        run = tempfile.mkdtemp(prefix="mia-bus-", dir="/tmp")
+        cfg = tmp / f"config-{name}.json"
+        cfg.write_text(json.dumps(configs[name]))
+        procs = []
+        try:
+            broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run,
+                                       *args.broker_args.split()],
+                                      stdout=subprocess.PIPE, text=True, env=env)
+            procs.append(broker)
+            assert "ready" in broker.stdout.readline()
+            cmd = [sys.executable, "-m", "mia_stream.cli", "analyze", name, "--config", str(cfg), "--source", run,
+                   "--patterns", "req-*", "--max-streams", str(len(ids)), "--idle-timeout", "60"]
+            an = subprocess.Popen(cmd + (["--publish"] if args.publish else []), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.PIPE, text=True, env=env)
+            procs.append(an)
+            deadline = time.monotonic() + 60
+            while not any(c.startswith("analyzer:") for c in fetch_stats(run)["consumers"]):
+                assert an.poll() is None and time.monotonic() < deadline, an.stderr.read()
+                time.sleep(0.1)
+            cpu0 = _cpu_s(an.pid)  # its start-up (imports, subscribing) is not counted
+            with FramePublisher(run, producer_id="bench-producer") as pub:
+                for rid in ids:
+                    pub.publish(StreamStart(rid, pub.producer_id, pub.epoch, 0, num_layers=args.num_layers,
+                                            hidden_size=args.hidden, dtype="bfloat16", prompt_token_ids=[1] * 64,
+                                            capture={"hidden_states": {"layers": layers, "positions": "generated"}}))
+                pub.flush(10)
+                t0 = time.monotonic()
+                for step in range(steps):
+                    wait = t0 + step / args.rate - time.monotonic()
+                    if wait > 0:
+                        time.sleep(wait)
+                    pos = np.full(len(ids), 64 + step)
+                    data = rows[step % len(rows)]
+                    g = RowGroup(np.arange(len(ids)), np.ones(len(ids)), pos,
+                                 [Tensor("hs", "bfloat16", data.shape, data, tuple(layers))])
+                    now = time.time_ns()
+                    pub.publish(StepBatch(pub.producer_id, pub.epoch, step, ids, np.full(len(ids), 1 + 2 * step),
+                                          [g], time_ns=now))
+                    pub.publish(TokenBatch(pub.producer_id, pub.epoch, step, ids, np.full(len(ids), 2 + 2 * step),
+                                           token_ids=np.full(len(ids), 5), first_positions=pos + 1, time_ns=now))
+                for rid in ids:
+                    pub.publish(StreamEnd(rid, pub.producer_id, pub.epoch, 1 + 2 * steps, "length", 64, steps))
+                publish_s = time.monotonic() - t0
+                pub.flush(30)
+                t_last = time.monotonic()
+                producer_dropped = pub.counters["dropped"]
+            _, status, usage = os.wait4(an.pid, 0)  # its rusage: the CPU it used, all of it
+            an.returncode = os.waitstatus_to_exitcode(status)
+            done_after = time.monotonic() - t_last
+            err = an.stderr.read()
+            cpu = usage.ru_utime + usage.ru_stime
+            summary = err.strip().splitlines()[-1] if err.strip() else ""
+            if os.environ.get("BENCH_VERBOSE"):
+                print(err, file=sys.stderr)
+            got = int(summary.split(" request-steps")[0].rsplit(", ", 1)[1]) if "request-steps" in summary else -1
+            lost = int(summary.split(", ")[-1].split()[0]) if "seqs lost" in summary else -1
+            cpu_us = (cpu - cpu0) / max(got, 1) * 1e6
+            print(f"{name:<24} {got:>14} {lost:>7} {producer_dropped:>22} {publish_s:>10.1f} {done_after:>23.1f} "
+                  f"{cpu_us:>29.1f}", flush=True)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.terminate()
+                    try:
+                        p.wait(10)
+                    except subprocess.TimeoutExpired:
+                        p.kill()
     return 0
 
 

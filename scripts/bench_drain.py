@@ -1,6 +1,7 @@
 """How much the producer's drain slows an engine that waits on a GPU: an emulated engine loop (CPU only).
 
     .venv/bin/python scripts/bench_drain.py [--requests 256] [--steps 150] [--forward-ms 10] [--host-ms 1.5]
+        [--drains batch,per-request,thread] [--old-repo DIR]
 
 The H200 run showed capture collapsing 8B decode throughput (HS 1 layer at 0.22-0.37 of plain vLLM) while
 only ~0.1 GB/s was drained: the cost is host-side Python, not the link. This reproduces the engine side of
@@ -11,11 +12,17 @@ sampling bookkeeping), a ``--forward-ms`` wait with the GIL released (the GPU fo
 a CUDA sync), then ``end_step`` (queues the aperture copy for the drain thread). Every request decodes one
 token per step, so each step makes one TensorFrame per capturing request (Llama-3-8B geometry, bf16).
 
-Rows (same process, interleaved rounds): no capture; then each capture/steering configuration twice, with
-the drain in a sidecar process (the default) and in a thread of the engine process (the old design, kept for
-embedding with a publisher object). Every streamed request also gets a TokenFrame per step (``on_sampled``),
-as in the engine. Printed: emulated steps/s, the ratio to no capture, frames published, frames dropped (host
-ring / queue full, counted, never waited for), and the drain's frames/s.
+Rows (same process, interleaved rounds): no capture; then each capture/steering configuration with each drain
+of ``--drains``: ``batch`` (a sidecar process publishing one StepBatch and one TokenBatch per step, the
+default), ``per-request`` (the same sidecar with ``MIA_STREAM_STEP_BATCHES=0``: a TensorFrame per request part
+and a TokenFrame per request per step), ``thread`` (the batch drain in a thread of the engine process, as when
+embedding with a publisher object) and, with ``--old-repo DIR``, ``old`` (a sidecar running DIR's
+mia_stream: the drain of another checkout, e.g. the commit before step batches, fed the same items). Every
+streamed request also gets a sampled token per step (``on_sampled``), as in the engine. Printed: emulated
+steps/s, the ratio to no capture, request frames published, frames dropped (host ring / queue full, counted,
+never waited for), the drain's request frames/s, and the drain's CPU time per engine step (the sidecar
+process's user + system time from /proc; for ``thread``, the forwarder thread's) over the row, until the
+drain has handled every step.
 """
 
 from __future__ import annotations
@@ -43,7 +50,7 @@ ROWS = {"no capture": None,
         "HS 1 layer": {"capture": {"hidden_states": {"layers": [16], "positions": "all"}}},
         "HS all layers": {"capture": {"hidden_states": {"layers": "all", "positions": "all"}}},
         "steer 1 layer": {"steer": _STEER}}
-DRAINS = ("sidecar", "thread")
+DRAINS = ("batch", "per-request", "thread")
 
 _CONSUMER = """
 import sys, time
@@ -68,6 +75,20 @@ def _python_work(ms: float) -> None:
             x += i
 
 
+def _cpu_s(pid: int, tid: int | None = None) -> float:
+    """User + system CPU seconds of a process (or one of its threads) so far, from /proc."""
+    path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"
+    with open(path) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _drain_cpu(rt: ProducerRuntime) -> float:
+    if rt._sidecar is not None:
+        return _cpu_s(rt._sidecar.proc.pid)
+    return _cpu_s(os.getpid(), rt._forwarder.native_id)
+
+
 def _run(rt: ProducerRuntime, name: str, spec_raw, args, round_no: int) -> dict:
     n = args.requests
     ids = [f"{name.replace(' ', '_')}-{round_no}-{i}" for i in range(n)]
@@ -77,6 +98,8 @@ def _run(rt: ProducerRuntime, name: str, spec_raw, args, round_no: int) -> dict:
             rt.add_request(i, i, spec, list(range(args.prompt_len)))
     frames0, drops0 = rt.stats["frames"], rt.stats["dropped_frames"]
     sampled = [[7]] * n
+    rt.wait_drained(60)  # the starts
+    cpu0 = _drain_cpu(rt)
     t0 = time.perf_counter()
     for step in range(args.steps):
         batch = StepBatch(step=step, req_ids=ids, query_start=np.arange(n + 1),
@@ -90,13 +113,15 @@ def _run(rt: ProducerRuntime, name: str, spec_raw, args, round_no: int) -> dict:
             rt.end_step()
             rt.on_sampled(step, ids, sampled)
     dt = time.perf_counter() - t0
+    rt.wait_drained(120)  # every step handled (the ends are not counted in the drain's CPU)
+    drain_s = time.perf_counter() - t0
+    cpu = _drain_cpu(rt) - cpu0
     for i in ids if spec_raw is not None else ():
         rt.finish_request(i, "length")
     rt.wait_drained(120)  # let the drain finish this row before the next one starts
-    drain_s = time.perf_counter() - t0
     frames, drops = rt.stats["frames"] - frames0, rt.stats["dropped_frames"] - drops0
     return {"steps_s": args.steps / dt, "frames": frames, "dropped": drops,
-            "drain_fps": frames / drain_s if frames else 0.0}
+            "drain_fps": frames / drain_s if frames else 0.0, "cpu_ms_step": cpu * 1000 / args.steps}
 
 
 def main() -> int:
@@ -108,6 +133,8 @@ def main() -> int:
     ap.add_argument("--host-ms", type=float, default=1.5, help="GIL-holding Python work per step")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rows", default=",".join(ROWS), help="comma-separated rows to run ('no capture' always runs)")
+    ap.add_argument("--drains", default=",".join(DRAINS), help=f"comma-separated drains of {DRAINS} (and old)")
+    ap.add_argument("--old-repo", default=None, help="a checkout whose drain sidecar runs as the 'old' drain")
     ap.add_argument("--switch-interval-ms", type=float, default=None,
                     help="sys.setswitchinterval for the engine process (CPython's default is 5 ms)")
     args = ap.parse_args()
@@ -137,15 +164,31 @@ def main() -> int:
         os.sched_setaffinity(consumer.pid, bus_cpus)
         consumer.stdout.readline()
         pub = FramePublisher(run_dir, producer_id="bench-drain-thread")
-        os.environ["MIA_STREAM_BROKER"] = run_dir  # the sidecar's publisher connects here
+        os.environ["MIA_STREAM_BROKER"] = run_dir  # the sidecars' publishers connect here
         cfg = dict(aperture_rows=2048, capture_qk=False, steering=True, host_ring_bytes=256 << 20)
         common = dict(geo=GEO, model_name="emulated-8b", tokenizer="t", dtype=torch.bfloat16,
                       device=torch.device("cpu"), max_tokens=8192, tp_rank=0, tp_size=1, dp_rank=0)
-        runtimes = {"sidecar": ProducerRuntime(**common, producer_id="bench-drain-sidecar", cfg=RuntimeConfig(**cfg)),
-                    "thread": ProducerRuntime(**common, publisher=pub, cfg=RuntimeConfig(**cfg))}
-        sidecar = runtimes["sidecar"]._sidecar.proc
-        os.sched_setaffinity(sidecar.pid, bus_cpus)
-        rows = [(n, s, d) for n, s in ROWS.items() for d in (DRAINS if s is not None else ("sidecar",))
+        drains = [d for d in args.drains.split(",") if d]
+        if args.old_repo:
+            drains.append("old")
+        runtimes = {}
+        for d in drains:
+            if d == "thread":
+                runtimes[d] = ProducerRuntime(**common, publisher=pub, cfg=RuntimeConfig(**cfg))
+                continue
+            # the sidecar inherits this environment at its start
+            env_before = dict(os.environ)
+            os.environ["MIA_STREAM_STEP_BATCHES"] = "0" if d == "per-request" else "1"
+            if d == "old":
+                os.environ["PYTHONPATH"] = str(Path(args.old_repo).resolve())
+            try:
+                runtimes[d] = ProducerRuntime(**common, producer_id=f"bench-drain-{d}", cfg=RuntimeConfig(**cfg))
+            finally:
+                os.environ.clear()
+                os.environ.update(env_before)
+            os.sched_setaffinity(runtimes[d]._sidecar.proc.pid, bus_cpus)
+        base_drain = next(d for d in drains if d != "thread") if any(d != "thread" for d in drains) else drains[0]
+        rows = [(n, s, d) for n, s in ROWS.items() for d in (drains if s is not None else (base_drain,))
                 if n == "no capture" or n in args.rows.split(",")]
         results: dict[tuple, list] = {(name, d): [] for name, _, d in rows}
         for rnd in range(args.rounds):
@@ -159,15 +202,18 @@ def main() -> int:
             if p is not None:
                 p.kill()
                 p.wait()
-    base = max(r["steps_s"] for r in results[("no capture", "sidecar")])
+    base = max(r["steps_s"] for r in results[("no capture", base_drain)])
     print(f"{args.requests} decoding requests, Llama-3-8B geometry bf16, emulated step = {args.host_ms} ms Python "
           f"+ {args.forward_ms} ms GIL-free wait; best of {args.rounds} interleaved rounds; "
           f"load average before: {load_before:.1f}")
-    print(f"{'row':<16} {'drain':<8} {'steps/s':>8} {'ratio':>6} {'frames':>8} {'dropped':>8} {'drain frames/s':>15}  rounds")
+    print(f"{'row':<16} {'drain':<12} {'steps/s':>8} {'ratio':>6} {'frames':>8} {'dropped':>8} {'drain frames/s':>15} "
+          f"{'drain CPU ms/step':>18}  rounds (steps/s; drain CPU ms/step)")
     for (name, d), runs in results.items():
         best = max(runs, key=lambda r: r["steps_s"])
-        print(f"{name:<16} {d if name != 'no capture' else '-':<8} {best['steps_s']:8.1f} {best['steps_s'] / base:6.3f} "
-              f"{best['frames']:8d} {best['dropped']:8d} {best['drain_fps']:15.0f}  {[round(r['steps_s'], 1) for r in runs]}")
+        cpu = min(r["cpu_ms_step"] for r in runs)
+        print(f"{name:<16} {d if name != 'no capture' else '-':<12} {best['steps_s']:8.1f} {best['steps_s'] / base:6.3f} "
+              f"{best['frames']:8d} {best['dropped']:8d} {best['drain_fps']:15.0f} {cpu:18.2f}  "
+              f"{[round(r['steps_s'], 1) for r in runs]}; {[round(r['cpu_ms_step'], 2) for r in runs]}")
     return 0
 
 

@@ -11,7 +11,8 @@ embedded model's, whose vocabulary the producer's random ids fall in); a headles
 by Playwright) showing the page with a running request chosen, picking the newest running request every 3 s.
 
 Reported per rate, over the measured window (after a warm-up):
-- monitor CPU: utime+stime of the monitor process / wall time (100% = one core), and its RSS;
+- monitor CPU: utime+stime of the monitor process / wall time (100% = one core), per request-step it took in
+  (its tokens counter), and its private memory (USS; its RSS also counts the producer's ring pages it read);
 - broker drops for the monitor's consumer (it fell behind) and the analysis rows it took in;
 - the page: token -> page latency for the chosen request (producer's publish time to the moment its text is in
   the page, p50/p95/max), updates received per second, time to apply one update (p50/p95/max), bytes pushed per
@@ -47,12 +48,11 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / _TICK
 
 
-def _rss_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+def _private_mb(pid: int) -> float:
+    """Unique set size: the process's own memory (RSS also counts the producer's ring pages it has read)."""
+    import psutil
+
+    return psutil.Process(pid).memory_full_info().uss / 2**20
 
 
 # ---------------------------------------------------------------------------------------------- analyzer
@@ -196,10 +196,13 @@ def run_one(rate: float, a: argparse.Namespace, browser) -> dict:
         except Exception as e:  # a broker too busy to answer is itself a result
             cons = {"monitor-?": {"dropped": f"unknown ({e})"}}
         mon_cons = next((c for name, c in cons.items() if name.startswith("monitor-")), {})
-        rss = _rss_mb(mon.pid)
+        rss = _private_mb(mon.pid)
+        ingested = stats1["counters"].get("tokens", 0) - stats0["counters"].get("tokens", 0)  # one per request-step
         page.close()
         pct = lambda xs, q: float(np.percentile(xs, q)) if len(xs) else float("nan")  # noqa: E731
-        return {"rate": rate, "wall_s": wall, "load_average": os.getloadavg()[0], "monitor_cpu_pct": 100 * cpu / wall, "monitor_rss_mb": rss,
+        return {"rate": rate, "wall_s": wall, "load_average": os.getloadavg()[0],
+                "monitor_cpu_pct": 100 * cpu / wall, "monitor_private_mb": rss,
+                "ingested_request_steps": ingested, "cpu_us_per_request_step": 1e6 * cpu / max(ingested, 1),
                 "chromium_cpu_pct": 100 * chrome / wall,
                 "token_to_page_ms": [pct(latency, 50), pct(latency, 95), max(latency, default=float("nan"))],
                 "tokens_measured": len(latency), "updates_per_s": updates / wall,
@@ -224,8 +227,10 @@ def report(r: dict) -> str:
     clicks = r["click_to_text_ms"]
     return (f"{r['rate']:g} steps/s x {r['running']} running requests, {r['wall_s']:.1f} s measured "
             f"(load average {r['load_average']:.1f}):\n"
-            f"    monitor CPU {r['monitor_cpu_pct']:.0f}% of a core, RSS {r['monitor_rss_mb']:.0f} MB; broker dropped "
-            f"{r['broker_dropped_for_monitor']} messages for it; chromium CPU {r['chromium_cpu_pct']:.0f}%\n"
+            f"    monitor CPU {r['monitor_cpu_pct']:.0f}% of a core ({r['cpu_us_per_request_step']:.0f} us per "
+            f"request-step taken in, {r['ingested_request_steps']} of them), private memory "
+            f"{r['monitor_private_mb']:.0f} MB; broker dropped {r['broker_dropped_for_monitor']} messages for it; "
+            f"chromium CPU {r['chromium_cpu_pct']:.0f}%\n"
             f"    page: token->page p50/p95/max {f(r['token_to_page_ms'])} ms ({r['tokens_measured']} tokens), "
             f"{r['updates_per_s']:.1f} updates/s, apply p50/p95/max {'/'.join(f'{x:.1f}' for x in r['apply_ms'])} ms, "
             f"{r['pushed_kb_per_s']:.0f} KiB/s pushed\n"

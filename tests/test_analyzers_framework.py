@@ -256,6 +256,7 @@ def _third_party(tmp_path: Path) -> Path:
     return pkg
 
 
+@pytest.mark.slow  # subprocesses
 def test_a_third_party_analyzer_registers_through_the_entry_point_group(tmp_path):
     site = _third_party(tmp_path)
     listed = _cli("--list", env={"PYTHONPATH": str(site)})
@@ -268,6 +269,7 @@ def test_a_third_party_analyzer_registers_through_the_entry_point_group(tmp_path
     assert TOKEN_NORM.strip() in (ROOT / "README.md").read_text()  # the README shows this very analyzer
 
 
+@pytest.mark.slow  # subprocesses
 def test_bad_configs_and_probe_files_are_one_line_errors(tmp_path):
     good = json.loads((ROOT / "mia_stream/analyzers/probes/hnode-smollm2-135m.json").read_text())
 
@@ -324,6 +326,7 @@ def _wait_consumers(broker, n, proc=None, timeout=30):
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # subprocesses
 def test_live_analyzer_process_equals_replay_of_the_recording(tmp_path):
     """A producer -> real broker -> {`mia-stream analyze` process, `mia-stream record` process}; then the
     recording through `mia-stream analyze` again: the same JSON lines, byte for byte."""
@@ -415,6 +418,7 @@ def slow_analyzers(tmp_path: Path) -> Path:
     return site
 
 
+@pytest.mark.slow  # subprocesses
 def test_a_lagging_analyzer_shows_its_drops_in_broker_stats_and_the_producer_never_waits(tmp_path):
     """A slow analyzer process behind a small broker queue: the broker drops its frames (stats: dropped, gaps
     notified), it sees the gaps, and the producer's publishing never blocks or loses a frame for the others."""
@@ -486,6 +490,7 @@ def test_an_analyzer_reads_only_its_positions_of_a_stream_that_captures_more():
         assert final.values["tokens"][0] == 3 and final.values["last_position"][0] == prompt + 2
 
 
+@pytest.mark.slow  # subprocesses
 def test_published_results_reach_other_consumers_with_the_analyzers_producer_id(tmp_path):
     """`--publish`: the analyzer's results go back through the broker's producers endpoint; a consumer of the
     same requests receives them as analysis messages (needs a broker that routes them: issue 12)."""

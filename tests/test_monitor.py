@@ -4,15 +4,14 @@ The browser is Debian's ``chromium`` (scripts/setup.sh installs it) driven by Pl
 pointing at it: nothing downloads a browser. The monitor, the broker's other consumers and the analyzer are
 processes of their own, as users run them.
 
-Scores: the analyzers framework (``mia_stream/analyzers``) is not on main yet, so the analyzer here is a small
-real consumer process defined in this file (``python tests/test_monitor.py score``): it reads the stream with the
-SDK's batch API, computes a risk per captured position from the hidden state (a logistic of the layer-15
-residual norm) and publishes ``AnalysisBatch`` results through the broker, as an analyzer does.
+Scores come from a real analyzer process: ``mia-stream analyze science_hallucination --publish`` (the probe
+shipped with mia_stream for wrong answers to science questions): every step it publishes, at the request's newest
+position, the running probability that the answer is wrong (``p_hallucination``: the risk the tokens are coloured
+by), and at the end the final one, an alert when it reaches the probe's threshold.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -34,9 +33,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 PY = sys.executable
 
-CAPTURE_LAYERS = [0, 5, 10, 15, 20, 25, 29]
-RISK_LAYER, RISK_CENTER, RISK_SCALE, ALERT_AT = 15, 180.0, 12.0, 0.9
-ANALYZER = "test_risk"
+CAPTURE_LAYERS = [0, 4, 8, 12, 16, 20, 24, 29]  # the science probe reads layer 29 (the last)
+ANALYZER, SCORE = "science_hallucination", "p_hallucination"
 BOUND_S = 1.0  # the page shows tokens and scores within this of their being generated (issue 17)
 
 
@@ -107,17 +105,18 @@ def monitor(source: str, *args: str):
 
 @contextmanager
 def scorer(address: str, patterns: str):
-    """The analyzer process (``score_main`` below); returns once it is subscribed."""
-    proc = subprocess.Popen([PY, str(Path(__file__).resolve()), "score", "--address", address, "--patterns", patterns],
+    """The analyzer process (``mia-stream analyze science_hallucination``); returns once it has subscribed."""
+    proc = subprocess.Popen([PY, "-m", "mia_stream.cli", "analyze", ANALYZER, "--source", address, "--publish",
+                             "--patterns", patterns],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
-        _read_line(proc, "ready", 60)
+        wait_for_consumer(address, f"analyzer:{ANALYZER}:{proc.pid}", process=proc)
         yield proc
     finally:
         _stop(proc)
 
 
-def wait_for_consumer(address: str, prefix: str, timeout: float = 30) -> None:
+def wait_for_consumer(address: str, prefix: str, timeout: float = 60, process=None) -> None:
     """Until the broker lists a consumer whose name starts with ``prefix`` (it has subscribed)."""
     from mia_stream.broker import fetch_stats
 
@@ -125,56 +124,10 @@ def wait_for_consumer(address: str, prefix: str, timeout: float = 30) -> None:
     while time.monotonic() < deadline:
         if any(name.startswith(prefix) for name in fetch_stats(address)["consumers"]):
             return
+        if process is not None and process.poll() is not None:
+            raise AssertionError(f"{process.args[:5]} exited with {process.returncode}: {process.stderr.read()}")
         time.sleep(0.05)
     raise AssertionError(f"no consumer {prefix}* subscribed within {timeout} s")
-
-
-def risk_of(norms: np.ndarray) -> np.ndarray:
-    return 1.0 / (1.0 + np.exp(-(norms - RISK_CENTER) / RISK_SCALE))
-
-
-def score_main(argv: list[str]) -> int:
-    """The analyzer process: per captured row, ``risk`` = logistic of the layer-15 residual norm; alert >= 0.9."""
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--address", required=True)
-    ap.add_argument("--patterns", default="*")
-    a = ap.parse_args(argv)
-    from mia_stream.consumers import open_batches
-    from mia_stream.producer.publisher import FramePublisher
-    from mia_stream.schemas import AnalysisBatch
-
-    pub = FramePublisher(a.address, producer_id=f"{ANALYZER}-{os.getpid()}", shm_bytes=0)  # small messages
-    deadline = time.monotonic() + 10
-    while pub.broker_instance is None and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-    def stop(*_):
-        raise SystemExit(0)
-
-    signal.signal(signal.SIGTERM, stop)
-    events = open_batches(a.address, patterns=[a.patterns], from_start=True, consumer_id=f"{ANALYZER}-{os.getpid()}")
-    print("ready", flush=True)
-    try:
-        for ev in events:
-            if ev.kind != "batch" or ev.batch.KIND != "step_batch":
-                continue
-            b = ev.batch
-            for g in b.groups:
-                if not g.has("hs") or RISK_LAYER not in g.tensor("hs").layers:
-                    continue
-                t = g.tensor("hs")
-                hs = t.numpy()[list(t.layers).index(RISK_LAYER)].astype(np.float64)  # [N, H]
-                risk = risk_of(np.linalg.norm(hs, axis=1))
-                rids = [b.request_ids[i] for i in g.requests.tolist()]
-                pub.publish(AnalysisBatch(pub.producer_id, pub.epoch, ANALYZER, rids, [pub.next_seq(r) for r in rids],
-                                          rows=g.rows, positions=g.positions, values={"risk": risk.astype(np.float32)},
-                                          alerts=risk >= ALERT_AT, step=b.step, analyzer_version="1",
-                                          time_ns=time.time_ns(), source_time_ns=b.time_ns))
-    finally:
-        events.close()
-        pub.flush(5)
-        pub.close(2)
-    return 0
 
 
 # ---------------------------------------------------------------------------------------------- stream truth
@@ -187,7 +140,8 @@ class Truth:
         self.starts: dict = {}
         self.tokens: dict[str, list] = {}  # rid -> [(position, token id, step, time_ns)]
         self.norms: dict[str, dict] = {}  # rid -> position -> {layer: norm}
-        self.scores: dict[str, dict] = {}  # rid -> position -> (risk, alert, time_ns, step)
+        self.scores: dict[str, dict] = {}  # rid -> position -> (score, alert, time_ns, step)
+        self.final: dict[str, tuple] = {}  # rid -> (score, alert): the analyzer's end-of-request row
         self.ends: dict = {}
 
     def feed(self, ev) -> None:
@@ -204,15 +158,17 @@ class Truth:
                 self.norms.setdefault(rid, {})[p] = dict(zip(ev.frame.layers["hs"], norms[:, j]))
         elif ev.kind == "analysis":
             a = ev.analysis
-            for p, v, al in zip(a.positions, a.values["risk"].tolist(), a.alerts):
-                self.scores.setdefault(a.request_id, {})[p] = (v, al, a.time_ns, a.step)
+            for p, v, al in zip(a.positions, a.values[SCORE].tolist(), a.alerts):
+                if p < 0:
+                    self.final[a.request_id] = (v, al)
+                else:
+                    self.scores.setdefault(a.request_id, {})[p] = (v, al, a.time_ns, a.step)
         elif ev.kind == "end":
             self.ends[rid] = ev.end
 
     def complete(self, rids) -> bool:
-        """Every request ended and every captured position has its score."""
-        return all(r in self.ends and r in self.norms and set(self.norms[r]) <= set(self.scores.get(r, {}))
-                   for r in rids)
+        """Every request ended and the analyzer published its final result."""
+        return all(r in self.ends and r in self.final for r in rids)
 
     def prompt_ids(self, rid: str) -> list:
         return list(self.starts[rid].prompt_token_ids)
@@ -263,7 +219,8 @@ PAGE_DATA = """() => {
     M.scoredAt[s.dataset.pos] ?? null, s.classList.contains('alert'), s.classList.contains('prompt')]);
   const norms = {};
   if (D) for (const [p, v] of D.norms) norms[p] = [D.layerSets[v[0]], v[1]];
-  return {id: D ? D.id : null, state: D && D.info ? D.info.state : null, text: document.getElementById('text').textContent,
+  return {id: D ? D.id : null, state: D && D.info ? D.info.state : null,
+    text: document.getElementById('text').textContent,
     spans, norms, info: document.getElementById('detail-info').textContent,
     alerts: [...document.querySelectorAll('#alerts li')].map((l) => l.textContent),
     broker: document.getElementById('broker-body').textContent, rows: [...M.rows.keys()],
@@ -288,6 +245,18 @@ def wait_page(page, predicate, timeout: float, what: str) -> dict:
     return data
 
 
+def wait_for_snapshot(url: str, predicate, timeout: float = 30) -> dict:
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while True:
+        snap = httpx.get(url + "api/snapshot").json()
+        if predicate(snap):
+            return snap
+        assert time.monotonic() < deadline, f"the monitor's snapshot never matched: {snap}"
+        time.sleep(0.1)
+
+
 def r4(v: float) -> float:
     return float(f"{v:.4g}")
 
@@ -299,9 +268,9 @@ def capture_spec(rid: str, **tags) -> dict:
 def check_scores(page_spans: list, truth_scores: dict) -> None:
     """Every scored position shows the analyzer's value (4 significant digits) and its alert mark."""
     by_pos = {s[0]: s for s in page_spans}
-    for pos, (risk, alert, _t, _step) in truth_scores.items():
+    for pos, (score, alert, _t, _step) in truth_scores.items():
         assert pos in by_pos, f"no token span at scored position {pos}"
-        assert by_pos[pos][2] == pytest.approx(r4(risk), rel=1e-3), (pos, by_pos[pos][2], risk)
+        assert by_pos[pos][2] == pytest.approx(r4(score), rel=1e-3), (pos, by_pos[pos][2], score)
         assert by_pos[pos][5] == bool(alert), f"position {pos}: alert {alert}, page {by_pos[pos][5]}"
 
 
@@ -316,7 +285,8 @@ def test_live_page_shows_tokens_and_scores_within_a_second(engine, broker_addres
     from vllm import SamplingParams
 
     rids = ["mon-live-0", "mon-live-1", "mon-live-2"]
-    prompts = ["The capital of France is", "Water boils at a temperature of", "The largest planet in the solar system is"]
+    prompts = ["Q: What is the chemical symbol of gold?\nA:", "Q: What is the atomic number of iron?\nA:",
+               "Q: Which element has the chemical symbol W?\nA:"]
     with scorer(broker_address, "mon-live-*"), monitor(broker_address) as (url, _proc):
         page = browser.new_page(viewport={"width": 1400, "height": 900})
         errors: list = []
@@ -326,9 +296,9 @@ def test_live_page_shows_tokens_and_scores_within_a_second(engine, broker_addres
         wait_for_consumer(broker_address, "monitor-")
         collector = Collector(broker_address, ["mon-live-*"], rids)
         collector.start()
-        params = [SamplingParams(max_tokens=24, temperature=0, extra_args={"mia_stream": capture_spec(
+        params = [SamplingParams(max_tokens=40, temperature=0, extra_args={"mia_stream": capture_spec(
             rid, user=user, topic=topic)}) for rid, user, topic in zip(rids, ["alice", "bob", "carol"],
-                                                                        ["geography", "physics", "astronomy"])]
+                                                                        ["gold", "iron", "tungsten"])]
         outputs = {}
         gen = threading.Thread(target=lambda: outputs.update(
             {o.request_id: o for o in engine.generate(prompts, params, use_tqdm=False)}))
@@ -344,7 +314,7 @@ def test_live_page_shows_tokens_and_scores_within_a_second(engine, broker_addres
         # the text: the request's prompt and generated tokens, detokenized; it ends with what vLLM returned
         assert data["text"] == tokenizer.decode(truth.token_ids(rid))
         out_text = next(o.outputs[0].text for o in outputs.values() if o.prompt == prompts[0])
-        assert out_text and data["text"].endswith(out_text)
+        assert out_text and tokenizer.decode(truth.token_ids(rid), skip_special_tokens=True).endswith(out_text)
         assert [s[0] for s in data["spans"]] == list(range(len(truth.token_ids(rid))))
         n_prompt = len(truth.prompt_ids(rid))
         assert all(s[6] == (s[0] < n_prompt) for s in data["spans"])  # prompt tokens are marked as such
@@ -357,10 +327,13 @@ def test_live_page_shows_tokens_and_scores_within_a_second(engine, broker_addres
         scored = {s[0]: s[4] for s in data["spans"]}
         score_delays = [scored[p] - t / 1e6 for p, (_v, _a, t, _s) in truth.scores[rid].items()]
         assert max(score_delays) <= BOUND_S * 1000, score_delays
+        final, final_alert = truth.final[rid]  # the end row: a request-level result, and maybe an alert
+        assert f"{ANALYZER}.{SCORE} = {r4(final)}" in data["info"]
         alerting = sorted(p for p, v in truth.scores[rid].items() if v[1])
-        assert len(data["alerts"]) == len(alerting)
+        assert len(data["alerts"]) == len(alerting) + bool(final_alert)
         assert all(f"pos {p} · {ANALYZER}" in line for p, line in zip(alerting, data["alerts"]))
-        assert data["scoreKey"] == f"{ANALYZER}.risk"
+        assert not final_alert or data["alerts"][-1].startswith(f"request · {ANALYZER}: {SCORE}={r4(final)}")
+        assert data["scoreKey"] == f"{ANALYZER}.{SCORE}"
         # per-layer norms: the captured hidden states' (computed here from the frames), at every position
         assert sorted(map(int, data["norms"])) == sorted(truth.norms[rid])
         for pos, (layers, values) in data["norms"].items():
@@ -370,9 +343,9 @@ def test_live_page_shows_tokens_and_scores_within_a_second(engine, broker_addres
         # the list: every request with its tags and state; the broker panel: throughput and drops
         assert set(rids) <= set(data["rows"])
         row = page.locator("#requests tbody tr[data-id='mon-live-1']")
-        assert "user=bob topic=physics" in row.inner_text()
+        assert "user=bob topic=iron" in row.inner_text()
         assert "frames/s" in data["broker"] and "consumer drops 0" in data["broker"]
-        assert f"{ANALYZER}.risk" in page.locator("#score-key").inner_text()
+        assert f"{ANALYZER}.{SCORE}" in page.locator("#score-key").inner_text()
         # choosing another request on the page shows that one
         row.click()
         data = wait_page(page, lambda d: d["id"] == "mon-live-1" and d["state"] in ("stop", "length")
@@ -488,7 +461,8 @@ def _synthetic_load(address: str, model_dir: str, n: int, steps: int) -> dict:
     sent = {"tokens": {r: [] for r in rids}, "scores": {r: {} for r in rids}, "prompt": words[:4]}
     for i, rid in enumerate(rids):
         model = "/no/such/tokenizer" if rid == "req-0002" else model_dir  # (a stream's model dir is the fallback)
-        pub.publish(StreamStart(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), model=model, tokenizer=model, num_layers=4, hidden_size=SYNTH_HIDDEN,
+        pub.publish(StreamStart(rid, pub.producer_id, pub.epoch, pub.next_seq(rid), model=model, tokenizer=model,
+                                num_layers=4, hidden_size=SYNTH_HIDDEN,
                                 prompt_token_ids=words[:4], tags={"batch": str(i % 4)}, time_ns=time.time_ns()))
     for step in range(steps):
         now = time.time_ns()
@@ -624,14 +598,11 @@ def test_a_token_guards_every_request_beyond_loopback(browser, tmp_path):
         finally:
             broker.terminate()
             broker.wait(10)
+    with monitor(str(tmp_path)) as (url, _proc):  # a directory holding no recording: said, the server stays
+        note = wait_for_snapshot(url, lambda s: "holds no .mcap files" in (s["overview"]["note"] or ""))
+        assert note["overview"]["note"].startswith("reading the source failed: RecordingError")
     for args, message in ((["--source", "/no/such/dir"], "is neither a broker run dir nor a recording"),
                           (["--source", str(tmp_path), "--token", "short"], "--token must be at least 8")):
         r = subprocess.run([PY, "-m", "mia_stream.cli", "monitor", *args], capture_output=True, text=True, env=_env(),
                            timeout=60)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
-
-
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["score"]:
-        sys.exit(score_main(sys.argv[2:]))
-    sys.exit(f"usage: {sys.argv[0]} score --address ADDR [--patterns GLOB]")

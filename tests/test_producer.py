@@ -56,6 +56,9 @@ def test_capture_equals_hf_and_leaves_output_unchanged(engine, tokenizer, hf_mod
     end = [e for e in ev if e.kind == "end"][0].end
     assert end.finish_reason == captured.outputs[0].finish_reason and end.num_generated_tokens == len(gen_ids)
     assert end.frames_dropped == 0 and not ev[0].stream.gaps
+    # every seq of the stream is a message sent: one start, one per step batch and token batch, the end
+    assert end.frames_sent + end.frames_dropped == end.seq + 1
+    assert end.seq + 1 == 1 + len(col.frames("cap-hf")) + len(col.kinds("cap-hf", "tokens")) + 1
 
     positions, token_ids, hs = col.stacked("cap-hf", "hs")
     full = prompt_ids + gen_ids

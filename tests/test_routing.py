@@ -542,6 +542,35 @@ def test_late_join_from_start_replays_columnar_parts_as_selections_and_names_evi
     assert decode(bus.receive_frames(b"ab")[-1]).request_ids == ["a", "b"]
 
 
+def test_the_late_join_total_evicts_the_oldest_tensor_parts_of_all_streams_at_a_constant_cost():
+    """Past ``late_join_total_bytes`` the globally oldest tensor parts go first, whichever stream holds them;
+    streams whose buffers were emptied long ago cost nothing per message (they used to be scanned every
+    time, which made a broker at its cap fall behind its consumers)."""
+    bus = Bus(late_join_bytes=1 << 30, late_join_total_bytes=64 * 1024)
+    old = [f"old{i}" for i in range(200)]  # early streams, all their tensor parts evicted later
+    for rid in old:
+        bus.produce(start(rid))
+    bus.produce(step_batch(1, {rid: 1 for rid in old}, nbytes_per_row=1024))
+    live = ["x", "y"]
+    for rid in live:
+        bus.produce(start(rid))
+    router = bus.router
+    calls = []
+    orig = router._evict_one
+    router._evict_one = lambda st: calls.append(st.key[0]) or orig(st)
+    for step in range(1, 40):
+        calls.clear()
+        bus.produce(step_batch(step, {rid: step for rid in live}, nbytes_per_row=1024))
+        assert router.buffered_bytes <= 64 * 1024 + 2 * 1024
+        assert len(calls) <= 4, f"step {step}: {len(calls)} evictions tried for 2 new parts"
+    assert all(not router._streams[(rid, "prod", 1)].data for rid in old)  # the oldest went first
+    bus.subscribe(b"late", "x", from_start=True)
+    events = per_request(bus.receive(b"late"))["x"]
+    evicted = events[1][2] if events[1][:2] == ("gap", "evicted_from_late_join_buffer") else []
+    delivered = [e[1] for e in events if e[0] == "step_batch"]
+    assert evicted and delivered and max(evicted) < min(delivered)  # x lost its oldest parts, kept its newest
+
+
 def test_a_live_join_gets_the_start_and_a_joined_late_gap():
     bus = Bus()
     bus.produce(start("a"))

@@ -215,6 +215,37 @@ def test_steady_decode_steps_route_exactly_like_the_full_path(bus):
         rt.close()
 
 
+@pytest.mark.parametrize("hold", [False, True], ids=["sync", "async-hold"])
+def test_stream_end_counts_each_seq_once_when_the_engine_drops_a_frame(bus, hold):
+    """Issue 13 item 4: a frame the engine could not capture (its prefill exceeds the aperture) holds the seq it
+    would have had, named by a producer gap notice; StreamEnd says frames_sent + frames_dropped = the seqs the
+    stream used, so a consumer can check completeness from the end alone (before the fix the dropped frame
+    was counted in both)."""
+    pub, stream = bus
+    cfg = RuntimeConfig(aperture_rows=4, host_ring_bytes=1 << 20, steer_slots=4, max_ops_per_layer=2,
+                        capture_qk=False, steering=True)
+    rt = ProducerRuntime(geo=GEO, model_name="toy", tokenizer="toy", dtype=torch.float32,
+                         device=torch.device("cpu"), max_tokens=8, tp_rank=0, tp_size=1, dp_rank=0,
+                         publisher=pub, cfg=cfg)
+    rt.hold_last_step = hold
+    spec = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, GEO)
+    rt.add_request("e1", "rt-counts", spec, [1, 2, 3, 4, 5, 6])
+    _step(rt, 1, 0, [1, 2, 3, 4, 5, 6]); rt.on_sampled(1, ["e1"], [[7]])  # 6 rows > the 4-row aperture
+    _step(rt, 2, 6, [7]); rt.on_sampled(2, ["e1"], [[8]])
+    _step(rt, 3, 7, [8]); rt.on_sampled(3, ["e1"], [[9]])
+    rt.finish_request("e1", "length", num_tokens=9)
+    events = _events(stream)
+    rt.close()
+    end = events[-1].end
+    gaps = [e.gap for e in events if e.kind == "gap"]
+    assert [(g.reason, g.origin) for g in gaps] == [("aperture_full", "producer")]
+    assert end.frames_dropped == 1 and end.drops == {"aperture_full": 1}
+    assert end.frames_sent + end.frames_dropped == end.seq + 1
+    frames = [e.frame for e in events if e.kind == "frame"]
+    assert [f.positions for f in frames] == [[6], [7]]
+    assert events[-1].stream.generated_token_ids == [7, 8, 9]
+
+
 def test_a_stalled_sidecar_loses_steps_counted_and_announced_never_silently(monkeypatch):
     """The real drain sidecar, stopped (SIGSTOP) while the engine keeps stepping: its pipe fills (about 1,700
     steps of this toy), then the drain queue (8 items here), and later steps are dropped at the engine. Each loss must be named in the

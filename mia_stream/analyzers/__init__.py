@@ -46,7 +46,9 @@ The API (stable; other analyzers build on it)
 ``RequestTable(name=((shape), dtype), ...)``: per-request state as rows of numpy arrays:
     ``slots = table.slots(request_ids)`` (int64 rows, zeroed for new requests), ``table["name"][slots] += ...``,
     ``table.release(rid)``, ``table.slot(rid)``. ``layer_rows(tensor, layers)``: indices of ``layers`` in a
-    tensor's dim 0 (``AnalyzerInputError`` when absent).
+    tensor's dim 0 (``AnalyzerInputError`` when absent); ``layer_values(tensor, rows)``: those layers as float32,
+    widening only them (cheaper than ``tensor.numpy()[rows]`` for bfloat16).
+    ``self.position_mask(batch, group, "generated")``: which rows are at those positions of their request.
 
 Running: ``run_analyzer(analyzer, source, patterns=..., sinks=[...], publish=ADDR)`` (returns the
 ``AnalyzerRunner``: ``counters``, ``rejected``); ``AnalyzerRunner(analyzer, sinks)`` takes stream callbacks
@@ -64,7 +66,7 @@ Errors: ``mia_stream.errors.AnalyzerError`` (unknown analyzer, bad registration)
 analyzer needs). Each is one line naming the missing or bad piece.
 """
 
-from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows
+from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows, layer_values
 from mia_stream.analyzers._registry import (BUILTIN, ENTRY_POINT_GROUP, analyzer_class, available, create,
                                             load_config)
 from mia_stream.analyzers._runner import (AnalysisPublisher, AnalyzerRunner, analyze_main, jsonl_printer,
@@ -72,4 +74,4 @@ from mia_stream.analyzers._runner import (AnalysisPublisher, AnalyzerRunner, ana
 
 __all__ = ["Analyzer", "AnalysisPublisher", "AnalyzerRunner", "BUILTIN", "ENTRY_POINT_GROUP", "Needs",
            "RequestTable", "Results", "analyze_main", "analyzer_class", "available", "create", "jsonl_printer",
-           "layer_rows", "load_config", "result_dict", "run_analyzer"]
+           "layer_rows", "layer_values", "load_config", "result_dict", "run_analyzer"]

@@ -131,6 +131,20 @@ def segments_of(rows: np.ndarray, mask: np.ndarray | None) -> tuple[np.ndarray, 
     return kept, off
 
 
+def layer_values(t: Tensor, rows: Any) -> np.ndarray:
+    """``t``'s values at dim-0 index/indices ``rows`` (from ``layer_rows``) as float32, widening only those
+    layers: ``Tensor.numpy()`` widens every captured layer of a bfloat16 tensor first (a prompt step capturing
+    32 layers for an analyzer that reads one widened 32x too much), and shifts into a second new array."""
+    raw = t.raw()[rows]
+    if t.dtype == "bfloat16":
+        out = raw.astype(np.uint32)
+        out <<= 16  # bf16 bits are the high half of the float32
+        return out.view(np.float32)
+    if t.dtype in ("float32", "float16"):
+        return raw.astype(np.float32, copy=False)
+    return np.asarray(t.numpy()[rows], np.float32)  # float8 and the rest: the schema's exact widening
+
+
 class RequestTable:
     """Per-request state as rows of numpy arrays, so an analyzer updates all requests of a step at once.
 

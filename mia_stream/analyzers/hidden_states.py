@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows, segments_of
+from mia_stream.analyzers._base import (Analyzer, Needs, RequestTable, Results, layer_rows, layer_values,
+                                        segments_of)
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 from mia_stream.schemas import StepBatch, StreamEnd, StreamStart
 
@@ -87,9 +88,9 @@ class HiddenStates(Analyzer):
             if t.shape[2] != self.hidden_size:
                 raise AnalyzerInputError(f"hs rows have width {t.shape[2]}, the stream start said {self.hidden_size}")
             rows = layer_rows(t, self.layers)
-            hs = t.numpy()
-            if len(rows) != hs.shape[0] or (rows != np.arange(len(rows))).any():
-                hs = hs[rows]  # [L, N, H]: only the configured layers, in their order
+            if len(rows) == t.shape[0] and (rows == np.arange(len(rows))).all():
+                rows = slice(None)  # every captured layer, in order: no gather
+            hs = layer_values(t, rows)  # [L, N, H] float32: only the configured layers, in their order
             mask = self.position_mask(batch, g, self.positions)
             positions, row_requests = g.positions, g.row_requests
             if mask is not None:  # the stream captures more positions than configured
@@ -108,7 +109,8 @@ class HiddenStates(Analyzer):
                 # one float32 sum per request segment (independent of the other requests of the step), kept in
                 # float64 across steps
                 seg = hs if len(off) == hs.shape[1] else np.add.reduceat(hs, off, axis=1)  # decode: 1 row each
-                table["sum"][slots] += seg.transpose(1, 0, 2)
+                # widened explicitly: numpy's mixed-dtype in-place add was 1.6x slower (2.5 vs 1.6 ms, 256 x 4096)
+                table["sum"][slots] += seg.transpose(1, 0, 2).astype(np.float64)
             last = off + seg_rows - 1
             if want_last or self.stream_vectors:
                 table["last"][slots] = hs[:, last].transpose(1, 0, 2)

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from mia_stream.analyzers._base import Analyzer, Needs, Results, layer_rows
+from mia_stream.analyzers._base import Analyzer, Needs, Results, layer_rows, layer_values
 from mia_stream.analyzers._probe import LinearProbe, load_probe, resolve_probe_path, sigmoid
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 from mia_stream.schemas import StepBatch, StreamStart
@@ -93,7 +93,7 @@ class HNode(Analyzer):
             t = g.tensor("hs")
             if t.shape[2] != probe.hidden_size:
                 raise AnalyzerInputError(f"hs rows of width {t.shape[2]}, the probe needs {probe.hidden_size}")
-            x = t.numpy()[int(layer_rows(t, (probe.layer,))[0])]  # [N, H]
+            x = layer_values(t, int(layer_rows(t, (probe.layer,))[0]))  # [N, H] float32
             positions, row_requests = g.positions, g.row_requests
             mask = self.position_mask(batch, g, self.positions)
             if mask is not None:  # the stream captures more positions than the probe reads

@@ -32,7 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
-from mia_stream.analyzers._base import Analyzer, Needs, RequestTable, Results, layer_rows, segments_of
+from mia_stream.analyzers._base import (Analyzer, Needs, RequestTable, Results, layer_rows, layer_values,
+                                        segments_of)
 from mia_stream.analyzers._probe import LinearProbe, load_probe, resolve_probe_path, sigmoid
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 from mia_stream.schemas import StepBatch, StreamEnd, StreamStart
@@ -162,14 +163,13 @@ class ScienceHallucination(Analyzer):
             t = g.tensor("hs")
             if t.shape[2] != probe.hidden_size:
                 raise AnalyzerInputError(f"hs rows of width {t.shape[2]}, the probe needs {probe.hidden_size}")
-            x = t.numpy()[int(layer_rows(t, (probe.layer,))[0])]  # [N, H]
+            x = layer_values(t, int(layer_rows(t, (probe.layer,))[0]))  # [N, H] float32
             positions = g.positions
             mask = self.position_mask(batch, g, probe.position)
             if mask is not None:  # e.g. the prompt rows of a stream that captures every position
                 x, positions = x[mask], positions[mask]
             if not len(x):
                 continue
-            x = np.asarray(x, np.float32)
             # probe(norm(x)) = (x . (norm_weight * w / scale)) / rms(x) + c: one pass for the dot, one for the rms
             rms = np.sqrt(np.square(x).mean(axis=1, dtype=np.float32) + np.float32(eps))
             scores = (x * self.row_weights).sum(axis=1, dtype=np.float64) / rms

@@ -1,15 +1,14 @@
 """Feeding the monitor's state from a source, through the consumer SDK: a live broker or a recording.
 
-Per-request events ("start", "frame", "tokens", "analysis", "gap", "end") each become one state call; with the
-SDK's batch API (``open_batches`` / ``StreamAssembler(batches=True)``, when this SDK has it) tensors, tokens and
-analysis results come as whole columnar messages and are reduced vectorized: one norm computation per row group
-of a step for every request in it. Either way only reductions reach the state: per layer and position the L2 norm
-of the residual (``hs``); Q/K are not read.
+The SDK's batch API (``open_batches`` / ``StreamAssembler(batches=True)``) gives tensors, tokens and analysis
+results as whole columnar messages (a per-request producer's messages as one-request batches), reduced
+vectorized: one norm computation per row group of a step for every request in it, one state call per message.
+"start", "gap" and "end" stay per request. Only reductions reach the state: per layer and position the L2 norm of
+the residual (``hs``); Q/K are not read.
 """
 
 from __future__ import annotations
 
-import inspect
 import logging
 import threading
 import time
@@ -25,27 +24,30 @@ log = logging.getLogger("mia_stream.monitor")
 _STATS_PERIOD_S = 1.0
 
 
-def _batches_supported() -> bool:
-    return "batches" in inspect.signature(StreamAssembler.__init__).parameters
-
-
 def hs_norms(tensor_like: Any) -> np.ndarray:
-    """[L, T, H] hidden states -> [L, T] L2 norms (float32 accumulate in float64 would double the cost; the
+    """[L, T, H] hidden states -> [L, T] L2 norms, accumulated in float32 (float64 would double the cost; the
     page shows 4 significant digits)."""
     hs = tensor_like.numpy() if hasattr(tensor_like, "numpy") else np.asarray(tensor_like)
     hs = np.asarray(hs, dtype=np.float32)
-    return np.sqrt(np.einsum("ltd,ltd->lt", hs, hs))
+    # vecdot: 0.07-0.2 ms for [1, 256, 4096] here, einsum 0.36-0.46 ms (widening bf16 to float32: 0.5-1.1 ms)
+    with np.errstate(over="ignore", invalid="ignore"):  # an inf or NaN row is shown as a missing point
+        return np.sqrt(_vecdot(hs, hs))
+
+
+def _einsum_vecdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    return np.einsum("...d,...d->...", a, b)
+
+
+_vecdot = getattr(np, "vecdot", _einsum_vecdot)  # numpy >= 2.0
 
 
 class Ingest:
     """Reads ``source`` into ``state`` on a thread of its own (``start``/``stop``)."""
 
     def __init__(self, state: MonitorState, source: Any, *, patterns=("*",), keys: Any = None,
-                 from_start: bool = True, batches: bool | None = None,
-                 consumer_id: str | None = None):
+                 from_start: bool = True, consumer_id: str | None = None):
         self.state, self.source, self.patterns, self.keys = state, source, tuple(patterns), keys
         self.from_start = from_start
-        self.batches = _batches_supported() if batches is None else batches
         self.consumer_id = consumer_id
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -78,7 +80,7 @@ class Ingest:
 
     def _run_live(self) -> None:
         client = self.client = BrokerClient(self.source, consumer_id=self.consumer_id, keys=self.keys)
-        asm = StreamAssembler(batches=True) if self.batches else StreamAssembler()
+        asm = StreamAssembler(batches=True)
         try:
             client.subscribe(self.patterns, self.from_start)
             holding, next_check = False, 0.0
@@ -99,15 +101,12 @@ class Ingest:
             client.close()
 
     def _run_recording(self) -> None:
-        from mia_stream.consumers import open_stream
+        from mia_stream.consumers import open_batches
 
-        opener = open_stream
-        if self.batches:
-            from mia_stream.consumers import open_batches as opener  # noqa: N813
         self.state.set_source_note(f"loading {self.source}", loaded=False)
         t0 = time.monotonic()
         n = 0
-        with opener(self.source, patterns=self.patterns) as events:
+        with open_batches(self.source, patterns=self.patterns) as events:
             for ev in events:
                 if self._stop.is_set():
                     return
@@ -129,19 +128,8 @@ class Ingest:
 
     def handle(self, ev: Any, received_ns: int | None) -> None:
         st, kind = self.state, ev.kind
-        if kind == "frame":
-            f = ev.frame
-            hs = f.raw_tensors.get("hs")
-            if hs is not None:
-                st.on_norms(f.request_id, _producer_of(f), f.step, f.positions, f.layers["hs"], hs_norms(hs),
-                            f.time_ns, received_ns)
-        elif kind == "tokens":
-            t = ev.tokens
-            st.on_tokens(t.request_id, t.producer_id, t.step, t.token_ids, t.positions, t.time_ns, received_ns)
-        elif kind == "batch":
+        if kind == "batch":
             self._on_batch(ev.batch, received_ns)
-        elif kind == "analysis":
-            st.on_analysis(ev.analysis, received_ns)
         elif kind == "start":
             st.on_start(ev.stream.start, received_ns)
         elif kind == "gap":
@@ -168,8 +156,3 @@ class Ingest:
                                 batch.token_ids.tolist(), positions, received_ns)
         elif kind == "analysis":
             st.on_analysis_batch(batch, received_ns)
-
-
-def _producer_of(frame: Any) -> str:
-    rank_frames = getattr(frame, "rank_frames", None)
-    return rank_frames[0].producer_id if rank_frames else ""

@@ -6,11 +6,13 @@ page shows and, on a recording, the timeline tick), ``/api/snapshot`` (GET: one 
 ``/api/ticks`` (a recording's timeline), ``/api/stats`` (the monitor's own counters).
 
 Pushes are coalesced: a page gets an update when something changed, at most ``max_rate`` per second (the
-request list at most ``list_rate`` per second), holding only what changed since its last one (request rows by version; for the chosen request the tokens, scores,
-alerts and norms appended since). With a token (``--token``, or generated when bound beyond loopback) every
-request must carry it: ``?token=`` once (it is then kept in an HttpOnly cookie), the cookie, or an
-``Authorization: Bearer`` header. Without one, only ``Host`` headers naming a loopback address are served (a
-page on another site cannot reach the monitor through DNS rebinding).
+request list at most ``list_rate`` per second), holding only what changed since its last one (request rows by
+version; for the chosen request the tokens, scores, alerts and norms appended since).
+
+With a token (``--token``, or generated when bound beyond loopback) every request must carry it: ``?token=``
+once (it is then kept in an HttpOnly cookie), the cookie, or an ``Authorization: Bearer`` header. Without one,
+only ``Host`` headers naming a loopback address are served (a page on another site cannot reach the monitor
+through DNS rebinding).
 """
 
 from __future__ import annotations

@@ -760,7 +760,7 @@ class ProducerRuntime:
         self._enqueue(("step", item), event)
 
     def on_sampled(self, step: int, req_ids: list[str], sampled: list[list[int]]) -> None:
-        """One item per step: the drain turns it into a TokenFrame per streamed request."""
+        """One item per step: the drain turns it into one TokenBatch for the streamed requests."""
         if self.tp_rank != 0:
             return
         reqs = self.requests
@@ -871,5 +871,7 @@ class ProducerRuntime:
         self._queue.put(None)
         self._forwarder.join(timeout)
         self._forwarder = None
+        if self._drain is not None:
+            self._drain.close()  # publish what async scheduling held back
         if self._sidecar is not None:
             self._sidecar.close(timeout, wait)

@@ -3,7 +3,8 @@
 Why a process: building and encoding a frame per request per step is Python; in the engine process it holds
 the GIL that vLLM's own engine loop needs (on the H200, 256 decoding requests with one captured layer ran at
 0.22-0.37 of plain vLLM). Here the engine process sends one pickled item per step (columnar, see
-``_drain``) through a pipe, and the captured rows stay in the shared host ring.
+``_drain``) through a pipe, and the captured rows stay in the shared host ring; the drain publishes one
+message per step for all its requests.
 
 Lifecycle: ``DrainSidecar.start(ring, config, producer_id)`` spawns ``python -m mia_stream.producer._sidecar``
 (a fresh interpreter: no re-import of the user's main module, no torch) with the ring's and the pipe's
@@ -115,6 +116,7 @@ def _serve(conn: Connection, ring, parent: int) -> None:
             try:
                 data = conn.recv_bytes()
             except EOFError:  # the engine closed the pipe: everything it sent has been handled
+                drain.close()  # and what async scheduling held back can go: no later step will come
                 return
             drain.handle(pickle.loads(data))
     finally:

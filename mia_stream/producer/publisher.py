@@ -7,15 +7,24 @@ thread sends it with NOBLOCK, several queued messages as one batch when the brok
 accepts batches. ``close()`` drains for a moment and stops.
 
 Sequence numbers belong to the caller: stamp each stream message with ``seq=publisher.next_seq(request_id)``
-(StreamStart first, so it gets 0) and ``producer_id``/``epoch`` with ``publisher.producer_id``/``epoch``.
-A message the queue has no room for is dropped and counted per stream and reason; before the stream's next
-message (and at the latest before its StreamEnd) the publisher sends a ``GapNotice(origin="producer")`` that
-names the dropped seqs exactly. ``drops_for(request_id)`` gives the counts by reason; they are added to the
-``frames_dropped`` and ``drops`` of the stream's StreamEnd (which carry the caller's own drops, e.g. the
-engine's, when it publishes it).
+(StreamStart first, so it gets 0) and ``producer_id``/``epoch`` with ``publisher.producer_id``/``epoch``; a
+columnar message (``StepBatch``, ``TokenBatch``, ``AnalysisBatch``: one message for many requests) holds one
+seq of each request it names (``seqs=publisher.next_seqs(request_ids)``).
+A message the queue has no room for is dropped and counted per stream and reason (a columnar message: for
+every request it names); before the stream's next message (and at the latest before its StreamEnd) the
+publisher sends a ``GapNotice(origin="producer")`` that names the dropped seqs exactly, one per stream.
+``drops_for(request_id)`` gives the counts by reason. The stream's StreamEnd carries the caller's count of
+the messages it handed to ``publish`` (``frames_sent``, the end included) and of the seqs it dropped itself
+(``frames_dropped``, e.g. the engine's, each named by a GapNotice); the publisher moves its own drops from
+``frames_sent`` to ``frames_dropped`` (and adds them to ``drops``), so ``frames_sent + frames_dropped`` stays
+the number of seqs the stream used.
 
-Tensor frames are dropped first: they may use ``queue_bytes``; every other message (start, tokens, end,
-gap, ack) may also use a reserve of ``queue_bytes // 16`` (at least 1 MiB) on top.
+Tensor frames and step batches are dropped first: they may use ``queue_bytes``; every other message (start,
+tokens, token batches, end, gap, ack) may also use a reserve of ``queue_bytes // 16`` (at least 1 MiB) on top.
+
+``publish(msg, borrowed=region)``: the message's tensors may view ``region`` (e.g. the drain's host ring),
+which the caller reuses once ``publish`` returns; what of it does not go into the shared-memory ring is
+copied here, once, into a buffer of the message's own.
 
 With a shared-memory ring (tensors of 16 KiB and more, to a broker on this host) the sockets no longer push
 back on a producer that outruns its broker, and the ring overwrites without waiting. So a tensor frame is
@@ -42,6 +51,7 @@ import threading
 import time
 from typing import Any, Callable
 
+import numpy as np
 import zmq
 
 from mia_stream import _transport, settings
@@ -69,11 +79,27 @@ _RING_HANDOVER_WAIT_S = 2.0  # close() waits this long at most for the broker to
 _RING_AHEAD_STALL_S = 3.0
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
+_COLUMNAR_KINDS = frozenset(("step_batch", "token_batch", "analysis"))  # one seq of each request they name
+_BULK_KINDS = frozenset(("tensors", "step_batch"))  # dropped first; their payloads may go into the ring
 
 
 def _env_bytes(name: str, default: int) -> int:
     value = settings.get_size(name)
     return default if value is None else value
+
+
+def _own_borrowed(frames: list, region: Any) -> None:
+    """Replace the buffer frames that lie inside ``region`` (memory the caller reuses) by copies."""
+    base = np.frombuffer(region, np.uint8) if not isinstance(region, np.ndarray) else region
+    lo = base.ctypes.data
+    hi = lo + base.nbytes
+    for i in range(2, len(frames)):
+        f = frames[i]
+        if type(f) is bytes or not len(memoryview(f)):
+            continue
+        addr = np.frombuffer(f, np.uint8).ctypes.data
+        if lo <= addr < hi:
+            frames[i] = bytes(f)
 
 
 class _PubStream:
@@ -129,6 +155,7 @@ class FramePublisher:
         self._sleeping = False
         self._closed = False
         self._streams: dict[str, _PubStream] = {}
+        self._pending: set[str] = set()  # streams with dropped seqs not announced yet
         self._ended: collections.OrderedDict[str, _PubStream] = collections.OrderedDict()
         self._steering: collections.deque[SteeringCommand] = collections.deque(maxlen=10_000)
         self.counters: collections.Counter[str] = collections.Counter()
@@ -159,22 +186,47 @@ class FramePublisher:
             st.next_seq += 1
             return seq
 
-    def publish(self, msg: Message) -> bool:
-        """Queue ``msg`` for the broker; never blocks. False if it was dropped (counted, and announced)."""
+    def next_seqs(self, request_ids) -> list[int]:
+        """``next_seq`` of each of ``request_ids`` (the seqs of a columnar message), under one lock."""
+        out = []
+        with self._lock:
+            streams = self._streams
+            for rid in request_ids:
+                st = streams.get(rid)
+                if st is None:
+                    st = streams[rid] = _PubStream(rid)
+                out.append(st.next_seq)
+                st.next_seq += 1
+        return out
+
+    copies_borrowed = True  # publish(..., borrowed=) is understood (the drain relies on it)
+
+    def publish(self, msg: Message, *, borrowed: Any = None) -> bool:
+        """Queue ``msg`` for the broker; never blocks. False if it was dropped (counted, and announced).
+
+        ``borrowed``: a buffer (e.g. a numpy array) the message's tensors may view and that the caller reuses
+        after this returns; what of it stays inline is copied first (see the module docstring)."""
         kind = msg.KIND
-        rid = getattr(msg, "request_id", None) if kind in _STREAM_KINDS else None
+        if kind in _STREAM_KINDS:
+            rids, seqs = (msg.request_id,), (msg.seq,)
+        elif kind in _COLUMNAR_KINDS:
+            rids, seqs = msg.request_ids, msg.seqs.tolist()
+        else:
+            rids, seqs = (), ()
         if kind == "end":
             with self._lock:
-                st = self._streams.get(rid)
+                st = self._streams.get(msg.request_id)
                 if st is not None and st.drops:  # the caller's drops (e.g. the engine's) plus the publisher's
                     drops = collections.Counter(msg.drops or {})
                     drops.update(st.drops)
+                    mine = sum(st.drops.values())
                     msg.drops = dict(drops)
-                    msg.frames_dropped = (msg.frames_dropped or 0) + sum(st.drops.values())
+                    msg.frames_dropped = (msg.frames_dropped or 0) + mine
+                    msg.frames_sent = max(0, (msg.frames_sent or 0) - mine)  # they were counted as sent
         ring = self.shm_ring
         ring_end = 0
         ahead = False
-        if ring is not None and kind == "tensors" and self.broker_shm:
+        if ring is not None and kind in _BULK_KINDS and self.broker_shm:
             ahead = self._ring_too_far_ahead(ring)
             if ahead:  # dropped below, before any byte is copied into the ring
                 frames, n = None, 0
@@ -189,35 +241,37 @@ class FramePublisher:
         else:
             frames = encode(msg, **self._encode_opts)
             n = _transport.frames_nbytes(frames)
+        if borrowed is not None and frames is not None and len(frames) > 2:
+            _own_borrowed(frames, borrowed)
         with self._lock:
             self.counters["published"] += 1
-            st = None
-            if rid is not None:
-                st = self._streams.get(rid)
-                if st is None:
-                    st = self._streams[rid] = _PubStream(rid)
-                    st.next_seq = msg.seq + 1
-                if kind == "start":
-                    st.start = msg
-                    st.ended = False
+            st = self._stream_of(rids[0], seqs[0], kind, msg) if kind in _STREAM_KINDS else None
+            reason = None
             if self._closed:
-                return self._drop(st, msg, "publisher_closed")
-            if ahead:
-                return self._drop(st, msg, "shm_ahead_of_broker")
-            if n > self.max_message_bytes:
-                return self._drop(st, msg, "oversized")
-            limit = self.queue_bytes if kind == "tensors" else self.queue_bytes + self.control_reserve
-            if self._queued and self._queued + n > limit:
-                return self._drop(st, msg, "queue_full")
-            if st is not None and st.pending:
-                self._announce_gaps(st)
+                reason = "publisher_closed"
+            elif ahead:
+                reason = "shm_ahead_of_broker"
+            elif n > self.max_message_bytes:
+                reason = "oversized"
+            elif self._queued and self._queued + n > (self.queue_bytes if kind in _BULK_KINDS
+                                                       else self.queue_bytes + self.control_reserve):
+                reason = "queue_full"
+            if reason is not None:
+                return self._drop(rids, seqs, reason)
+            # streams that lost seqs before this message say so first (a columnar message names many: the
+            # set of streams with unannounced drops is empty in the common case)
+            if self._pending and not self._pending.isdisjoint(rids):
+                for rid in rids:
+                    pending = self._streams.get(rid) if rid in self._pending else None
+                    if pending is not None:
+                        self._announce_gaps(pending)
             self._append(frames, n, end_of=st if kind == "end" else None)
             if ring_end:
                 self._ring_sent_end = ring_end
             if kind == "end" and st is not None:
                 st.ended, st.end, st.ended_at = True, msg, time.monotonic()
-                self._streams.pop(rid, None)
-                self._ended[rid] = st
+                self._streams.pop(st.request_id, None)
+                self._ended[st.request_id] = st
                 if len(self._ended) > _ENDED_MEMORY:
                     self._ended.popitem(last=False)
             return True
@@ -278,7 +332,7 @@ class FramePublisher:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             with self._lock:
-                if not self._queued and not any(s.pending for s in self._streams.values()):
+                if not self._queued and not self._pending:
                     return True
             self._wake()
             time.sleep(0.002)
@@ -351,13 +405,28 @@ class FramePublisher:
 
     # ------------------------------------------------------------------------------------------ internals (lock held)
 
-    def _drop(self, st: _PubStream | None, msg: Message, reason: str) -> bool:
+    def _stream_of(self, rid: str, seq: int, kind: str, msg: Message) -> _PubStream:
+        st = self._streams.get(rid)
+        if st is None:
+            st = self._streams[rid] = _PubStream(rid)
+            st.next_seq = seq + 1
+        if kind == "start":
+            st.start = msg
+            st.ended = False
+        return st
+
+    def _drop(self, rids, seqs, reason: str) -> bool:
+        """Count a dropped message; each stream it held a seq of announces that seq before its next message."""
         self.counters["dropped"] += 1
         self.counters[f"dropped_{reason}"] += 1
-        if st is not None:
+        for rid, seq in zip(rids, seqs):
+            st = self._streams.get(rid)
+            if st is None:  # a stream whose seqs the caller stamped without next_seq (e.g. a replay)
+                st = self._streams[rid] = _PubStream(rid)
+                st.next_seq = seq + 1
             st.drops[reason] += 1
+            self._pending.add(rid)
             ranges = st.pending.setdefault(reason, [])
-            seq = msg.seq
             if ranges and ranges[-1][1] == seq - 1:
                 ranges[-1][1] = seq
             else:
@@ -372,6 +441,7 @@ class FramePublisher:
             frames = encode(gap)
             self._append(frames, _transport.frames_nbytes(frames))
         st.pending = {}
+        self._pending.discard(st.request_id)
 
     def _append(self, frames: list, n: int, front: bool = False, end_of: _PubStream | None = None) -> None:
         if front:
@@ -500,8 +570,11 @@ class FramePublisher:
 
     def _announce_idle_gaps(self) -> None:
         with self._lock:
-            for st in self._streams.values():
-                if st.pending and self._queued + 4096 <= self.queue_bytes + self.control_reserve:
+            for rid in list(self._pending):
+                st = self._streams.get(rid)
+                if st is None:
+                    self._pending.discard(rid)
+                elif self._queued + 4096 <= self.queue_bytes + self.control_reserve:
                     self._announce_gaps(st)
 
     def _send_heartbeat(self, sock: zmq.Socket) -> None:

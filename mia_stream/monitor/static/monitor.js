@@ -200,7 +200,7 @@
   // ------------------------------------------------------------------------------------------ detail
   function newDetail(id) {
     return { id, tokens: [], spans: new Map(), scores: new Map(), alerts: [], alertPos: new Set(), norms: new Map(),
-      layerSets: {}, info: null, hover: null, lastNorm: -1 };
+      layerSets: {}, info: null, hover: null, lastNorm: -1, coloured: null };
   }
 
   function applyDetail(d) {
@@ -230,14 +230,15 @@
     if (M.latency.length > 5000) M.latency.splice(0, 2500);
     text.appendChild(frag);
     if (atBottom && !M.recording) text.scrollTop = text.scrollHeight;
-    let newScores = false;
+    const touched = [];
+    for (const [pos] of d.tokens || []) touched.push(pos);
     for (const [pos, key, v] of d.scores || []) {
       let m = D.scores.get(key);
       if (!m) D.scores.set(key, (m = new Map()));
       m.set(pos, v);
-      newScores = true;
+      if (key === M.scoreKey) touched.push(pos);
     }
-    if (newScores || (d.tokens && d.tokens.length)) colourAll();
+    if (touched.length) colourAll(touched);
     for (const [pos, analyzer, textAlert] of d.alerts || []) {
       D.alerts.push([pos, analyzer, textAlert]);
       D.alertPos.add(pos);
@@ -281,21 +282,31 @@
   }
   const colour = (x) => `hsl(${60 - 60 * x}, 90%, ${85 - 35 * x}%)`;
 
-  function colourAll() {
+  // Recolours only what may have changed: the positions given (new tokens, new scores), or every scored
+  // position when the key or the colour range changed (rewriting 2000 spans' styles 10 times a second is what
+  // made long texts slow to update).
+  function colourAll(positions) {
     const D = M.d;
     if (!D) return;
     const m = M.scoreKey ? D.scores.get(M.scoreKey) : null;
     if (!m) {
-      for (const s of D.spans.values()) { s.style.background = ""; }
+      if (D.coloured) for (const s of D.spans.values()) s.style.background = "";
+      D.coloured = null;
       setText($("legend-lo"), ""); setText($("legend-hi"), "");
       return;
     }
     const [lo, hi] = scoreRange(m);
+    const same = D.coloured && D.coloured[0] === M.scoreKey && D.coloured[1] === lo && D.coloured[2] === hi;
+    if (!same) {
+      if (D.coloured) for (const s of D.spans.values()) s.style.background = "";
+      D.coloured = [M.scoreKey, lo, hi];
+      positions = null;
+    }
     setText($("legend-lo"), fmt(lo, 3)); setText($("legend-hi"), fmt(hi, 3));
     const now = Date.now();
-    for (const [pos, v] of m) {
-      const s = D.spans.get(pos);
-      if (!s || v === null) continue;
+    for (const pos of positions || m.keys()) {
+      const v = m.get(pos), s = D.spans.get(pos);
+      if (!s || v === null || v === undefined) continue;
       const x = Math.max(0, Math.min(1, (v - lo) / (hi - lo)));
       s.style.background = colour(x);
       s.dataset.score = v;
