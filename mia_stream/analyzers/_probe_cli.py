@@ -138,6 +138,8 @@ def _train(argv) -> int:
     args = ap.parse_args(argv)
     if args.detector != "lookback_ratio" and args.layer is None:
         ap.error(f"--layer is required for {args.detector}")
+    if args.layer not in (None, "best") and not args.layer.isdigit():  # before the recording is read
+        ap.error(f"--layer must be a layer number or 'best', got {args.layer!r}")
     ds, _, _ = _dataset(args)
     layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
     layer, selection = None, None
@@ -150,10 +152,7 @@ def _train(argv) -> int:
                 _log(f"layer {candidate}: CV AUROC {fit['cv_auc']}")
             layer = int(max(selection, key=lambda k: selection[k] or 0))
         else:
-            try:
-                layer = int(args.layer)
-            except ValueError:
-                ap.error(f"--layer must be a layer number or 'best', got {args.layer!r}")
+            layer = int(args.layer)
     fit, metrics = pt.train_detector(ds, args.detector, layer, layers, args.position, args.window)
     probe = pt.make_probe(ds, args.detector, fit, metrics, layer=layer, layers=layers, position=args.position,
                           window=args.window, command=_command(["train", *argv]))
