@@ -15,7 +15,7 @@ PY=${PYTHON:-.venv/bin/python}
 probe() { nice -n 5 "$PY" -m mia_stream.cli probe "$@"; }
 
 if [ -z "${SKIP_COLLECT:-}" ]; then
-  probe collect "$DIR"
+  probe collect "$DIR" ${COLLECT_ARGS:-}
 fi
 ship=(--ship)
 [ -n "${NO_SHIP:-}" ] && ship=()

@@ -149,8 +149,10 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
         sampled: list[list[str]] = [[] for _ in items]
         t0 = time.time()
         if samples:
-            sp = [SamplingParams(n=samples, max_tokens=max_tokens, temperature=temperature, seed=seed + k)
-                  for k in range(len(items))]
+            # the engine's seeded generator, no per-request seed: vLLM 0.32's CPU sampler fails on a seeded
+            # request whose prefill was chunked ("CPU Generator does not use offset"), which killed the engine
+            sp = [SamplingParams(n=samples, max_tokens=max_tokens, temperature=temperature)
+                  for _ in range(len(items))]
             for k, o in enumerate(llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)):
                 sampled[k] = [c.text for c in o.outputs]
         t_samples = time.time() - t0
