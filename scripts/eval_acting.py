@@ -59,9 +59,11 @@ def _log(*a):
 
 # ------------------------------------------------------------------------------------------ the watcher process
 
-def watch(broker: str, action_json: str, out: str) -> int:
-    """Act on the detector's alerts until SIGTERM; write the alerts seen and the actions taken as JSON."""
+def watch(broker: str, pattern: str, action_json: str, out: str, expected: str = "0") -> int:
+    """Act on the detector's alerts until the detector has scored ``expected`` requests (or SIGTERM); write the
+    alerts seen, the requests scored and the actions taken as JSON."""
     from mia_stream.analyzers._actions import AlertAction, AlertActor, AlertWatcher
+    from mia_stream.consumers import open_batches
 
     action = AlertAction.parse(json.loads(action_json), "eval_acting")
     actor = AlertActor(broker, action, value="p_hallucination") if action is not None else None
@@ -74,9 +76,21 @@ def watch(broker: str, action_json: str, out: str) -> int:
         raise Stop
 
     signal.signal(signal.SIGTERM, _term)
-    Path(out + ".ready").write_text("1")
+    scored: set = set()
     try:
-        watcher.run(broker, ["act-*"])
+        # this arm's requests only: from_start also replays the earlier arms' streams the broker still holds,
+        # whose alerts were counted again and acted on after their requests had ended (unknown_request)
+        with open_batches(broker, [pattern], from_start=True,
+                          consumer_id=f"alert-watcher:{DETECTOR}:{os.getpid()}") as events:
+            Path(out + ".ready").write_text("1")
+            for ev in events:
+                watcher.feed(ev)
+                # stop once every request's score is in (not after a fixed wait: the detector may lag)
+                if ev.kind == "batch" and getattr(ev.batch, "KIND", "") == "analysis" \
+                        and ev.batch.analyzer == DETECTOR:
+                    scored.update(ev.batch.request_ids)
+                    if len(scored) >= int(expected):
+                        break
     except Stop:
         pass
     finally:
@@ -85,7 +99,8 @@ def watch(broker: str, action_json: str, out: str) -> int:
     recs = [] if actor is None else [
         {"request_id": r.request_id, "alert_step": r.alert_step, "applied_step": r.applied_step, "ok": r.ok,
          "error": r.error, "risk": r.risk} for r in actor.records.values()]
-    Path(out).write_text(json.dumps({"alerts": [a[0] for a in watcher.alerts], "actions": recs}))
+    Path(out).write_text(json.dumps({"alerts": [a[0] for a in watcher.alerts], "actions": recs,
+                                     "scored": len(scored)}))
     return 0
 
 
@@ -142,8 +157,9 @@ class Bench:
         from vllm import SamplingParams
 
         watcher_out = str(self.run_dir / f"watch-{tag}.json")
-        watcher = subprocess.Popen([sys.executable, __file__, "--watch", str(self.run_dir), json.dumps(action),
-                                    watcher_out])
+        watcher = subprocess.Popen([sys.executable, __file__, "--watch", str(self.run_dir), f"act-{tag}-*",
+                                    json.dumps(action),
+                                    watcher_out, str(len(items) if capture else 0)])
         while not Path(watcher_out + ".ready").exists():
             time.sleep(0.05)
         self._wait_consumers(f"alert-watcher:{DETECTOR}:{watcher.pid}")
@@ -161,9 +177,16 @@ class Bench:
         for a in range(0, len(items), 64):
             outs += self.llm.generate(self.prompt_ids(items[a:a + 64]), params[a:a + 64], use_tqdm=False)
         secs = time.monotonic() - t0
-        time.sleep(1.0)
-        watcher.send_signal(signal.SIGTERM)
-        watcher.wait(60)
+        if capture:  # the watcher ends when the detector has scored every request of the arm
+            try:
+                watcher.wait(300)
+            except subprocess.TimeoutExpired:
+                _log(f"{tag}: the detector did not score every request within 300 s")
+        else:
+            time.sleep(1.0)
+        if watcher.poll() is None:
+            watcher.send_signal(signal.SIGTERM)
+            watcher.wait(60)
         seen = json.loads(Path(watcher_out).read_text())
         return outs, seen, secs
 
@@ -247,6 +270,7 @@ def score(items, outs, seen=None):
            "correct": correct, "wrong": wrong, "aborted": aborted}
     if seen is not None:
         res["alerts"] = len(set(seen["alerts"]))
+        res["scored"] = seen.get("scored")  # requests the detector's score reached the watcher for
         acts = seen["actions"]
         if acts:
             ok = [a for a in acts if a["ok"]]
@@ -264,7 +288,7 @@ def main(argv=None) -> int:
     ap.add_argument("--train-subset", type=int, default=150, help="training questions used to pick the scale")
     ap.add_argument("--limit", type=int, help="held-out questions used (default: all; a quick check)")
     ap.add_argument("--out", help="write the results as JSON here")
-    ap.add_argument("--watch", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--watch", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.watch:
         return watch(*args.watch)
