@@ -27,10 +27,10 @@ from pathlib import Path
 from mia_stream import settings
 from mia_stream.consumers import Consumer
 
-# The detector and the value it publishes per token. science_hallucination (h14) scores each answer token with
-# the running mean of its trained probe on the final-normed answer states (P(the answer is wrong)).
-DEMO_ANALYZER = "science_hallucination"
-DEMO_SCORE = "p_hallucination"
+# The detector and the value it publishes per token: token_probe (issue 15; Obeso et al. 2025) with its shipped
+# probe for the embedded model, P(this token is part of a wrong answer) from one layer's residual.
+DEMO_ANALYZER = "token_probe"
+DEMO_SCORE = "risk"
 _OUT_ENV = "MIA_STREAM_DEMO_OUT"
 
 

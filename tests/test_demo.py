@@ -45,7 +45,7 @@ def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
         assert sum(line.startswith(f"[live] demo-{i} |") and re.search(r"\| risk +- *$", line) is not None
                    for line in live) == 1
     # ... the detector replayed on the recording gave exactly the same scores ...
-    assert re.search(r"replayed scores identical to live: yes \(\d+ results, p_hallucination per token\)", out)
+    assert re.search(r"replayed scores identical to live: yes \(\d+ results, risk per token\)", out)
     # ... and the terminal monitor drew the recording (printed once: not a terminal here)
-    assert "risk = science_hallucination.p_hallucination" in out
+    assert "risk = token_probe.risk" in out
     assert all(f"demo-{i}  length  16 tokens  risk 0." in out or f"demo-{i}  stop  " in out for i in range(3))

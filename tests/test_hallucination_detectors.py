@@ -361,20 +361,25 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
 @pytest.mark.slow
 def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path):
     """``mia-stream probe collect`` (a real engine, broker and recorder processes) on a small generated set,
-    ``probe train`` on its recording at one layer, ``probe eval --analyzers`` through the analyzer: the
+    ``probe train --layer best`` on its recording (two captured layers, chosen by CV on the training requests),
+    ``probe eval --analyzers`` through the analyzer: the
     held-out answer AUROC is above chance by the stated margin, and the analyzer replaying the recording
     reproduces the trained probe's held-out numbers."""
     data = tmp_path / "data"
-    layer = json.loads(_shipped("token_probe").read_text())["layer"]
+    shipped = json.loads(_shipped("token_probe").read_text())["layer"]
+    candidates = sorted({shipped, 4})  # --layer best chooses between these by CV on the training requests
     r = _cli("probe", "collect", str(data), "--sets", *TEST_SETS, "--limit", str(TEST_LIMIT), "--samples", "0",
-             "--hs-layers", str(layer), "--qk-layers", "none")
+             "--hs-layers", ",".join(map(str, candidates)), "--qk-layers", "none")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout)
     assert summary["recorder_dropped"] == 0 and summary["requests"] == TEST_LIMIT * len(TEST_SETS)
     probe_file = tmp_path / "tp.json"
-    r = _cli("probe", "train", "--data", str(data), "--layer", str(layer), "--out", str(probe_file))
+    r = _cli("probe", "train", "--data", str(data), "--layer", "best", "--out", str(probe_file))
     assert r.returncode == 0, r.stderr[-3000:]
     probe = json.loads(probe_file.read_text())
+    cv = probe["training"]["layer_selection"]["cv_auc"]
+    assert sorted(map(int, cv)) == candidates and cv[str(probe["layer"])] == max(cv.values())
+    layer = probe["layer"]
     test = probe["metrics"]["test"]
     print("held-out:", test)
     assert test["answer_auc"] >= 0.5 + AUC_MARGIN, test
