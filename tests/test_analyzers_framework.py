@@ -39,10 +39,11 @@ TOKEN_NORM = textwrap.dedent('''
 
         def on_batch(self, batch, out):
             for g in batch.groups:                    # requests captured alike share a row group
+                keep = self.rows_at(batch, g, "generated")  # a stream may capture more positions than needed
                 t = g.tensor("hs")                    # [layers, rows, hidden]
-                x = t.numpy()[list(t.layers).index(self.config["layer"])]
+                x = t.numpy()[list(t.layers).index(self.config["layer"])][keep]
                 norm = np.sqrt(np.square(x).sum(-1))  # one value per row: all requests at once
-                out.add(batch.request_ids, g.row_requests, g.positions, {"norm": norm},
+                out.add(batch.request_ids, g.row_requests[keep], g.positions[keep], {"norm": norm},
                         alerts=norm > self.config["threshold"])
 ''')
 
@@ -488,6 +489,35 @@ def test_an_analyzer_reads_only_its_positions_of_a_stream_that_captures_more():
         final = [a for a in res[rid] if a.step == -1][0]
         np.testing.assert_allclose(final.values["mean"][0][0], hs[gen].mean(0), rtol=1e-5, atol=1e-6)
         assert final.values["tokens"][0] == 3 and final.values["last_position"][0] == prompt + 2
+
+
+def test_the_readme_analyzer_scores_generated_rows_only_as_numpy_does():
+    """The README's TokenNorm, as written there, on streams that capture every position (more than it needs):
+    one norm per generated row, equal to numpy's, alerts above its threshold; the same from step batches."""
+    ns: dict = {}
+    exec(compile(TOKEN_NORM, "README.md", "exec"), ns)
+    rng = np.random.default_rng(5)
+    msgs, ref = _synthetic_streams(rng, n_requests=3, steps=4, prompt=5)
+    threshold = 4.0  # about the median norm of 16 standard normal values: both verdicts occur
+    results = []
+    for stream in (msgs, _as_step_batches(msgs)):
+        runner, got = _run_in_process(ns["TokenNorm"]({"layer": 2, "threshold": threshold}), stream)
+        assert runner.counters["rejected"] == 0
+        results.append(_by_request(got))
+    alerts = []
+    for r, (rid, parts) in enumerate(sorted(ref.items())):
+        prompt = 5 + r
+        pos = np.array([p for ps, _ in parts for p in ps])
+        hs = np.concatenate([h for _, h in parts], axis=1)[2]
+        want = np.linalg.norm(hs[pos >= prompt], axis=-1)
+        for res in results:
+            rows = res[rid]
+            assert [p for a in rows for p in a.positions] == list(range(prompt, prompt + 3))
+            got_norms = np.concatenate([a.values["norm"] for a in rows])
+            np.testing.assert_allclose(got_norms, want, rtol=1e-6)
+            assert [x for a in rows for x in a.alerts] == (want > threshold).tolist()
+        alerts += (want > threshold).tolist()
+    assert any(alerts) and not all(alerts)
 
 
 @pytest.mark.slow  # subprocesses
