@@ -311,7 +311,9 @@ def test_bad_configs_and_probe_files_are_one_line_errors(tmp_path):
     r = _cli("hnode", "--config", str(tmp_path / "cfg-bin.json"), "--print-spec")
     assert r.returncode == 2 and "not a text (JSON) file" in r.stderr
     r = _cli("nope", "--print-spec")
-    assert r.returncode == 2 and "unknown analyzer 'nope'; available: hidden_states, hnode" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown analyzer 'nope'; available: " in r.stderr
+    available = r.stderr.split("available: ", 1)[1].strip().split(", ")
+    assert available == sorted(available) and {"hidden_states", "hnode", "attention_tracker"} <= set(available)
     r = _cli("hnode", "--config", str(tmp_path / "absent.json"), "--print-spec")
     assert r.returncode == 2 and "No such file or directory" in r.stderr and r.stderr.count("\n") == 1
 
