@@ -331,6 +331,17 @@ def test_print_spec_is_what_the_analyzers_need(tmp_path):
         assert analyze_main(["attention_tracker", "--config", str(cfg), "--print-spec"]) == 0
     assert json.loads(buf.getvalue()) == {"capture": {"qk": {"layers": [3, 9, 17], "heads": [0, 2, 4, 6, 8],
                                                              "positions": "prompt"}}}
+    # attnlink has no default head: its error names the config shipped for the embedded model, which works
+    from mia_stream.analyzers import create
+    from mia_stream.errors import AnalyzerConfigError
+
+    with pytest.raises(AnalyzerConfigError) as e:
+        create("attnlink", {})
+    shipped = str(e.value).rsplit("--config ", 1)[1].rstrip(")")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert analyze_main(["attnlink", "--config", shipped, "--print-spec"]) == 0
+    assert json.loads(buf.getvalue())["capture"]["qk"]["positions"] == "prompt"
 
 
 def test_qk_buffer_joins_tensor_parallel_shards():
