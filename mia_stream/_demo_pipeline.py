@@ -1,12 +1,21 @@
-"""The demo's streaming half: broker, live consumer and recorder as separate processes, then replay.
+"""The demo's streaming half: broker, hallucination detector, risk printer and recorder as separate processes;
+then the recording replays through the same detector, and the terminal monitor shows it.
 
-``NormPrinter`` is the demo's consumer: it prints each request's generated text token by token with the
-L2 norm of the last captured layer's hidden state at that token, and writes the same lines to a file so the
-live run and the replay can be compared byte for byte.
+- the detector is an analyzer process (``mia-stream analyze DEMO_ANALYZER --publish --print``): it scores every
+  generated token from the captured hidden states and publishes the scores onto the bus as ``analysis``
+  messages; its own printout (JSON lines) goes to ``live-scores.jsonl``;
+- ``RiskPrinter`` is a consumer process: it prints each generated token with the risk the detector published
+  for it, as both arrive through the broker (``[live] demo-0 | ' Paris' | risk 0.031``);
+- the recorder writes everything (the engine's streams and the detector's results) to an MCAP recording.
+
+Afterwards ``mia-stream analyze DEMO_ANALYZER --source RECORDING`` recomputes the scores from the recording,
+and the demo compares them with the live ones (equal to the bit: one code path, results independent of what
+shares a step), then ``mia-stream monitor --terminal`` draws the recording: tokens coloured by risk.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
@@ -15,50 +24,79 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
-
 from mia_stream import settings
 from mia_stream.consumers import Consumer
 
-DEMO_SPEC = {"capture": {"hidden_states": {"layers": [15, 29], "positions": "all"}}}
+# The detector and the value it publishes per token. science_hallucination (h14) scores each answer token with
+# the running mean of its trained probe on the final-normed answer states (P(the answer is wrong)).
+DEMO_ANALYZER = "science_hallucination"
+DEMO_SCORE = "p_hallucination"
 _OUT_ENV = "MIA_STREAM_DEMO_OUT"
 
 
-class NormPrinter(Consumer):
-    """Prints ``[tag] request | token | ‖h_29‖`` as the stream arrives; one line per generated token."""
+def demo_capture() -> dict:
+    """The capture spec the detector needs (``mia-stream analyze DEMO_ANALYZER --print-spec``)."""
+    from mia_stream.analyzers import create
+
+    return {"capture": create(DEMO_ANALYZER).capture_spec()}
+
+
+class RiskPrinter(Consumer):
+    """Prints ``[tag] request | token | risk`` for every generated token once its score arrives; the last token
+    of an answer (no step computes a row for it) at the request's end, without a score."""
 
     patterns = ("demo-*",)
+    from_start = True
 
     def __init__(self):
         self._tokenizers: dict = {}
-        self._norms: dict[str, dict[int, float]] = {}
+        self._tokens: dict[str, dict[int, int]] = {}  # request -> position -> token id, not printed yet
+        self._scores: dict[str, dict[int, float]] = {}  # scores that came before their token
+        self._alerts: dict[str, set] = {}
         out = settings.get_path(_OUT_ENV)
         self._out = open(out, "w") if out else None
         self._tag = settings.get_text("MIA_STREAM_DEMO_TAG")
 
     def _tok(self, name: str):
         if name not in self._tokenizers:
-            from transformers import AutoTokenizer
+            from tokenizers import Tokenizer
 
-            self._tokenizers[name] = AutoTokenizer.from_pretrained(name)
+            self._tokenizers[name] = Tokenizer.from_file(str(Path(name) / "tokenizer.json"))
         return self._tokenizers[name]
 
-    def on_frame(self, stream, frame) -> None:
-        hs = frame.tensors["hs"]  # [layers, tokens, hidden]; last captured layer = 29
-        norms = np.linalg.norm(hs[-1].astype(np.float64), axis=-1)
-        self._norms.setdefault(stream.request_id, {}).update(zip(frame.positions, norms.tolist()))
-
     def on_tokens(self, stream, tokens) -> None:
-        tok = self._tok(stream.start.tokenizer)
-        norms = self._norms.get(stream.request_id, {})
+        pending = self._tokens.setdefault(stream.request_id, {})
+        scores = self._scores.get(stream.request_id, {})
         for token_id, pos in zip(tokens.token_ids, tokens.positions):
-            # The token at `pos` was chosen from the row computed at pos - 1.
-            norm = norms.get(pos - 1, float("nan"))
-            self._emit(f"{stream.request_id} | {tok.decode([token_id])!r:>14} | |h29|={norm:8.3f}")
+            pending[pos] = token_id
+            if pos in scores:
+                self._print(stream, pos, scores.pop(pos))
+
+    def on_analysis(self, stream, analysis) -> None:
+        if analysis.analyzer != DEMO_ANALYZER or DEMO_SCORE not in analysis.values:
+            return
+        pending = self._tokens.setdefault(stream.request_id, {})
+        for pos, risk, alert in zip(analysis.positions, analysis.values[DEMO_SCORE].tolist(), analysis.alerts):
+            if alert:
+                self._alerts.setdefault(stream.request_id, set()).add(pos)
+            if pos < 0:
+                continue
+            if pos in pending:
+                self._print(stream, pos, risk)
+            else:
+                self._scores.setdefault(stream.request_id, {})[pos] = risk
 
     def on_end(self, stream, end) -> None:
+        for pos in sorted(self._tokens.get(stream.request_id, {})):
+            self._print(stream, pos, None)
         self._emit(f"{stream.request_id} | end: {end.finish_reason}, {end.num_generated_tokens} tokens, "
                    f"{end.frames_dropped} frames dropped")
+
+    def _print(self, stream, pos: int, risk: float | None) -> None:
+        token_id = self._tokens[stream.request_id].pop(pos)
+        text = self._tok(stream.start.tokenizer).decode([token_id])
+        shown = "  -  " if risk is None or not math.isfinite(risk) else f"{risk:.3f}"
+        self._emit(f"{stream.request_id} | {text!r:>14} | risk {shown}")
 
     def _emit(self, line: str) -> None:
         print(f"[{self._tag}] {line}", flush=True)
@@ -69,29 +107,48 @@ class NormPrinter(Consumer):
 
 @dataclass
 class StreamingProcesses:
-    """The broker, live consumer and recorder processes of one demo run."""
+    """The broker, detector, risk printer and recorder processes of one demo run."""
 
     run_dir: Path
-    recording: Path
-    live_out: Path
     procs: dict = field(default_factory=dict)
+
+    @property
+    def recording(self) -> Path:
+        return self.run_dir / "recording"
+
+    @property
+    def live_scores(self) -> Path:
+        return self.run_dir / "live-scores.jsonl"
+
+    @property
+    def replay_scores(self) -> Path:
+        return self.run_dir / "replay-scores.jsonl"
 
     def start(self, num_streams: int) -> None:
         py = [sys.executable, "-m", "mia_stream.cli"]
-        self.procs["broker"] = subprocess.Popen(py + ["broker", "--address", str(self.run_dir)])
+        self.procs["broker"] = subprocess.Popen(py + ["broker", "--address", str(self.run_dir)],
+                                                stdout=subprocess.DEVNULL)
         _wait_for(self.run_dir / "consumers.sock")
-        env = dict(os.environ, **{_OUT_ENV: str(self.live_out), "MIA_STREAM_DEMO_TAG": "live"})
-        self.procs["consumer"] = subprocess.Popen(
-            py + ["consume", f"{__name__}:NormPrinter", "--source", str(self.run_dir),
+        with open(self.live_scores, "w") as out:
+            self.procs["detector"] = subprocess.Popen(
+                py + ["analyze", DEMO_ANALYZER, "--source", str(self.run_dir), "--publish", "--print",
+                      "--patterns", "demo-*", "--max-streams", str(num_streams)], stdout=out)
+        env = dict(os.environ, **{_OUT_ENV: str(self.run_dir / "live.txt"), "MIA_STREAM_DEMO_TAG": "live"})
+        self.procs["printer"] = subprocess.Popen(
+            py + ["consume", f"{__name__}:RiskPrinter", "--source", str(self.run_dir),
                   "--max-streams", str(num_streams)], env=env)
         self.procs["recorder"] = subprocess.Popen(
             py + ["record", str(self.recording), "--broker", str(self.run_dir), "--patterns", "demo-*"])
-        time.sleep(1.0)  # let both subscribe before the engine publishes
+
+    def wait_ready(self) -> None:
+        """Until the detector, the printer and the recorder are subscribed (they start while the engine does)."""
+        _wait_subscribed(self.run_dir, 3)
 
     def finish(self, timeout: float = 60.0) -> None:
-        """Wait for the live consumer to see every stream end, then stop the recorder and the broker."""
-        self.procs["consumer"].wait(timeout)
-        time.sleep(0.5)
+        """Wait for the detector and the printer to see every stream end, then stop the recorder and broker."""
+        self.procs["detector"].wait(timeout)
+        self.procs["printer"].wait(timeout)
+        time.sleep(0.5)  # the detector's last results reach the recorder
         for name in ("recorder", "broker"):
             p = self.procs[name]
             p.send_signal(signal.SIGINT)
@@ -106,11 +163,33 @@ class StreamingProcesses:
                 p.kill()
 
 
-def replay_through_consumer(recording: Path, out: Path) -> int:
-    """Run the same consumer class on the recording (a separate process); its lines go to ``out``."""
-    env = dict(os.environ, **{_OUT_ENV: str(out), "MIA_STREAM_DEMO_TAG": "replay"})
-    return subprocess.call([sys.executable, "-m", "mia_stream.cli", "consume", f"{__name__}:NormPrinter",
-                            "--source", str(recording)], env=env)
+def replay_through_detector(recording: Path, out: Path) -> int:
+    """The same detector on the recording (a separate process); its JSON lines go to ``out``."""
+    with open(out, "w") as fh:
+        return subprocess.call([sys.executable, "-m", "mia_stream.cli", "analyze", DEMO_ANALYZER, "--source",
+                                str(recording), "--patterns", "demo-*"], stdout=fh)
+
+
+def show_recording(recording: Path) -> int:
+    """``mia-stream monitor --terminal`` on the recording: the final view (coloured on a terminal)."""
+    return subprocess.call([sys.executable, "-m", "mia_stream.cli", "monitor", "--terminal", "--source",
+                            str(recording), "--patterns", "demo-*", "--lines", "4"])
+
+
+def _wait_subscribed(run_dir: Path, n: int, timeout: float = 60.0) -> None:
+    """Until ``n`` consumers of demo-* are subscribed at the broker (they start in parallel: 2-10 s)."""
+    from mia_stream.broker import fetch_stats
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            consumers = fetch_stats(str(run_dir), timeout=1.0)["consumers"].values()
+        except Exception:  # noqa: BLE001 (the broker's stats socket is not up yet)
+            consumers = []
+        if sum("demo-*" in c.get("patterns", ()) for c in consumers) >= n:
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the demo's {n} consumers did not subscribe within {timeout:.0f} s")
 
 
 def _wait_for(path: Path, timeout: float = 20.0) -> None:

@@ -18,7 +18,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "replay": ("mia_stream.consumers.replay", "main", "replay a recording into consumers or a broker"),
     "vectors": ("mia_stream.producer.vectors", "main", "register named steering vectors"),
     "analyze": ("mia_stream.analyzers", "analyze_main", "run an analyzer on live or recorded streams (--list)"),
-    "monitor": ("mia_stream.monitor", "main", "serve a web page watching a broker's requests or a recording"),
+    "monitor": ("mia_stream.monitor", "main", "watch a broker's requests or a recording: a web page, or --terminal"),
+    "probe": ("mia_stream.analyzers._probe_cli", "main", "collect data, train and evaluate hallucination probes"),
 }
 
 

@@ -1,11 +1,12 @@
 """``mia-stream demo``: the end-to-end walk-through on a real vLLM engine and the embedded model.
 
-Start a broker, a live consumer process and the recorder process; start a real ``vllm.LLM`` (CPU-friendly
-settings) with the mia_stream plugin; answer three chat prompts while capturing hidden states of layers 15 and 29,
-the consumer printing each generated token with ``|h29|`` as it streams; then replay the MCAP recording through
-the same consumer class in a new process and compare its output line by line with the live one. Every step is a
-small function run inside one ``contextlib.ExitStack``, so each process is torn down even when a step fails.
-``--no-streaming`` runs plain vLLM only.
+Start a broker, a hallucination detector (an analyzer process), a consumer process that prints each generated
+token with its risk as the detector publishes it, and the recorder process; start a real ``vllm.LLM``
+(CPU-friendly settings) with the mia_stream plugin; answer three chat prompts while capturing what the detector
+needs; then replay the MCAP recording through the same detector in a new process, compare its scores with the
+live ones, and draw the recording with the terminal monitor. Every step is a small function run inside one
+``contextlib.ExitStack``, so each process is torn down even when a step fails. ``--no-streaming`` runs plain
+vLLM only.
 """
 
 from __future__ import annotations
@@ -26,8 +27,8 @@ __all__ = ["DEMO_PROMPTS", "Answer", "DemoConfig", "main", "run_demo"]
 
 DEMO_PROMPTS: tuple[str, ...] = (
     "What is the capital of France?",
-    "Name three primary colors.",
-    "Write one sentence about the ocean.",
+    "What is the chemical symbol of gold?",
+    "What is the atomic number of oxygen?",
 )
 
 # CPU-friendly engine defaults; setdefault so the caller's environment wins.
@@ -50,7 +51,7 @@ class DemoConfig:
     dtype: str | None = None  # None: float32 on the CPU, the model's own dtype on a GPU
     seed: int = 0
     verbose: bool = False
-    streaming: bool = True  # broker + live consumer + recorder processes, capture on, then replay
+    streaming: bool = True  # broker + detector + printer + recorder processes, capture on, then replay
 
 
 @dataclass(frozen=True)
@@ -104,30 +105,36 @@ def run_demo(config: DemoConfig) -> DemoResult:
         streaming = None
         if config.streaming:
             run_dir = Path(tempfile.mkdtemp(prefix="mia-demo-", dir="/tmp"))  # short: unix socket paths
-            streaming = pipeline.StreamingProcesses(run_dir, run_dir / "recording", run_dir / "live.txt")
+            streaming = pipeline.StreamingProcesses(run_dir)
             stack.callback(streaming.kill)
             streaming.start(num_streams=len(config.prompts))
             os.environ["MIA_STREAM_BROKER"] = str(run_dir)
-            print(f"streaming: broker, live consumer and recorder running under {run_dir}", flush=True)
+            print(f"streaming: broker, detector ({pipeline.DEMO_ANALYZER}), risk printer and recorder running "
+                  f"under {run_dir}", flush=True)
         engine = _EngineHandle(*start_engine(config))
         stack.callback(engine.release)
         result.engine_start_s = engine.start_s
         print(f"engine: {config.model} ready in {result.engine_start_s:.1f} s (dtype={_engine_dtype(config)}, "
               f"enforce_eager={config.enforce_eager}, max_model_len={config.max_model_len})", flush=True)
+        capture = None
+        if streaming is not None:
+            streaming.wait_ready()
+            capture = pipeline.demo_capture()
         for i, prompt in enumerate(config.prompts):
-            spec = dict(pipeline.DEMO_SPEC, id=f"demo-{i}") if streaming is not None else None
+            spec = dict(capture, id=f"demo-{i}") if capture is not None else None
             answer = answer_prompt(engine.llm, prompt, config, spec)
             result.answers.append(answer)
             print_answer(answer)
         if streaming is not None:
             streaming.finish()
-            replay_out = streaming.run_dir / "replay.txt"
-            print(f"\nreplaying {streaming.recording} through the same consumer:", flush=True)
-            pipeline.replay_through_consumer(streaming.recording, replay_out)
-            live, replayed = streaming.live_out.read_text(), replay_out.read_text()
+            print(f"\nreplaying {streaming.recording} through the same detector:", flush=True)
+            pipeline.replay_through_detector(streaming.recording, streaming.replay_scores)
+            live, replayed = streaming.live_scores.read_text(), streaming.replay_scores.read_text()
             result.replay_identical = bool(live) and live == replayed
-            print(f"replay identical to live: {'yes' if result.replay_identical else 'NO'} "
-                  f"({len(live.splitlines())} lines)", flush=True)
+            print(f"replayed scores identical to live: {'yes' if result.replay_identical else 'NO'} "
+                  f"({len(live.splitlines())} results, {pipeline.DEMO_SCORE} per token)", flush=True)
+            print(f"\nmia-stream monitor --terminal --source {streaming.recording}:", flush=True)
+            pipeline.show_recording(streaming.recording)
     print_summary(result)
     return result
 

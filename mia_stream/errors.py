@@ -22,7 +22,8 @@
     ├── SpanError (ValueError)     a prompt whose parts cannot be mapped to token spans (mia_stream.spans)
     ├── AnalyzerError              an analyzer that cannot run (mia_stream.analyzers)
     │   ├── AnalyzerConfigError (ValueError)  a malformed analyzer config or probe file
-    │   └── AnalyzerInputError     a stream lacking what the analyzer needs (layers, Q/K, spans)
+    │   ├── AnalyzerInputError     a stream lacking what the analyzer needs (layers, Q/K, spans)
+    │   └── ProbeDataError (ValueError)  a labels file or recording that cannot train or evaluate a probe
     └── UnsupportedVLLMError       a vLLM version or runner the producer adapter does not support
 """
 
@@ -119,6 +120,10 @@ class AnalyzerConfigError(AnalyzerError, ValueError):
 
 class AnalyzerInputError(AnalyzerError):
     pass
+
+
+class ProbeDataError(AnalyzerError, ValueError):
+    """``mia-stream probe train/eval``: a labels file or recording that does not hold what training needs."""
 
 
 class UnsupportedVLLMError(MiaStreamError):

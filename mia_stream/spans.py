@@ -28,7 +28,7 @@ from typing import Any, Sequence
 
 from mia_stream.errors import SpanError
 
-__all__ = ["ChatSpans", "Span", "chat_spans", "load_tokenizer"]
+__all__ = ["ChatSpans", "PromptParts", "Span", "chat_spans", "load_tokenizer", "prompt_parts", "spans_from_tags"]
 
 _PROBE = "\x1emia-stream-probe\x1e"
 
@@ -238,3 +238,130 @@ def chat_spans(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: 
         b, b_x = index(pos + len(body), "hi")
         docs.append(Span("document", j, a, b, (pos, pos + len(body)), range(a, b), a_x and b_x))
     return ChatSpans(text, ids, tuple(parts), tuple(docs), content_cuts, tok)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Named parts of a prompt (instruction, data, documents, query, schema columns) and their transport in tags.
+
+SPANS_TAG = "spans"
+
+
+@dataclass(frozen=True)
+class PromptParts:
+    """A chat prompt built from named pieces: ``spans[name]`` lists the token span of each piece of that name,
+    in prompt order (a name may repeat: one span per document, per schema column)."""
+
+    chat: ChatSpans
+    spans: dict  # name -> tuple[Span, ...]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.chat.token_ids
+
+    @property
+    def text(self) -> str:
+        return self.chat.text
+
+    @property
+    def exact(self) -> bool:
+        return all(s.exact for spans in self.spans.values() for s in spans)
+
+    def ranges(self, name: str) -> list[tuple[int, int]]:
+        try:
+            return [(s.start, s.stop) for s in self.spans[name]]
+        except KeyError:
+            raise SpanError(f"the prompt has no part named {name!r}; it has {sorted(self.spans)}") from None
+
+    def tags(self) -> dict:
+        """``{"spans": {name: [[start, stop], ...]}}``: what a request carries in ``tags`` so that span
+        analyzers (attention_tracker, core_reranker, attnlink) know its parts (``spans_from_tags``)."""
+        return {SPANS_TAG: {name: [[s.start, s.stop] for s in spans] for name, spans in self.spans.items()}}
+
+
+def _pieces(content: Any, i: int) -> list[tuple[str | None, str]]:
+    if isinstance(content, str):
+        return [(None, content)]
+    if not isinstance(content, (list, tuple)):
+        raise SpanError(f"message {i}: content must be a string or a list of pieces, got {type(content).__name__}")
+    out = []
+    for p in content:
+        if isinstance(p, str):
+            out.append((None, p))
+        elif isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) and isinstance(p[1], str):
+            out.append((p[0], p[1]))
+        elif isinstance(p, dict) and isinstance(p.get("name"), str) and isinstance(p.get("text"), str):
+            out.append((p["name"], p["text"]))
+        else:
+            raise SpanError(f"message {i}: a piece must be text, (name, text) or {{'name', 'text'}}, got {p!r}")
+    return out
+
+
+def prompt_parts(tokenizer: Any, messages: Sequence[dict], add_generation_prompt: bool = True,
+                 **template_kwargs: Any) -> PromptParts:
+    """Render a chat whose message contents are lists of pieces, some named, and return each named piece's
+    token span::
+
+        pp = prompt_parts(tok, [{"role": "system", "content": [("instruction", "Summarize the text.")]},
+                                {"role": "user", "content": ["Data:\\n", ("data", text)]}])
+        pp.ranges("data")   # [(start, stop)]: tokens of ``text`` in pp.token_ids
+        pp.tags()           # {"spans": {"instruction": [[a, b]], "data": [[c, d]]}} for the request's tags
+
+    A piece's span holds every token that overlaps its characters (a token straddling an edge, such as a space
+    merged into the next word, counts for the piece it reaches into); ``Span.exact`` says whether both edges
+    fall on token boundaries.
+    """
+    tok = load_tokenizer(tokenizer)
+    flat, pieces = [], []
+    for i, m in enumerate(messages):
+        ps = _pieces(m.get("content", ""), i)
+        pieces.append(ps)
+        flat.append({**m, "content": "".join(t for _, t in ps)})
+    chat = chat_spans(tok, flat, add_generation_prompt, **template_kwargs)
+    text, ids = chat.text, chat.token_ids
+    spans: dict[str, list[Span]] = {}
+    for i, ps in enumerate(pieces):
+        if not any(name for name, _ in ps):
+            continue
+        msg = chat.message(i)
+        content = flat[i]["content"]
+        c0 = text.find(content, msg.chars[0], msg.chars[1]) if content else -1
+        if c0 < 0:
+            raise SpanError(f"message {i}: the chat template changed the message text (e.g. trimmed it); its "
+                            "named pieces cannot be located")
+        pos = c0
+        for name, piece in ps:
+            if name is not None:
+                if not piece:
+                    raise SpanError(f"message {i}: piece {name!r} is empty")
+                a, a_x = _token_index(tok, text, ids, pos, "lo")
+                b, b_x = _token_index(tok, text, ids, pos + len(piece), "hi")
+                spans.setdefault(name, []).append(Span(name, i, a, b, (pos, pos + len(piece)), range(a, b),
+                                                       a_x and b_x))
+            pos += len(piece)
+    return PromptParts(chat, {k: tuple(v) for k, v in spans.items()})
+
+
+def spans_from_tags(tags: Any, num_tokens: int) -> dict[str, list[tuple[int, int]]]:
+    """The named spans a request carries in its tags (``PromptParts.tags``), each checked against its prompt of
+    ``num_tokens`` tokens; a one-line ``SpanError`` for anything malformed or out of range."""
+    raw = tags.get(SPANS_TAG) if isinstance(tags, dict) else None
+    if raw is None:
+        raise SpanError(f"the request has no tags[{SPANS_TAG!r}]: send the prompt's part spans with it "
+                        "(tags=mia_stream.spans.prompt_parts(...).tags())")
+    if not isinstance(raw, dict):
+        raise SpanError(f"tags[{SPANS_TAG!r}] must map names to lists of [start, stop], got {type(raw).__name__}")
+    out: dict[str, list[tuple[int, int]]] = {}
+    for name, ranges in raw.items():
+        if not isinstance(ranges, (list, tuple)):
+            raise SpanError(f"tags[{SPANS_TAG!r}][{name!r}] must be a list of [start, stop], got {ranges!r}")
+        got = []
+        for r in ranges:
+            if (not isinstance(r, (list, tuple)) or len(r) != 2
+                    or not all(isinstance(x, int) and not isinstance(x, bool) for x in r)):
+                raise SpanError(f"tags[{SPANS_TAG!r}][{name!r}]: {r!r} is not a [start, stop] pair of integers")
+            a, b = r
+            if not 0 <= a < b <= num_tokens:
+                raise SpanError(f"span {name!r} [{a}, {b}) is out of range: the prompt has {num_tokens} tokens")
+            got.append((a, b))
+        out[str(name)] = got
+    return out

@@ -131,6 +131,22 @@ def _read_ends(path: str, ids: set[str]) -> list[dict]:
 
 # ---------------------------------------------------------------------------------------------- engines
 
+def ensure_plugin_entry_point(work: Path) -> None:
+    """vLLM loads the plugin through the ``vllm.general_plugins`` entry point; where mia_stream runs from a
+    checkout on PYTHONPATH (the GPU host) there is none, and the engine would run without the plugin: expose one
+    in a dist-info dir that the engine's processes find on their PYTHONPATH."""
+    import importlib.metadata as md
+
+    if any(ep.value.startswith("mia_stream") for ep in md.entry_points(group="vllm.general_plugins")):
+        return
+    d = work / "entry-point" / "mia_stream_checkout-0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: mia-stream-checkout\nVersion: 0\n")
+    (d / "entry_points.txt").write_text("[vllm.general_plugins]\nmia_stream = mia_stream.producer.plugin:register\n")
+    os.environ["PYTHONPATH"] = f"{d.parent}:{os.environ.get('PYTHONPATH', '')}"
+    sys.path.insert(0, str(d.parent))
+
+
 def make_llm(a: argparse.Namespace, plugin: bool, address: str):
     """An engine whose core processes see ``MIA_STREAM_BROKER`` only when ``plugin`` (read at their spawn)."""
     from vllm import LLM
@@ -153,6 +169,62 @@ def make_llm(a: argparse.Namespace, plugin: bool, address: str):
 def _unset_broker() -> None:
     if "MIA_STREAM_BROKER" in os.environ:  # the next engine's processes must not inherit it
         del os.environ["MIA_STREAM_BROKER"]
+
+
+def _plugin_engine_core(address: str) -> int | None:
+    """The pid of the plugin engine's core process: an ``EngineCore`` whose environment names the broker (it
+    runs the scheduler and, with TP 1 on a GPU, the worker; py-spy follows its subprocesses too)."""
+    mark = f"MIA_STREAM_BROKER={address}".encode()
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                if b"EngineCore" not in f.read():
+                    continue
+            with open(f"/proc/{d}/environ", "rb") as f:
+                if mark in f.read().split(b"\0"):
+                    return int(d)
+        except OSError:
+            continue
+    return None
+
+
+def start_pyspy(pyspy: str, pid: int, seconds: float, raw: str) -> subprocess.Popen:
+    """Sample ``pid`` (and its threads) for ``seconds`` without stopping it; collapsed stacks into ``raw``."""
+    return subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
+                             "--rate", "200", "--nonblocking", "--subprocesses", "--format", "raw", "--output", raw],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def summarize_pyspy(raw: str, title: str, top: int = 25) -> str:
+    """Where the sampled time went: the functions with most samples on the stack (inclusive) and on top of it
+    (self), as shares of all samples."""
+    incl: dict[str, int] = {}
+    self_: dict[str, int] = {}
+    total = 0
+    try:
+        lines = open(raw).read().splitlines()
+    except OSError as e:
+        return f"== {title}: no samples ({e})\n"
+    for line in lines:
+        stack, _, n = line.rpartition(" ")
+        if not n.isdigit():
+            continue
+        n = int(n)
+        frames = [f.split(" (")[0] + (" (" + f.split(" (")[1].split(":")[0].rsplit("/", 1)[-1] + ")"
+                                      if " (" in f else "") for f in stack.split(";")]
+        total += n
+        for f in set(frames):
+            incl[f] = incl.get(f, 0) + n
+        if frames:
+            self_[frames[-1]] = self_.get(frames[-1], 0) + n
+    out = [f"== {title}: {total} samples"]
+    for name, d in (("inclusive", incl), ("self", self_)):
+        out.append(f"  -- {name}")
+        for f, n in sorted(d.items(), key=lambda kv: -kv[1])[:top]:
+            out.append(f"  {100 * n / max(total, 1):5.1f}%  {f}")
+    return "\n".join(out) + "\n"
 
 
 def run_batch(llm, prompts: list, params) -> tuple[int, float]:
@@ -182,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--gpu-mem", type=float, default=None, help="gpu_memory_utilization of EACH engine")
     ap.add_argument("--consumer-api", default="events,batches", help="comma list of: events, batches")
+    ap.add_argument("--pyspy", default="", help="a py-spy binary: profile the plugin engine core in --profile rows")
+    ap.add_argument("--profile", default="", help="comma list of rows to profile (last round; the row is then marked)")
+    ap.add_argument("--pyspy-s", type=float, default=3.0, help="seconds each profile samples")
+    ap.add_argument("--end-wait", type=float, default=30.0, help="seconds to wait for a row's streams to end")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     from vllm import SamplingParams
@@ -206,6 +282,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MIA_STREAM_APERTURE_ROWS", str(max(4096, need)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="mia-be-ep-")))
     cfg = json.load(open(Path(a.model) / "config.json"))
     L, H, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
     rng = np.random.default_rng(int(time.time()))
@@ -229,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise RuntimeError(f"{api} consumer did not start")
         t0 = time.perf_counter()
         plugin = make_llm(a, True, run_dir)
+        core_pid = _plugin_engine_core(run_dir) if a.pyspy else None
+        results["profiled_pid"] = core_pid
         plain = make_llm(a, False, run_dir)
         results["engine_start_s"] = round(time.perf_counter() - t0, 1)
 
@@ -269,8 +348,20 @@ def main(argv: list[str] | None = None) -> int:
                 order = [("plugin", plugin), ("plain", plain)] if rnd % 2 == 0 else [("plain", plain), ("plugin", plugin)]
                 row = {}
                 for which, llm in order:
+                    spy = None
+                    if which == "plugin" and core_pid and name in a.profile.split(",") and rnd == a.rounds - 1:
+                        raw = str(out / f"pyspy-{name}.raw")
+                        spy = start_pyspy(a.pyspy, core_pid, a.pyspy_s, raw)
+                        time.sleep(0.3)  # attached before the batch starts
                     gen, dt = run_batch(llm, prompts, params if which == "plugin" else SamplingParams(**base))
                     row[which] = {"tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1)}
+                    if spy is not None:
+                        spy.wait(a.pyspy_s + 30)
+                        with open(out / "pyspy.txt", "a") as f:
+                            f.write(summarize_pyspy(raw, f"{name}: plugin engine core, {a.pyspy_s:g} s from the "
+                                                         f"batch's start ({dt:.2f} s run)"))
+                        os.unlink(raw)
+                        row["profiled"] = True
                 steps = row["plain"]["tokens"] / max(len(prompts), 1)
                 step_ms = 1e3 * row["plain"]["s"] / max(steps, 1)
                 row.update(ratio=round(row["plugin"]["tok_s"] / row["plain"]["tok_s"], 3),
@@ -278,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
                 for api, consumer in consumers.items():
                     if consumer.poll() is not None:
                         raise RuntimeError(f"the {api} consumer exited ({consumer.returncode}); see its stderr above")
-                    deadline = time.monotonic() + 30
+                    deadline = time.monotonic() + a.end_wait
                     ends = _read_ends(ends_paths[api], ids)
                     while len(ends) < len(ids) and time.monotonic() < deadline:
                         time.sleep(0.2)

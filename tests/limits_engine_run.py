@@ -97,8 +97,9 @@ def main(argv=None) -> int:
             llm.generate(["The capital of France is"],
                          SamplingParams(max_tokens=8, temperature=0.0, extra_args={"mia_stream": spec}), use_tqdm=False)
             out["refused"][name] = None
-        except ValueError as e:
+        except ValueError as e:  # the spec errors are ValueErrors; the served build subclasses them for a 400
             out["refused"][name] = f"{type(e).__name__}: {e}"
+            out.setdefault("refused_kinds", {})[name] = [c.__name__ for c in type(e).__mro__]
         out.setdefault("served_after_refusal", []).append(
             llm.generate(["The capital of France is"], plain, use_tqdm=False)[0].outputs[0].text)
     spec = {"capture": {"hidden_states": {"layers": [CAPTURE_LAYER], "positions": "all"}}}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -30,14 +31,21 @@ def test_a_bad_number_is_a_usage_error() -> None:
 
 @pytest.mark.slow
 def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
-    result = _demo("--enforce-eager", "--max-tokens", "16", timeout=600)
+    result = _demo("--enforce-eager", "--max-tokens", "16", timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "> What is the capital of France?\nThe capital of France is Paris." in out
     assert out.count("tokens/s]") == 3
     assert "summary: engine start" in out
-    # the live consumer process printed every generated token with its hidden-state norm ...
+    # the risk printer process printed every generated token with the risk the detector process published ...
     live = [line for line in out.splitlines() if line.startswith("[live] demo-")]
-    assert sum("|h29|=" in line for line in live) >= 3 and sum("| end:" in line for line in live) == 3
-    # ... and the replayed recording gave exactly the same lines
-    assert "replay identical to live: yes" in out
+    scored = [line for line in live if re.search(r"\| risk 0\.\d{3}$", line)]
+    assert len(scored) >= 3 * 5 and sum("| end:" in line for line in live) == 3
+    for i in range(3):  # every answer's tokens but its last (no step computes a row for it) got a score
+        assert sum(line.startswith(f"[live] demo-{i} |") and re.search(r"\| risk +- *$", line) is not None
+                   for line in live) == 1
+    # ... the detector replayed on the recording gave exactly the same scores ...
+    assert re.search(r"replayed scores identical to live: yes \(\d+ results, p_hallucination per token\)", out)
+    # ... and the terminal monitor drew the recording (printed once: not a terminal here)
+    assert "risk = science_hallucination.p_hallucination" in out
+    assert all(f"demo-{i}  length  16 tokens  risk 0." in out or f"demo-{i}  stop  " in out for i in range(3))

@@ -6,6 +6,8 @@ language::
     {"format": "mia_stream.probe/1", "analyzer": "hnode", "model": "SmolLM2-135M-Instruct",
      "hidden_size": 576, "num_layers": 30,
      "layer": 14,                      # the captured layer (residual after decoder layer 14)
+     "num_features": 270,              # optional: vectors of this length instead of hidden_size (probes on
+                                       # features other than one hidden state, e.g. lookback ratios)
      "position": "last_prompt",        # which rows it was trained on (hnode: last_prompt; science: generated)
      "final_norm": false,              # true: the model's final RMSNorm is applied to each row first
      "pool": "last",                   # "last" row | "mean" over the rows (science_hallucination)
@@ -51,6 +53,7 @@ class LinearProbe:
     final_norm: bool = False
     pool: str = "last"
     num_layers: int = 0
+    num_features: int = 0  # 0: the vectors have hidden_size entries
     positive: str = ""
     extra: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
@@ -77,7 +80,8 @@ class LinearProbe:
                 "final_norm": self.final_norm, "pool": self.pool, "mean": self.mean.tolist(),
                 "scale": self.scale.tolist(), "weights": self.weights.tolist(), "bias": float(self.bias),
                 "threshold": float(self.threshold), "positive": self.positive, "extra": self.extra,
-                "training": self.training, "metrics": self.metrics}
+                "training": self.training, "metrics": self.metrics,
+                **({"num_features": self.num_features} if self.num_features else {})}
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
@@ -126,15 +130,16 @@ def load_probe(path: str | Path, analyzer: str) -> LinearProbe:
         return v
 
     hidden = need("hidden_size", int, lambda v: v > 0, "a positive integer")
+    width = need("num_features", int, lambda v: v > 0, "a positive integer") if "num_features" in data else hidden
 
     def vector(key: str, positive: bool = False) -> np.ndarray:
-        v = need(key, list, None, f"a list of {hidden} numbers")
+        v = need(key, list, None, f"a list of {width} numbers")
         try:
             arr = np.asarray(v, dtype=np.float64)
         except (TypeError, ValueError):
-            raise AnalyzerConfigError(f"{where}: {key!r} must be a list of {hidden} numbers") from None
-        if arr.shape != (hidden,) or not np.isfinite(arr).all() or (positive and (arr <= 0).any()):
-            raise AnalyzerConfigError(f"{where}: {key!r} must be {hidden} finite{' positive' if positive else ''} "
+            raise AnalyzerConfigError(f"{where}: {key!r} must be a list of {width} numbers") from None
+        if arr.shape != (width,) or not np.isfinite(arr).all() or (positive and (arr <= 0).any()):
+            raise AnalyzerConfigError(f"{where}: {key!r} must be {width} finite{' positive' if positive else ''} "
                                       f"numbers, got shape {arr.shape}")
         return arr
 
@@ -149,7 +154,8 @@ def load_probe(path: str | Path, analyzer: str) -> LinearProbe:
         threshold=float(need("threshold", (int, float), lambda v: 0 <= v <= 1, "a probability in [0, 1]")),
         final_norm=bool(data.get("final_norm", False)),
         pool=need("pool", str, lambda v: v in ("last", "mean"), "'last' or 'mean'") if "pool" in data else "last",
-        num_layers=int(data.get("num_layers", 0) or 0), positive=str(data.get("positive", "")),
+        num_layers=int(data.get("num_layers", 0) or 0), num_features=width if "num_features" in data else 0,
+        positive=str(data.get("positive", "")),
         extra=data.get("extra") if isinstance(data.get("extra"), dict) else {},
         training=data.get("training") if isinstance(data.get("training"), dict) else {},
         metrics=data.get("metrics") if isinstance(data.get("metrics"), dict) else {}, path=str(p))

@@ -22,8 +22,14 @@ ENTRY_POINT_GROUP = "mia_stream.analyzers"
 # checkout whose installed metadata predates an analyzer (an editable install) still finds it.
 BUILTIN: dict[str, str] = {
     "hidden_states": "mia_stream.analyzers.hidden_states:HiddenStates",
+    "attention_tracker": "mia_stream.analyzers.attention_tracker:AttentionTracker",
+    "core_reranker": "mia_stream.analyzers.core_reranker:CoreReranker",
+    "attnlink": "mia_stream.analyzers.attnlink:AttnLink",
     "hnode": "mia_stream.analyzers.hnode:HNode",
     "science_hallucination": "mia_stream.analyzers.science_hallucination:ScienceHallucination",
+    "token_probe": "mia_stream.analyzers.token_probe:TokenProbe",
+    "semantic_entropy_probe": "mia_stream.analyzers.semantic_entropy_probe:SemanticEntropyProbe",
+    "lookback_ratio": "mia_stream.analyzers.lookback_ratio:LookbackRatio",
 }
 
 

@@ -72,6 +72,7 @@ class AnalyzerRunner:
         self._accepted: set[str] = set()
         self._seqs: dict[str, int] = {}
         self._unstarted_warned: set[str] = set()
+        self.actor: Any = None  # the AlertActor run_analyzer adds for an alert policy with an action
 
     # ------------------------------------------------------------------------------------ stream callbacks
 
@@ -296,9 +297,13 @@ def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = (
     if publish is not None:
         publisher = AnalysisPublisher(publish, producer_id, keys)
         sinks.append(publisher)
+    live = not _is_recording(source)
+    actor = _alert_actor(analyzer, source, keys, live)  # issue 15: the analyzer's alert policy may act
+    if actor is not None:
+        sinks.append(actor)
     runner = AnalyzerRunner(analyzer, sinks, producer_id=producer_id,
                             epoch=publisher.epoch if publisher else None, on_reject=on_reject)
-    live = not _is_recording(source)
+    runner.actor = actor
     options = {"consumer_id": consumer_id or f"analyzer:{analyzer.name}:{os.getpid()}", "keys": keys,
                "window_bytes": window_bytes} if live else {}
     events = None
@@ -317,6 +322,25 @@ def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = (
         if publisher is not None:
             publisher.close()
             runner.counters.update({f"publisher_{k}": v for k, v in publisher.counters.items()})
+        if actor is not None:
+            actor.close()
+            runner.counters.update({f"actions_{k}": v for k, v in actor.counters.items()})
+
+
+def _alert_actor(analyzer: Analyzer, source: Any, keys: Any, live: bool) -> Any:
+    """An ``AlertActor`` for an analyzer whose alert policy names an action (``alert_policy.action``), on a
+    live source; None otherwise (a recording cannot be steered: its alerts are only flagged)."""
+    policy = getattr(analyzer, "alert_policy", None)
+    action = getattr(policy, "action", None)
+    if action is None:
+        return None
+    if not live:
+        log.warning("analyzer %s: its alert action (%s) is not taken on a recording", analyzer.name,
+                    action.describe())
+        return None
+    from mia_stream.analyzers._actions import AlertActor
+
+    return AlertActor(source, action, keys=keys, value=policy.value)
 
 
 # ------------------------------------------------------------------------------------------------ CLI
@@ -403,4 +427,7 @@ def analyze_main(argv: list[str] | None = None) -> int:
     print(f"{prog} {args.name}: {c['requests']} request(s), {c['request_steps']} request-steps, "
           f"{c['analysis_messages']} analysis messages, {c['rejected']} rejected, {c['gap_seqs']} seqs lost in gaps",
           file=sys.stderr)
+    if runner.actor is not None:
+        for rec in runner.actor.records.values():
+            print(f"{prog} {args.name}: {rec.summary()}", file=sys.stderr)
     return 3 if c["rejected"] else 0

@@ -1,0 +1,63 @@
+"""A probe file through its analyzer over a collect run's recording: what the analyzer publishes for the held-out
+requests, scored against the labels (``mia-stream probe eval --analyzers``; the test's check that the
+analyzer reproduces what training measured)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from mia_stream.errors import AnalyzerConfigError
+
+
+def analyzer_results(recording: str | Path, probe_path: str | Path, request_ids: list[str],
+                     config: dict | None = None) -> tuple[str, dict, dict]:
+    """Run the probe's analyzer over ``request_ids`` of the recording: (analyzer name, per-token ``risk`` by
+    request and position, end row values by request)."""
+    from mia_stream.analyzers import create, run_analyzer
+
+    try:
+        name = json.loads(Path(probe_path).read_text()).get("analyzer")
+    except (OSError, ValueError, AttributeError) as e:
+        raise AnalyzerConfigError(f"probe file {probe_path}: not a readable probe file ({e})") from None
+    analyzer = create(str(name), dict(config or {}, probe=str(probe_path)))
+    tokens: dict[str, dict[int, float]] = {}
+    ends: dict[str, dict] = {}
+
+    def sink(batch) -> None:
+        for a in batch.results():
+            if a.step == -1 and "answer_risk" in a.values:
+                ends[a.request_id] = {k: float(np.asarray(v)[-1]) for k, v in a.values.items()}
+            elif "risk" in a.values:
+                d = tokens.setdefault(a.request_id, {})
+                for p, r in zip(a.positions, np.asarray(a.values["risk"]).tolist()):
+                    d[int(p)] = r
+
+    run_analyzer(analyzer, str(recording), patterns=list(request_ids), sinks=[sink])
+    return str(name), tokens, ends
+
+
+def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
+    """Held-out AUROC of what the analyzer publishes: ``token_auc`` over the answer-span tokens (its per-token
+    ``risk``), ``answer_auc`` over the requests (its end row's ``answer_risk``)."""
+    from mia_stream.analyzers._probe_train import _auc
+
+    test = ds.requests("test").tolist()
+    rids = [ds.records[r]["request_id"] for r in test]
+    name, tokens, ends = analyzer_results(recording, probe_path, rids)
+    ty, ts, ay, as_ = [], [], [], []
+    for r, rid in zip(test, rids):
+        rec = ds.records[r]
+        P = rec["prompt_len"]
+        got = tokens.get(rid, {})
+        for k in ds.span[r]:
+            if P + k in got:
+                ty.append(ds.labels[r])
+                ts.append(got[P + k])
+        if rid in ends:
+            ay.append(ds.labels[r])
+            as_.append(ends[rid]["answer_risk"])
+    return {"analyzer": name, "token_auc": _auc(ty, ts) if ts else None, "answer_auc": _auc(ay, as_),
+            "requests": len(ay), "tokens": len(ts)}

@@ -1,0 +1,211 @@
+"""attnlink: text-to-SQL schema linking from one attention head (AttnLink-U).
+
+At the generation anchor (the last prompt token: the row that predicts the first token of the SQL), one
+chosen (layer, head) spreads attention over the schema; a column's score is the attention its tokens receive,
+``S_c = sum_{i in c} alpha[anchor, i]``. Config ``anchor``: ``"last_prompt"`` (the method) or the name of a
+span (e.g. ``"question"``) whose rows' attention is averaged instead: a variant for small models, whose last
+prompt token (a chat-template token) attends little to the schema (docs/analyzers.md). Columns are ranked by ``p_c = softmax(log(S_c) / T)`` (a temperature
+softmax over log span scores: ``T = 1`` is the normalized span mass, lower ``T`` sharpens it) and the smallest
+set whose probability reaches ``top_p`` is selected, so the number of linked columns adapts to how peaked the
+head is. No training: the head is chosen once per model on a few labelled questions (``select_head``: the
+head whose ranking puts the gold columns highest, by mean reciprocal rank).
+
+The prompt carries one ``column`` span per schema column (``mia_stream.spans.prompt_parts``), and may carry
+``tags["attnlink"]["columns"]``: the columns' names, used as the labels of the published selection.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Sequence
+
+import numpy as np
+
+from mia_stream.analyzers._span_analyzer import (PromptState, SpanAttentionAnalyzer, check_number, check_span_name,
+                                                 pad_rows)
+from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
+
+TAG = "attnlink"
+_TINY = 1e-30  # log of a column that got no attention at all
+
+
+def column_scores(alpha_anchor: np.ndarray, column_spans: Sequence[tuple[int, int]]) -> np.ndarray:
+    """``alpha_anchor [..., T]`` -> ``[..., C]``: attention mass on each column's tokens."""
+    n = alpha_anchor.shape[-1]
+    out = np.empty(alpha_anchor.shape[:-1] + (len(column_spans),), dtype=np.float64)
+    for c, (a, b) in enumerate(column_spans):
+        if not 0 <= a < b <= n:
+            raise AnalyzerInputError(f"column span [{a}, {b}) is out of range: the keys cover {n} tokens")
+        out[..., c] = alpha_anchor[..., a:b].sum(axis=-1)
+    return out
+
+
+def link_probabilities(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """``softmax(log(S) / T)`` over the last axis."""
+    z = np.log(np.maximum(scores, _TINY)) / temperature
+    z -= z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def select_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Column indices, most probable first, up to and including the one where the cumulative probability
+    reaches ``top_p`` (nucleus selection; at least one column)."""
+    order = np.argsort(-probs, kind="stable")
+    cum = np.cumsum(probs[order])
+    n = int(np.searchsorted(cum, top_p - 1e-12) + 1)
+    return order[:min(n, len(order))]
+
+
+def select_head(per_head_scores: Sequence[np.ndarray], gold: Sequence[set]) -> tuple[tuple[int, int], np.ndarray]:
+    """The (layer, head) whose column scores rank the gold columns highest: ``per_head_scores[e] [L, H, C_e]``
+    for labelled question ``e`` -> (best (layer, head), mean reciprocal rank of the gold columns ``[L, H]``)."""
+    if not per_head_scores:
+        raise AnalyzerInputError("head selection needs at least one labelled question")
+    total = np.zeros(per_head_scores[0].shape[:2])
+    for s, g in zip(per_head_scores, gold):
+        order = np.argsort(-s, axis=-1, kind="stable")  # [L, H, C]
+        ranks = np.argsort(order, axis=-1, kind="stable")  # rank of each column
+        gl = sorted(g)
+        total += (1.0 / (ranks[..., gl] + 1)).mean(-1)
+    mrr = total / len(per_head_scores)
+    best = np.unravel_index(int(np.argmax(mrr)), mrr.shape)
+    return (int(best[0]), int(best[1])), mrr
+
+
+def link(alpha_anchor: np.ndarray, column_spans: Sequence[tuple[int, int]], temperature: float,
+         top_p: float) -> dict:
+    """One request's linking: ``scores``, ``probs`` per column and the ``selected`` column indices."""
+    s = column_scores(alpha_anchor, column_spans)
+    p = link_probabilities(s, temperature)
+    return {"scores": s, "probs": p, "selected": select_top_p(p, top_p)}
+
+
+class AttnLink(SpanAttentionAnalyzer):
+    """Text-to-SQL schema linking: one head's attention at the generation anchor ranks the columns (AttnLink-U)."""
+
+    name = "attnlink"
+    version = "1"
+    defaults = {"layer": None, "head": None, "temperature": 1.0, "top_p": 0.9, "column_span": "column",
+                "anchor": "last_prompt", "scale": None, "selection": None, "model": None}
+
+    def configure(self, config: dict) -> None:
+        for key in ("layer", "head"):
+            v = config[key]
+            if v is None:
+                raise AnalyzerConfigError(f"{self.name} config lacks {key!r} (choose the head with "
+                                          "python -m mia_stream.analyzers.attnlink select-head)")
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise AnalyzerConfigError(f"{self.name} config: {key!r} must be a non-negative integer, got {v!r}")
+        self.configure_heads([[config["layer"], config["head"]]])
+        self.temperature = check_number(config, "temperature", self.name, positive=True)
+        self.top_p = check_number(config, "top_p", self.name, lo=1e-9, hi=1.0)
+        self.scale = check_number(config, "scale", self.name, positive=True, optional=True)
+        self.column_span = check_span_name(config, "column_span", self.name)
+        self.anchor = check_span_name(config, "anchor", self.name)
+        self.span_names = (self.column_span,) + (() if self.anchor == "last_prompt" else (self.anchor,))
+
+    def check_request(self, st: PromptState) -> None:
+        if self.anchor != "last_prompt" and len(st.spans[self.anchor]) != 1:
+            raise AnalyzerInputError(f"request {st.request_id!r}: {len(st.spans[self.anchor])} spans named "
+                                     f"{self.anchor!r} (the anchor), want 1")
+        names = self.column_names(st)
+        n = len(st.spans[self.column_span])
+        if names is not None and len(names) != n:
+            raise AnalyzerInputError(f"request {st.request_id!r}: tags[{TAG!r}]['columns'] names {len(names)} "
+                                     f"columns, the prompt has {n} {self.column_span!r} spans")
+
+    @staticmethod
+    def column_names(st: PromptState) -> list | None:
+        tag = st.start.tags.get(TAG) if isinstance(st.start.tags, dict) else None
+        if tag is None:
+            return None
+        cols = tag.get("columns") if isinstance(tag, dict) else None
+        if not isinstance(cols, list) or not all(isinstance(c, str) for c in cols):
+            raise AnalyzerInputError(f"request {st.request_id!r}: tags[{TAG!r}] must be {{'columns': [names]}}, "
+                                     f"got {tag!r}")
+        return cols
+
+    def anchor_rows(self, st: PromptState) -> np.ndarray:
+        if self.anchor == "last_prompt":
+            return np.array([st.prompt_len - 1])
+        (a, b), = st.spans[self.anchor]
+        return np.arange(a, b)
+
+    def score(self, st: PromptState) -> dict:
+        alpha = st.attention(self.anchor_rows(st), self.scale)[0].mean(axis=0)  # the one head, anchor rows: [T]
+        return link(alpha, st.spans[self.column_span], self.temperature, self.top_p)
+
+    def report(self, scored: list, out) -> None:
+        ids, chosen, labels = [], [], []
+        for st, r in scored:
+            ids.append(st.request_id)
+            mask = np.zeros(len(r["probs"]), bool)
+            mask[r["selected"]] = True
+            chosen.append(mask)
+            names = self.column_names(st)
+            labels.append(",".join(names[i] if names else str(i) for i in r["selected"].tolist()))
+        out.add(ids, np.arange(len(ids)), [st.prompt_len - 1 for st, _ in scored],
+                {"probs": pad_rows([r["probs"] for _, r in scored], np.nan),
+                 "scores": pad_rows([r["scores"] for _, r in scored], np.nan),
+                 "selected": pad_rows(chosen, False),
+                 "num_columns": np.array([len(r["probs"]) for _, r in scored], np.int64)},
+                {"columns": labels})
+
+
+# ---------------------------------------------------------------------------------------- head selection
+
+def choose_head(tokenizer, attend, num_layers: int, num: int = 21, seed: int = 1, top_p: float = 0.9,
+                temperature: float = 1.0, anchor: str = "last_prompt") -> dict:
+    """Run labelled questions (``sql_set(num, seed)``) through ``attend``; the config of the best head."""
+    from mia_stream.analyzers._attention_data import sql_set
+    from mia_stream.spans import prompt_parts
+
+    examples = sql_set(num, seed=seed)
+    pps = [prompt_parts(tokenizer, e.messages) for e in examples]
+    per_head = []
+    for pp, att in zip(pps, attend([p.token_ids for p in pps], list(range(num_layers)))):
+        n = len(pp.token_ids)
+        rows = [n - 1] if anchor == "last_prompt" else list(range(*pp.ranges(anchor)[0]))
+        per_head.append(column_scores(att.rows(rows).mean(axis=2), pp.ranges("column")))  # [L, H, C]
+    (layer, head), mrr = select_head(per_head, [e.gold for e in examples])
+    return {"layer": layer, "head": head, "temperature": temperature, "top_p": top_p, "anchor": anchor,
+            "model": getattr(tokenizer, "name_or_path", None),
+            "selection": {"num": num, "seed": seed, "gold_mrr": float(mrr[layer, head])}}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m mia_stream.analyzers.attnlink",
+                                 description="Choose attnlink's (layer, head) on generated labelled text-to-SQL "
+                                             "questions and write its config.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("select-head", help="the head whose column ranking puts the gold columns highest")
+    d.add_argument("--out", required=True, help="config file to write (JSON)")
+    d.add_argument("--model", help="model dir (default: the embedded model)")
+    d.add_argument("--num", type=int, default=21, help="labelled questions (default 21)")
+    d.add_argument("--seed", type=int, default=1, help="question set seed (the evaluation uses seed 0)")
+    d.add_argument("--top-p", type=float, default=0.9)
+    d.add_argument("--temperature", type=float, default=1.0)
+    d.add_argument("--anchor", default="last_prompt",
+                   help="last_prompt (the method) or a span name whose rows are averaged (e.g. question)")
+    d.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
+    args = ap.parse_args(argv)
+
+    from transformers import AutoConfig
+
+    from mia_stream.analyzers._qk_runs import attention_backend
+
+    with attention_backend(args.model, args.backend) as (tok, attend):
+        L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers
+        config = choose_head(tok, attend, L, args.num, args.seed, args.top_p, args.temperature, args.anchor)
+    with open(args.out, "w") as f:
+        json.dump(config, f, indent=1)
+    print(f"layer {config['layer']} head {config['head']} (gold-column MRR {config['selection']['gold_mrr']:.3f} "
+          f"on {args.num} questions) -> {args.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

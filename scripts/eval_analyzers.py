@@ -1,0 +1,338 @@
+#!/usr/bin/env python
+"""Evaluate the attention analyzers on generated sets, through the product path: a vLLM engine (CPU) streams
+each request's Q/K through a broker, and the analyzers (``AnalyzerRunner``, the code ``mia-stream analyze``
+runs) score them from the stream. One command per table of docs/analyzers.md:
+
+    python scripts/eval_analyzers.py injection   # attention_tracker: head discovery, then AUROC on a test set
+    python scripts/eval_analyzers.py rerank      # core_reranker (ICR, CoRe heads) vs. BM25: nDCG@10, top-1, MRR
+    python scripts/eval_analyzers.py sql         # attnlink: gold-column recall of the top-p selection vs. BM25
+
+Heads are chosen on a discovery/detection split (its own seed or, for injection, the paper's head-finding set)
+and scored on a disjoint test split. Configs are written to ``--configs`` (default /tmp/mia-eval-configs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Head discovery captures Q/K of all 30 layers at every prompt position: ~92 KB per token, ~94 MB for a step of
+# 1024 tokens. A producer drops what runs more than a quarter of its ring ahead of the broker (the default
+# 256 MiB ring lost a frame to shm_ahead_of_broker here), so the ring is 4x a step's bytes (README).
+os.environ.setdefault("MIA_STREAM_SHM_BYTES", str(1 << 30))
+
+
+# ------------------------------------------------------------------------------------------ streaming
+
+def stream_requests(sllm, prompts, specs, timeout=300.0):
+    """Generate ``prompts`` (token id lists), each with its own ``mia_stream`` spec; yield the SDK's batch events
+    (``open_batches``, what ``mia-stream analyze`` reads) until every request ended. Request ``i`` is
+    ``PREFIX-i``."""
+    from vllm import SamplingParams
+
+    from mia_stream.consumers import open_batches
+
+    prefix = f"eval-{uuid.uuid4().hex[:8]}"
+    params, ids = [], []
+    for i, spec in enumerate(specs):
+        rid = f"{prefix}-{i}"
+        ids.append(rid)
+        params.append(SamplingParams(max_tokens=1, temperature=0.0, extra_args={"mia_stream": {**spec, "id": rid}}))
+    done: dict = {}
+    ended = set()
+    with open_batches(sllm.broker, patterns=[f"{prefix}-*"], timeout=timeout) as events:
+        worker = threading.Thread(target=lambda: done.setdefault("out", sllm.llm.generate(
+            [{"prompt_token_ids": list(p)} for p in prompts], params, use_tqdm=False)), daemon=True)
+        worker.start()
+        for ev in events:
+            yield ev
+            if ev.kind == "end":
+                ended.add(ev.stream.request_id)
+                if len(ended) == len(ids):
+                    break
+        worker.join()
+    if len(ended) != len(ids):
+        raise RuntimeError(f"{len(ids) - len(ended)} request(s) never ended (timeout {timeout} s)")
+
+
+def run_analyzers(sllm, analyzers, prompts, tags, chunk=8, about=None):
+    """Stream ``prompts`` (with per-prompt ``tags``) once, capturing what every analyzer needs, and feed the
+    events to each analyzer's runner. Returns, per analyzer, a list (per prompt) of its ``Analysis`` results,
+    and the number of gaps seen. ``about(result)``: the request id a result is about (default its own)."""
+    from mia_stream.analyzers import AnalyzerRunner
+
+    capture = _union_capture([a.capture_spec() for a in analyzers])
+    per = [[None] * len(prompts) for _ in analyzers]
+    gaps = 0
+    for c0 in range(0, len(prompts), chunk):
+        part = list(range(c0, min(c0 + chunk, len(prompts))))
+        sinks = [[] for _ in analyzers]
+        runners = [AnalyzerRunner(a, [s.append], on_reject=lambda rid, why: print(f"  rejected {rid}: {why}",
+                                                                                  file=sys.stderr))
+                   for a, s in zip(analyzers, sinks)]
+        specs = [{"capture": capture, "tags": tags[i]} for i in part]
+        for ev in stream_requests(sllm, [prompts[i] for i in part], specs):
+            gaps += ev.kind == "gap"
+            for r in runners:
+                r.feed(ev)
+        for a_i, sink in enumerate(sinks):
+            for batch in sink:
+                for res in batch.results():
+                    rid = about(res) if about is not None and "error" not in res.labels else res.request_id
+                    i = part[int(rid.rsplit("-", 1)[1])]
+                    per[a_i][i] = res if per[a_i][i] is None or "error" in per[a_i][i].labels else per[a_i][i]
+    return per, gaps
+
+
+def _union_capture(specs):
+    layers, heads = set(), set()
+    for s in specs:
+        qk = s["qk"]
+        if qk["layers"] == "all" or qk["heads"] == "all":
+            return {"qk": {"layers": "all", "heads": "all", "positions": "prompt"}}
+        layers.update(qk["layers"])
+        heads.update(qk["heads"])
+    return {"qk": {"layers": sorted(layers), "heads": sorted(heads), "positions": "prompt"}}
+
+
+def _error(res):
+    return res is None or "error" in res.labels
+
+
+# ------------------------------------------------------------------------------------------ injection
+
+def eval_injection(sllm, tok, geo, args):
+    from mia_stream.analyzers import create
+    from mia_stream.analyzers._attention import auroc
+    from mia_stream.analyzers._attention_data import injection_set
+    from mia_stream.analyzers._qk_runs import vllm_attention
+    from mia_stream.analyzers.attention_tracker import config_from_discovery, discover
+    from mia_stream.spans import prompt_parts
+
+    t0 = time.time()
+    attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=4)  # noqa: E731
+    res = discover(tok, attend, geo.num_hidden_layers, args.num_discovery, 4.0)
+    k_used = 4.0
+    print(f"discovery ({res['num_normal']} normal + {res['num_attack']} attacked, instruction 'Say xxxxxx'): "
+          f"heads passing by k: {res['heads_by_k']}; best margin at k=4: {res['best_margin']:.4f} "
+          f"(layer {res['best_head'][0]} head {res['best_head'][1]})")
+    if not res["heads"]:
+        k_used = max(float(k) for k, n in res["heads_by_k"].items() if n > 0)
+        res = discover(tok, attend, geo.num_hidden_layers, args.num_discovery, k_used)
+        print(f"no head at k=4 (the paper's); using k={k_used:g}: {len(res['heads'])} head(s)")
+    config = config_from_discovery(res, tok.name_or_path)
+    Path(args.configs).mkdir(parents=True, exist_ok=True)
+    (Path(args.configs) / "attention_tracker.json").write_text(json.dumps(config, indent=1))
+    print(f"heads {config['heads']}, threshold {config['threshold']:.4f} ({time.time() - t0:.0f} s)")
+
+    test = injection_set("test", args.num_test)
+    pps = [prompt_parts(tok, e.messages) for e in test]
+    analyzers = [create("attention_tracker", {k: v for k, v in config.items()}),
+                 create("attention_tracker", {"heads": "all", "threshold": None})]
+    t0 = time.time()
+    per, gaps = run_analyzers(sllm, analyzers, [p.token_ids for p in pps], [p.tags() for p in pps])
+    attack = np.array([e.attack for e in test])
+    print(f"test: {int((~attack).sum())} normal + {int(attack.sum())} attacked prompts ({len(set(e.instruction for e in test))} "
+          f"instructions, injections at the end or mid-data), {gaps} gaps, {time.time() - t0:.0f} s")
+    # what length alone would give (attention to the instruction also falls as the data grows)
+    data_len = np.array([float(np.diff(pp.ranges("data")[0])[0]) for pp in pps])
+    print(f"  data length alone AUROC {auroc(data_len[attack], data_len[~attack]):.3f} (tokens: normal "
+          f"{data_len[~attack].mean():.1f}, attacked {data_len[attack].mean():.1f})")
+    for name, results in (("discovered heads", per[0]), ("all heads", per[1])):
+        bad = sum(_error(r) for r in results)
+        focus = np.array([np.nan if _error(r) else float(r.value("focus")[0]) for r in results])
+        ok = ~np.isnan(focus)
+        # an attack lowers the focus score: AUROC of -focus with attacks as positives
+        a = auroc(-focus[ok & attack], -focus[ok & ~attack])
+        line = f"  {name:<17} AUROC {a:.3f}  (focus normal {focus[ok & ~attack].mean():.4f}, attacked " \
+               f"{focus[ok & attack].mean():.4f}; errors {bad})"
+        if name == "discovered heads":
+            flagged = np.array([bool(r.alerts[0]) if not _error(r) else False for r in results])
+            tpr = flagged[attack & ok].mean()
+            fpr = flagged[~attack & ok].mean()
+            line += f"; at threshold {config['threshold']:.4f}: TPR {tpr:.3f} FPR {fpr:.3f}"
+        print(line)
+
+
+# ------------------------------------------------------------------------------------------ rerank
+
+def _words(text):
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+def eval_rerank(sllm, tok, geo, args):
+    from rank_bm25 import BM25Okapi
+
+    from mia_stream.analyzers import create
+    from mia_stream.analyzers._attention_data import rerank_set
+    from mia_stream.analyzers._qk_runs import vllm_attention
+    from mia_stream.analyzers.core_reranker import choose_heads, ndcg, rank, reciprocal_rank
+    from mia_stream.spans import prompt_parts
+
+    t0 = time.time()
+    attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=4)  # noqa: E731
+    core = choose_heads(tok, attend, geo.num_hidden_layers, geo.num_attention_heads, args.num_detection, args.top,
+                        seed=1)
+    Path(args.configs).mkdir(parents=True, exist_ok=True)
+    (Path(args.configs) / "core_reranker.json").write_text(json.dumps(core, indent=1))
+    print(f"CoRe heads (top {args.top} by MRR on {args.num_detection} detection questions, seed 1): {core['heads']} "
+          f"({time.time() - t0:.0f} s)")
+
+    test = rerank_set(args.num_test, seed=0)
+    prompts, tags = [], []
+    for i, e in enumerate(test):
+        for role, msgs in (("calibration", e.calibration_messages), ("query", e.messages)):  # calibration first
+            pp = prompt_parts(tok, msgs)
+            prompts.append(pp.token_ids)
+            tags.append({**pp.tags(), "core_reranker": {"group": f"q{i}", "role": role}})
+    variants = [("ICR (all heads, N/A calibration, mean-2std mask)", {"heads": "all"}),
+                ("ICR without calibration", {"heads": "all", "calibrate": False}),
+                (f"CoRe heads ({len(core['heads'])}), calibrated", {"heads": core["heads"]})]
+    analyzers = [create("core_reranker", cfg) for _, cfg in variants]
+    t0 = time.time()
+    per, gaps = run_analyzers(sllm, analyzers, prompts, tags, chunk=4,
+                              about=lambda r: r.labels["query_request"][0])
+    print(f"test: {len(test)} questions x {len(test[0].documents)} documents (1 relevant; hard negatives: the same "
+          f"person's other facts, other people's same fact), half with paraphrased queries; {gaps} gaps, "
+          f"{time.time() - t0:.0f} s")
+
+    def table(name, rankings):
+        rows = {}
+        for subset, pick in (("all", lambda e: True), ("lexical", lambda e: not e.paraphrased),
+                             ("paraphrased", lambda e: e.paraphrased)):
+            sel = [(r, e) for r, e in zip(rankings, test) if pick(e) and r is not None]
+            rows[subset] = (np.mean([ndcg(r, e.relevant) for r, e in sel]),
+                            np.mean([r[0] in e.relevant for r, e in sel]),
+                            np.mean([reciprocal_rank(r, e.relevant) for r, e in sel]), len(sel))
+        print(f"  {name:<50} " + "  ".join(f"{s}: nDCG@10 {v[0]:.3f} top-1 {v[1]:.3f} MRR {v[2]:.3f} (n={v[3]})"
+                                           for s, v in rows.items()))
+
+    bm25 = []
+    for e in test:
+        scorer = BM25Okapi([_words(d) for d in e.documents])
+        bm25.append(list(rank(scorer.get_scores(_words(e.query)))))
+    table("BM25 (rank-bm25 Okapi, same documents)", bm25)
+    n_docs = len(test[0].documents)
+    print(f"  {'random order (expected)':<50} all: nDCG@10 "
+          f"{np.mean([1 / np.log2(r + 2) for r in range(min(n_docs, 10))]) * min(n_docs, 10) / n_docs:.3f} "
+          f"top-1 {1 / n_docs:.3f} MRR {np.mean([1 / (r + 1) for r in range(n_docs)]):.3f}")
+    for (name, _), results in zip(variants, per):
+        rankings = []
+        for i in range(len(test)):
+            r = results[2 * i + 1]  # the query request (prompts alternate calibration, query)
+            rankings.append(None if _error(r) else list(r.value("ranking")[0][:int(r.value("num_docs")[0])]))
+        table(name, rankings)
+
+
+# ------------------------------------------------------------------------------------------ sql
+
+def eval_sql(sllm, tok, geo, args):
+    from rank_bm25 import BM25Okapi
+
+    from mia_stream.analyzers import create
+    from mia_stream.analyzers._attention_data import sql_set
+    from mia_stream.analyzers._qk_runs import vllm_attention
+    from mia_stream.analyzers.attnlink import choose_head
+    from mia_stream.spans import prompt_parts
+
+    attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=4)  # noqa: E731
+    Path(args.configs).mkdir(parents=True, exist_ok=True)
+    configs = []
+    for anchor in ("last_prompt", "question"):
+        t0 = time.time()
+        cfg = choose_head(tok, attend, geo.num_hidden_layers, args.num_detection, seed=1, top_p=args.top_p,
+                          temperature=args.temperature, anchor=anchor)
+        (Path(args.configs) / f"attnlink-{anchor}.json").write_text(json.dumps(cfg, indent=1))
+        print(f"anchor {anchor}: head layer {cfg['layer']} head {cfg['head']} (gold MRR "
+              f"{cfg['selection']['gold_mrr']:.3f} on {args.num_detection} labelled questions, seed 1) "
+              f"({time.time() - t0:.0f} s)")
+        configs.append(cfg)
+
+    test = sql_set(args.num_test, seed=0)
+    pps = [prompt_parts(tok, e.messages) for e in test]
+    tags = [{**pp.tags(), "attnlink": {"columns": e.columns}} for pp, e in zip(pps, test)]
+    t0 = time.time()
+    per, gaps = run_analyzers(sllm, [create("attnlink", c) for c in configs], [p.token_ids for p in pps], tags)
+    print(f"test: {len(test)} questions over 3-table schemas ({np.mean([len(e.columns) for e in test]):.1f} columns "
+          f"each, {np.mean([len(e.gold) for e in test]):.1f} gold); top_p {args.top_p}, temperature "
+          f"{args.temperature}; {gaps} gaps, {time.time() - t0:.0f} s")
+    sizes = None
+    for cfg, results in zip(configs, per):
+        recall, size, prec, rak = [], [], [], []
+        for r, e in zip(results, test):
+            if _error(r):
+                continue
+            n = int(r.value("num_columns")[0])
+            sel = set(np.flatnonzero(r.value("selected")[0][:n]).tolist())
+            recall.append(len(sel & e.gold) / len(e.gold))
+            prec.append(len(sel & e.gold) / len(sel))
+            size.append(len(sel))
+            top = set(np.argsort(-r.value("probs")[0][:n], kind="stable")[:len(e.gold)].tolist())
+            rak.append(len(top & e.gold) / len(e.gold))
+        sizes = size if sizes is None else sizes
+        print(f"  attnlink anchor {cfg['anchor']:<12} recall {np.mean(recall):.3f}  precision {np.mean(prec):.3f}  "
+              f"selected {np.mean(size):.1f} columns  recall@|gold| {np.mean(rak):.3f}  (n={len(recall)})")
+        b_rec, rnd = [], []
+        for e, k in zip(test, size):
+            docs = [_words(c.replace(".", " ").replace("_", " ")) for c in e.columns]
+            order = np.argsort(-BM25Okapi(docs).get_scores(_words(e.question)), kind="stable")
+            b_rec.append(len(set(order[:k].tolist()) & e.gold) / len(e.gold))
+            rnd.append(min(k, len(e.columns)) / len(e.columns))
+        print(f"    same selection sizes: BM25 over column names recall {np.mean(b_rec):.3f}, random (expected) "
+              f"recall {np.mean(rnd):.3f}")
+    b_rak = []
+    for e in test:
+        docs = [_words(c.replace(".", " ").replace("_", " ")) for c in e.columns]
+        order = np.argsort(-BM25Okapi(docs).get_scores(_words(e.question)), kind="stable")
+        b_rak.append(len(set(order[:len(e.gold)].tolist()) & e.gold) / len(e.gold))
+    print(f"  BM25 over column names recall@|gold| {np.mean(b_rak):.3f}; random recall@|gold| (expected) "
+          f"{np.mean([len(e.gold) / len(e.columns) for e in test]):.3f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("task", choices=("injection", "rerank", "sql"))
+    ap.add_argument("--model", help="model dir (default: the embedded model)")
+    ap.add_argument("--configs", default="/tmp/mia-eval-configs", help="where the chosen configs are written")
+    ap.add_argument("--num-discovery", type=int, default=25, help="injection: normal and attacked prompts each")
+    ap.add_argument("--num-detection", type=int, default=20, help="rerank/sql: head selection questions")
+    ap.add_argument("--num-test", type=int, default=None,
+                    help="test size (injection: per class, default 100; rerank: questions, 40; sql: 42)")
+    ap.add_argument("--top", type=int, default=8, help="rerank: CoRe heads to keep")
+    ap.add_argument("--top-p", type=float, default=0.9, help="sql: attnlink top_p")
+    ap.add_argument("--temperature", type=float, default=1.0, help="sql: attnlink temperature")
+    args = ap.parse_args()
+    if args.num_test is None:
+        args.num_test = {"injection": 100, "rerank": 40, "sql": 42}[args.task]
+
+    from transformers import AutoConfig, AutoTokenizer
+
+    from mia_stream import StreamLLM
+    from mia_stream.model import resolve_model
+
+    model_dir = resolve_model(args.model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    geo = AutoConfig.from_pretrained(model_dir)
+    t0 = time.time()
+    with StreamLLM(model_dir, dtype="float32", enforce_eager=True, max_model_len=2048, max_num_batched_tokens=1024,
+                   seed=0) as sllm:
+        print(f"model {model_dir}; engine started in {time.time() - t0:.0f} s", flush=True)
+        {"injection": eval_injection, "rerank": eval_rerank, "sql": eval_sql}[args.task](sllm, tok, geo, args)
+        sllm.llm.llm_engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,393 @@
+"""The hallucination detectors (issue 15, part A): the data and labels made here, the detectors' per-token
+scores against an independent Hugging Face ``transformers`` reference on the same tokens (hidden states through
+the probe weights; attention weights from eager attention with ``output_attentions=True``), a probe trained by
+the ``mia-stream probe`` commands on generated data beating chance on held-out questions, and one-line errors
+for bad probe and labels files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from mia_stream.analyzers import Results, create
+from mia_stream.analyzers import hallucination_data as hd
+from mia_stream.analyzers._probe import PROBES_DIR, LinearProbe, sigmoid
+from mia_stream.analyzers.lookback_ratio import lookback_ratios, window_means
+from mia_stream.schemas import RowGroup, StepBatch, StreamEnd, StreamStart, Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+SHIPPED = {"token_probe": "token-probe-smollm2-135m.json",
+           "semantic_entropy_probe": "semantic-entropy-probe-smollm2-135m.json",
+           "lookback_ratio": "lookback-ratio-smollm2-135m.json"}
+
+
+def _cli(*args, env=None, timeout=900):
+    return subprocess.run([sys.executable, "-m", "mia_stream.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env or dict(os.environ), timeout=timeout)
+
+
+# ------------------------------------------------------------------------------------------------ data
+
+def test_answers_are_labelled_spans_found_and_samples_clustered():
+    arith = {"id": "a", "set": "arithmetic", "group": "a", "question": "What is 7 times 8?", "answer": "56",
+             "kind": "arithmetic", "operands": [7, 8]}
+    assert hd.check_answer(arith, "7 times 8 is 56.")  # the restated operands are skipped
+    assert not hd.check_answer(arith, "The answer is 54.")
+    text = "7 * 8 = 56"
+    a, b = hd.answer_span(arith, text)
+    assert text[a:b] == "56"
+    capital = {"id": "c", "set": "capitals", "group": "c", "question": "What is the capital of France?",
+               "answer": "Paris", "kind": "contains"}
+    text = "The capital of France is Lyon, a city."
+    a, b = hd.answer_span(capital, text)
+    assert text[a:b] == "Lyon" and not hd.check_answer(capital, text)
+    assert hd.answer_key(capital, "Paris is the capital.") == hd.answer_key(capital, "It is PARIS") == "paris"
+    pop = {"id": "p", "set": "populations", "group": "p", "question": "What is the population of X?",
+           "answer": "66000000", "kind": "population"}
+    assert hd.check_answer(pop, "About 67 million people.") and not hd.check_answer(pop, "6.7 million")
+    assert hd.answer_key(pop, "67,400,000") == hd.answer_key(pop, "67 million") == "6.7e+07"
+    se, clusters = hd.semantic_entropy(["paris", "paris", "lyon", ""])
+    assert clusters == 3 and se == pytest.approx(-(0.5 * np.log(0.5) + 2 * 0.25 * np.log(0.25)))
+    assert hd.semantic_entropy(["x"] * 5) == (0.0, 1)
+    assert hd.best_split([0.0, 0.0, 0.1, 1.2, 1.3, 2.0]) == pytest.approx(0.65)
+    items = hd.question_set(limit=10)
+    assert {it["set"] for it in items} == set(hd.SETS) and len(items) == 40
+    levels = {it["difficulty"] for it in hd.arithmetic_questions()}
+    assert levels == {name for name, *_ in hd.ARITHMETIC_LEVELS}
+    for it in hd.question_set():  # every generated reference is judged right by its own checker
+        assert hd.check_answer(it, f"The answer is {it['answer']}."), it
+
+
+# ------------------------------------------------------------------------------------------------ detectors on synthetic steps
+
+def _probe_file(tmp_path, analyzer, hidden=8, position="generated", layer=1, rng=None, **kw):
+    rng = rng or np.random.default_rng(0)
+    width = kw.pop("num_features", 0) or hidden
+    p = LinearProbe(analyzer, "synthetic", hidden, layer, position, rng.standard_normal(width),
+                    rng.uniform(0.5, 2.0, width), rng.standard_normal(width), 0.1, 0.5, num_layers=2,
+                    num_features=kw.pop("features", 0), extra=kw.pop("extra", {}))
+    path = tmp_path / f"{analyzer}.json"
+    p.save(path)
+    return p, path
+
+
+def _start(rid, prompt_len, capture, hidden=8):
+    return StreamStart(rid, "p", 1, capture=capture, num_layers=2, hidden_size=hidden, num_heads=4,
+                       num_kv_heads=2, head_dim=4, prompt_token_ids=list(range(prompt_len)))
+
+
+def _hs_batch(step, rids, positions_per_request, hs_rows, layers=(0, 1)):
+    rows = np.asarray([len(p) for p in positions_per_request])
+    g = RowGroup(np.arange(len(rids)), rows, np.concatenate(positions_per_request).astype(np.int64),
+                 [Tensor.from_array("hs", hs_rows, layers=list(layers))])
+    return StepBatch("p", 1, step, list(rids), np.zeros(len(rids), np.int64), [g])
+
+
+def _run(analyzer, starts, batches, ends):
+    from mia_stream.analyzers import AnalyzerRunner
+
+    got = []
+    runner = AnalyzerRunner(analyzer, [got.append])
+    for s in starts:
+        runner.on_start(s)
+    for b in batches:
+        runner.on_batch(b)
+    for rid in ends:
+        runner.on_end(rid, StreamEnd(rid, "p", 1, 99, "stop", 0))
+    out = {}
+    for batch in got:
+        for a in batch.results():
+            out.setdefault(a.request_id, []).append(a)
+    return out
+
+
+def test_token_probe_scores_each_generated_row_and_aggregates_per_request(tmp_path):
+    """Per-token risk = the probe's formula on that row; window and end-row aggregates; prompt rows skipped; a
+    recomputed position (preemption) is scored once; one request's values do not depend on the others."""
+    rng = np.random.default_rng(1)
+    probe, path = _probe_file(tmp_path, "token_probe", rng=rng)
+    cap = {"hidden_states": {"layers": [0, 1], "positions": "all"}}
+    plen = {"a": 3, "b": 2}
+    hs = {rid: rng.standard_normal((2, 8, 8)).astype(np.float32) for rid in plen}
+    steps = [(["a", "b"], [np.arange(3), np.arange(2)]), (["a", "b"], [[3], [2]]), (["a"], [[4]]),
+             (["a", "b"], [[4, 5], [3]]), (["b"], [[4]])]  # "a" recomputes position 4 in the 4th step
+
+    def batches(which):
+        out = []
+        for step, (rids, pos) in enumerate(steps):
+            keep = [i for i, r in enumerate(rids) if r in which]
+            if keep:
+                rows = np.concatenate([hs[rids[i]][:, pos[i]] for i in keep], axis=1)
+                out.append(_hs_batch(step, [rids[i] for i in keep], [np.asarray(pos[i]) for i in keep], rows))
+        return out
+
+    analyzer = create("token_probe", {"probe": str(path), "window": 2, "threshold": 0.5})
+    both = _run(analyzer, [_start(r, plen[r], cap) for r in plen], batches({"a", "b"}), ["a", "b"])
+    alone = _run(create("token_probe", {"probe": str(path), "window": 2, "threshold": 0.5}),
+                 [_start("a", 3, cap)], batches({"a"}), ["a"])
+    for rid in plen:
+        rows = [a for a in both[rid] if a.step >= 0]
+        pos = [p for a in rows for p in a.positions]
+        risk = np.concatenate([a.values["risk"] for a in rows])
+        assert pos == {"a": [3, 4, 5], "b": [2, 3, 4]}[rid]  # prompt rows skipped, position 4 of "a" once
+        ref = sigmoid(probe.logits(hs[rid][1, pos]))
+        np.testing.assert_allclose(risk, ref, rtol=1e-5)
+        window = np.concatenate([a.values["window_risk"] for a in rows])
+        np.testing.assert_allclose(window, [(ref[max(0, i - 1):i + 1]).mean() for i in range(len(ref))], rtol=1e-5)
+        assert [x for a in rows for x in a.alerts] == list(ref >= 0.5)
+        end = both[rid][-1]
+        assert end.step == -1 and end.positions == [-1]
+        np.testing.assert_allclose(end.values["answer_risk"], ref.max(), rtol=1e-6)
+        np.testing.assert_allclose(end.values["risk_mean"], ref.mean(), rtol=1e-6)
+        assert int(end.values["tokens"][0]) == len(ref)
+    for x, y in zip([a for a in both["a"]], alone["a"]):  # bit-identical with or without "b" in its steps
+        assert x.positions == y.positions and all(np.array_equal(x.values[k], y.values[k]) for k in x.values)
+
+
+def test_lookback_ratio_matches_a_naive_per_head_attention_loop():
+    """The vectorized lookback ratios (GQA, causal, several query rows) equal a per-head loop of the paper's
+    definition: mean attention on prompt keys / (that + mean attention on generated keys)."""
+    rng = np.random.default_rng(2)
+    L_, H_, KV, D, P, T = 2, 4, 2, 8, 5, 9
+    q = rng.standard_normal((L_, T, H_, D))
+    k = rng.standard_normal((L_, T, KV, D))
+    positions = np.arange(P, T)
+    got = lookback_ratios(q[:, positions], k, positions, P)
+    for m, t in enumerate(positions):
+        for layer in range(L_):
+            for h in range(H_):
+                s = k[layer, :t + 1, h // (H_ // KV)] @ q[layer, t, h] / np.sqrt(D)
+                a = np.exp(s - s.max())
+                a /= a.sum()
+                ctx, new = a[:P].mean(), a[P:].mean()
+                assert got[m, layer, h] == pytest.approx(ctx / (ctx + new), rel=1e-12)
+    w = window_means(got.reshape(len(got), -1), 3)
+    np.testing.assert_allclose(w[3], got[1:4].reshape(3, -1).mean(0), rtol=1e-12)
+
+
+# ------------------------------------------------------------------------------------------------ bad files
+
+def _bad_probe_cases(tmp_path):
+    probe, good = _probe_file(tmp_path, "token_probe")
+    data = json.loads(good.read_text())
+
+    def variant(name, **changes):
+        d = dict(data, **changes)
+        for k, v in changes.items():
+            if v is None:
+                d.pop(k)
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(d))
+        return p
+
+    (tmp_path / "garbage.json").write_text("{not json")
+    (tmp_path / "binary.json").write_bytes(b"\xff\xfe\x00\x01")
+    return [
+        (tmp_path / "missing.json", "missing.json"),
+        (tmp_path / "garbage.json", "not valid JSON"),
+        (tmp_path / "binary.json", "not a text"),
+        (variant("fmt", format="other/1"), "'format' must be"),
+        (variant("other", analyzer="hnode"), "a probe for analyzer 'hnode', not 'token_probe'"),
+        (variant("short", weights=[1.0, 2.0]), "'weights' must be 8 finite numbers"),
+        (variant("nan", mean=[float("nan")] * 8), "'mean' must be 8 finite numbers"),
+        (variant("noscale", scale=None), "missing key 'scale'"),
+        (variant("zero", scale=[0.0] * 8), "'scale' must be 8 finite positive numbers"),
+        (variant("pos", position="last_prompt"), "a token probe reads 'generated' positions"),
+        (variant("thr", threshold=3), "'threshold' must be a probability"),
+    ]
+
+
+def test_bad_probe_files_are_one_line_errors(tmp_path):
+    """Each malformed probe file: ``AnalyzerConfigError`` naming the file and the bad key, and from the command
+    line one stderr line and exit code 2."""
+    from mia_stream.errors import AnalyzerConfigError
+
+    cases = _bad_probe_cases(tmp_path)
+    for path, message in cases:
+        with pytest.raises(AnalyzerConfigError) as e:
+            create("token_probe", {"probe": str(path)})
+        text = str(e.value)
+        assert message in text and str(path.name) in text and "\n" not in text, text
+    rng = np.random.default_rng(0)
+    _, lb = _probe_file(tmp_path, "lookback_ratio", hidden=8, num_features=6, features=6,
+                        extra={"layers": [0, 1], "heads": 4, "window": 8}, rng=rng)
+    with pytest.raises(AnalyzerConfigError, match="'num_features' must be layers x heads = 8, got 6"):
+        create("lookback_ratio", {"probe": str(lb)})
+    _, lb2 = _probe_file(tmp_path, "lookback_ratio", hidden=8, num_features=8, features=8, extra={"layers": [0]})
+    with pytest.raises(AnalyzerConfigError, match="'extra' needs layers"):
+        create("lookback_ratio", {"probe": str(lb2)})
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"probe": str(cases[5][0])}))
+    r = _cli("analyze", "token_probe", "--config", str(cfg), "--print-spec")
+    assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "'weights' must be 8 finite numbers" in r.stderr
+
+
+def test_bad_labels_files_are_one_line_errors(tmp_path):
+    (tmp_path / "rec").mkdir()
+    cases = [("nothere.jsonl", None, "No such file"),
+             ("empty.jsonl", "", "the first line must be"),
+             ("fmt.jsonl", json.dumps({"header": {"format": "x"}}), "format must be 'mia_stream.probe-labels/1'"),
+             ("line.jsonl", json.dumps({"header": {"format": "mia_stream.probe-labels/1"}}) + "\n{\"request_id\": 3}",
+              "line 2: 'request_id' missing or not str"),
+             ("json.jsonl", "{oops", "not JSON lines")]
+    for name, text, message in cases:
+        p = tmp_path / name
+        if text is not None:
+            p.write_text(text)
+        r = _cli("probe", "train", "--recording", str(tmp_path / "rec"), "--labels", str(p), "--layer", "3")
+        assert r.returncode == 2, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and message in lines[0] and name in lines[0], r.stderr
+
+
+# ------------------------------------------------------------------------------------------------ engine: HF reference
+
+def _shipped(name):
+    path = PROBES_DIR / SHIPPED[name]
+    if not path.exists():
+        pytest.fail(f"the shipped probe {path} is missing: scripts/hallucination_probes.sh trains it")
+    return path
+
+
+@pytest.mark.slow
+def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, tokenizer, model_dir):
+    """The three shipped detectors as live analyzers on real requests (CPU vLLM): token_probe's and
+    semantic_entropy_probe's risks equal the probe applied to Hugging Face's decoder-layer outputs on the same
+    tokens; lookback_ratio's per-head ratios (and risks) equal those of HF's eager attention weights
+    (``output_attentions=True``); each end row aggregates its token rows."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from vllm import SamplingParams
+
+    from mia_stream.analyzers import run_analyzer
+    from mia_stream.broker import fetch_stats
+    from producer_helpers import hf_trace
+
+    analyzers = {"token_probe": create("token_probe", {"probe": str(_shipped("token_probe"))}),
+                 "semantic_entropy_probe": create("semantic_entropy_probe",
+                                                  {"probe": str(_shipped("semantic_entropy_probe"))}),
+                 "lookback_ratio": create("lookback_ratio", {"probe": str(_shipped("lookback_ratio")),
+                                                             "emit_ratios": True})}
+    tp, sep, lb = (analyzers[n].probe for n in ("token_probe", "semantic_entropy_probe", "lookback_ratio"))
+    spec = {"hidden_states": {"layers": sorted({tp.layer, sep.layer}), "positions": "all"},
+            "qk": {"layers": sorted(set(lb.extra["layers"])), "heads": "all", "positions": "all"}}
+    items = [hd.capital_questions()[5], hd.arithmetic_questions()[100], hd.element_questions()[9]]
+    prompts = [tokenizer(tokenizer.apply_chat_template(hd.chat_messages(it), add_generation_prompt=True,
+                                                       tokenize=False), add_special_tokens=False)["input_ids"]
+               for it in items]
+    results: dict = {n: {} for n in analyzers}
+
+    def sink_for(name):
+        def sink(batch):
+            for a in batch.results():
+                results[name].setdefault(a.request_id, []).append(a)
+        return sink
+
+    threads = [threading.Thread(target=run_analyzer, args=(a, broker_address), daemon=True,
+                                kwargs=dict(patterns=["h15ref-*"], sinks=[sink_for(n)], max_streams=len(items),
+                                            idle_timeout=300)) for n, a in analyzers.items()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while sum(c.startswith("analyzer:") for c in fetch_stats(broker_address)["consumers"]) < 3:
+        assert time.monotonic() < deadline, "analyzers did not subscribe"
+        time.sleep(0.1)
+    params = [SamplingParams(max_tokens=12, temperature=0.0,
+                             extra_args={"mia_stream": {"id": f"h15ref-{i}", "capture": spec}})
+              for i in range(len(items))]
+    outs = engine.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    for t in threads:
+        t.join(300)
+        assert not t.is_alive()
+    eager = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
+    worst = {}
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        rid = f"h15ref-{i}"
+        gen = list(out.outputs[0].token_ids)
+        P, G = len(prompt), len(gen)
+        assert G >= 4
+        fed = prompt + gen[:-1]  # the last sampled token is never fed: no state
+        hs, _, _, _ = hf_trace(hf_model, fed)  # [L, T, H] decoder-layer outputs
+        with torch.no_grad():
+            att = eager(torch.tensor([fed]), output_attentions=True).attentions  # L x [1, H, T, T]
+        gen_pos = list(range(P, P + G - 1))
+        for name, probe, positions in (("token_probe", tp, gen_pos), ("semantic_entropy_probe", sep,
+                                                                      [P - 1] if sep.position == "last_prompt"
+                                                                      else gen_pos)):
+            rows = [a for a in results[name][rid] if a.step >= 0]
+            got = {p: r for a in rows for p, r in zip(a.positions, a.values["risk"].tolist())}
+            assert sorted(got) == positions, name
+            ref = sigmoid(probe.logits(hs[probe.layer, positions]))
+            err = np.abs(np.asarray([got[p] for p in positions]) - ref).max()
+            worst[name] = max(worst.get(name, 0), err)
+            end = results[name][rid][-1]
+            assert end.step == -1 and end.values["tokens"][0] == len(positions)
+            assert end.values["risk_max"][0] == np.float32(max(got.values()))
+        rows = [a for a in results["lookback_ratio"][rid] if a.step >= 0]
+        got_lr = {p: r for a in rows for p, r in zip(a.positions, a.values["lookback_ratios"])}
+        got_risk = {p: r for a in rows for p, r in zip(a.positions, a.values["risk"].tolist())}
+        assert sorted(got_lr) == gen_pos
+        layers = lb.extra["layers"]
+        ref_lr = np.zeros((len(gen_pos), len(layers), lb.extra["heads"]))
+        for m, t in enumerate(gen_pos):
+            for j, layer in enumerate(layers):
+                a = att[layer][0, :, t, :t + 1].double().numpy()  # [heads, keys]
+                ctx, new = a[:, :P].mean(1), a[:, P:].mean(1)
+                ref_lr[m, j] = ctx / (ctx + new)
+        lr_err = np.abs(np.stack([got_lr[p] for p in gen_pos]) - ref_lr).max()
+        worst["lookback_ratios"] = max(worst.get("lookback_ratios", 0), lr_err)
+        feats = window_means(ref_lr.reshape(len(gen_pos), -1), lb.extra["window"])
+        ref_risk = sigmoid(lb.logits(feats))
+        worst["lookback_risk"] = max(worst.get("lookback_risk", 0),
+                                     np.abs(np.asarray([got_risk[p] for p in gen_pos]) - ref_risk).max())
+    print("max |analyzer - HF reference|:", {k: f"{v:.2e}" for k, v in worst.items()})
+    # vLLM CPU and HF float32 differ by ~1e-5 relative in the residual (h14's tests: 1e-4 bound); through a
+    # probe with |w / scale| ~ 1 over 576 dimensions that moves a probability by well under 1e-3
+    assert worst["token_probe"] < 2e-3 and worst["semantic_entropy_probe"] < 2e-3
+    assert worst["lookback_ratios"] < 1e-3 and worst["lookback_risk"] < 2e-3
+
+
+# ------------------------------------------------------------------------------------------------ engine: the commands
+
+@pytest.mark.slow
+def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path):
+    """``mia-stream probe collect`` (a real engine, broker and recorder processes) on a small generated set,
+    ``probe train`` on its recording at one layer, ``probe eval --analyzers`` through the analyzer: the
+    held-out answer AUROC is above chance by the stated margin, and the analyzer replaying the recording
+    reproduces the trained probe's held-out numbers."""
+    data = tmp_path / "data"
+    layer = json.loads(_shipped("token_probe").read_text())["layer"]
+    r = _cli("probe", "collect", str(data), "--sets", *TEST_SETS, "--limit", str(TEST_LIMIT), "--samples", "0",
+             "--hs-layers", str(layer), "--qk-layers", "none")
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout)
+    assert summary["recorder_dropped"] == 0 and summary["requests"] == TEST_LIMIT * len(TEST_SETS)
+    probe_file = tmp_path / "tp.json"
+    r = _cli("probe", "train", "--data", str(data), "--layer", str(layer), "--out", str(probe_file))
+    assert r.returncode == 0, r.stderr[-3000:]
+    probe = json.loads(probe_file.read_text())
+    test = probe["metrics"]["test"]
+    print("held-out:", test)
+    assert test["answer_auc"] >= 0.5 + AUC_MARGIN, test
+    r = _cli("probe", "eval", "--data", str(data), "--detectors", "token_probe", "--layers", str(layer),
+             "--analyzers", str(probe_file), "--json", str(tmp_path / "eval.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    replayed = ev["analyzers"][str(probe_file)]
+    assert replayed["answer_auc"] == pytest.approx(test["answer_auc"], abs=1e-4)
+    assert replayed["token_auc"] == pytest.approx(test["token_auc"], abs=1e-4)
+    assert replayed["requests"] == test["requests"]
+
+
+TEST_SETS = ("arithmetic", "capitals")
+TEST_LIMIT = 60
+AUC_MARGIN = 0.15
