@@ -189,7 +189,7 @@ def run_one(rate: float, a: argparse.Namespace, browser) -> dict:
         cpu, chrome = _cpu_s(mon.pid) - cpu0, _chromium_cpu_s() - chrome0
         latency += page.evaluate("() => window.__mia.latency.splice(0)")
         render = page.evaluate("() => window.__mia.renderMs")
-        list_ms = page.evaluate("() => window.__mia.listMs")
+        list_ms = page.evaluate("() => window.__mia.listMs || []")
         updates = page.evaluate("() => window.__mia.updates")
         stats1 = json.loads(page.evaluate("async () => JSON.stringify(await (await fetch('api/stats')).json())"))
         snap = json.loads(page.evaluate("async () => JSON.stringify(await (await fetch('api/snapshot')).json())"))

@@ -307,7 +307,7 @@ def test_live_page_shows_tokens_and_scores_within_a_second(engine, broker_addres
     prompts = ["Q: What is the chemical symbol of gold?\nA:", "Q: What is the atomic number of iron?\nA:",
                "Q: Which element has the chemical symbol W?\nA:"]
     with scorer(broker_address, "mon-live-*"), monitor(broker_address) as (url, _proc):
-        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page = browser.new_page(viewport={"width": 1280, "height": 720})
         errors: list = []
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.goto(url + "#request=mon-live-0")
@@ -446,6 +446,26 @@ def test_recording_scrubs_to_a_step(engine, broker_address, tokenizer, browser, 
         shot = save_screenshot(page, "monitor-recording.png")
         print(f"screenshot: {shot}")
         assert not errors, errors
+        page.close()
+    # the same recording cut in half (its recorder killed mid-write): what is complete is shown, and the cut said
+    cut_dir = tmp_path / "cut"
+    cut_dir.mkdir()
+    parts = sorted(rec_dir.glob("*.mcap"))
+    data = parts[-1].read_bytes()
+    (cut_dir / parts[-1].name).write_bytes(data[: len(data) // 2])
+    with monitor(str(cut_dir)) as (url, _proc):
+        page = browser.new_page(viewport={"width": 1400, "height": 900})
+        page.goto(url + f"#request={rid}")
+        data = wait_page(page, lambda d: d["loaded"] and "cut short" in d["broker"], 60, "the cut recording loaded")
+        assert parts[-1].name in data["broker"]
+        assert page.locator("#broker-body .bad").count() == 1  # shown as a problem
+        cut = collect(str(cut_dir), ["*"], [rid], timeout=30)  # what the SDK reads of it: the reference
+        assert rid not in cut.ends
+        if rid in cut.starts:  # (the cut may fall before the first complete chunk: then nothing is shown)
+            want_ids = cut.token_ids(rid)
+            assert len(want_ids) < len(truth.token_ids(rid))
+            data = wait_page(page, lambda d: len(d["spans"]) == len(want_ids), 10, "the request's complete part")
+            assert data["state"] == "running" and data["text"] == tokenizer.decode(want_ids)
         page.close()
 
 
@@ -631,8 +651,49 @@ def test_a_token_guards_every_request_beyond_loopback(browser, tmp_path):
     with monitor(str(tmp_path)) as (url, _proc):  # a directory holding no recording: said, the server stays
         note = wait_for_snapshot(url, lambda s: "holds no .mcap files" in (s["overview"]["note"] or ""))
         assert note["overview"]["note"].startswith("reading the source failed: RecordingError")
+        assert note["overview"]["note_is_problem"]
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "part-00000.mcap").write_bytes(b"not a recording at all" * 100)
+    with monitor(str(garbage)) as (url, _proc):  # a file that is no MCAP: said, the server stays
+        note = wait_for_snapshot(url, lambda s: "is not an MCAP file" in (s["overview"]["note"] or ""))
+        assert note["overview"]["note"].startswith("reading the source failed: RecordingError")
+        assert httpx.get(url).status_code == 200
     for args, message in ((["--source", "/no/such/dir"], "is neither a broker run dir nor a recording"),
                           (["--source", str(tmp_path), "--token", "short"], "--token must be at least 8")):
         r = subprocess.run([PY, "-m", "mia_stream.cli", "monitor", *args], capture_output=True, text=True, env=_env(),
                            timeout=60)
         assert r.returncode == 2 and message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_tokens_go_out_as_ids_while_their_tokenizer_loads(model_dir, tokenizer, monkeypatch):
+    """A request's tokens are not held back while its tokenizer loads (0.3-1.5 s here): they are sent as ids,
+    then the request is sent again whole, as text, once it has loaded. (The load is held on an event to make the
+    order certain; the tokenizer and the state are the real ones.)"""
+    import threading as th
+
+    from mia_stream.monitor import _detok
+    from mia_stream.monitor._state import MonitorState
+    from mia_stream.schemas import StreamStart
+
+    release, real_load = th.Event(), _detok._load
+    monkeypatch.setattr(_detok, "_load", lambda name: (release.wait(30), real_load(name))[1])
+    st = MonitorState()
+    prompt = tokenizer.encode("The capital of France is")
+    st.on_start(StreamStart("r", "p", 1, 0, model=model_dir, tokenizer=model_dir, num_layers=30, hidden_size=576,
+                            prompt_token_ids=prompt, tags={}, time_ns=time.time_ns()))
+    gen = tokenizer.encode(" Paris.", add_special_tokens=False)
+    st.on_token_columns("p", 0, time.time_ns(), ["r"], [0, len(gen)], gen, [])
+    rec = st.requests["r"]
+    out, cursor = st.detail(rec, None, None)
+    assert [t[1] for t in out["tokens"]] == [f"#{i} " for i in prompt + gen]
+    assert out["info"]["detok_note"].startswith("loading tokenizer")
+    out, cursor = st.detail(rec, None, cursor)  # nothing new while it loads
+    assert not out["reset"] and out["tokens"] == []
+    release.set()
+    deadline = time.monotonic() + 30
+    while st.tokenizers.lookup(model_dir)[0] is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    out, cursor = st.detail(rec, None, cursor)  # loaded: everything again, as text
+    assert out["reset"] and "".join(t[1] for t in out["tokens"]) == tokenizer.decode(prompt + gen)
+    assert out["info"]["detok_note"] is None

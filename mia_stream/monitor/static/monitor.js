@@ -130,6 +130,7 @@
     const vals = [id, tags, state, prompt, gen, fmt(tps), drops, fmt(lag), alerts, fmt(top, 3)];
     for (let i = 0; i < COLS; i++) setText(p.cells[i], vals[i] + "");
     if (p.tr.dataset.id !== id) p.tr.dataset.id = id;
+    p.cells[0].title = id;
     p.cells[1].title = tags;
     p.tr.classList.toggle("ended", state !== "running" && state !== "no start");
     p.tr.classList.toggle("selected", id === M.select);
@@ -211,7 +212,7 @@
     const box = $("broker-body");
     const b = o.broker;
     box.textContent = "";
-    if (M.recording) { box.appendChild(el("span", "muted", o.note || "recording: no broker")); return; }
+    if (M.recording) { box.appendChild(el("span", o.note_is_problem ? "bad" : "muted", o.note || "recording: no broker")); return; }
     if (!b) { box.appendChild(el("span", "muted", "no stats yet")); return; }
     if (b.error && b.frames_per_s === undefined) { box.appendChild(el("span", "bad", b.error)); return; }
     const kv = (k, v, bad) => box.appendChild(el("span", "kv" + (bad ? " bad" : ""), `${k} ${v}`));
@@ -237,10 +238,12 @@
     if (d.id !== M.select) return;
     const text = $("text");
     if (d.reset || !M.d || M.d.id !== d.id) {
+      // shownAt/scoredAt: when a position first showed; kept when the same request is sent again whole
+      // (its text replacing the token ids shown while its tokenizer loaded)
+      if (!M.d || M.d.id !== d.id) { M.shownAt = {}; M.scoredAt = {}; }
       M.d = newDetail(d.id);
       text.textContent = "";
       $("alerts").textContent = "";
-      M.shownAt = {}; M.scoredAt = {};
     }
     const D = M.d;
     if (d.missing) { setText($("detail-info"), "not known to the monitor (never seen, or ended and forgotten)"); return; }
