@@ -670,13 +670,11 @@ def test_tokens_go_out_as_ids_while_their_tokenizer_loads(model_dir, tokenizer, 
     """A request's tokens are not held back while its tokenizer loads (0.3-1.5 s here): they are sent as ids,
     then the request is sent again whole, as text, once it has loaded. (The load is held on an event to make the
     order certain; the tokenizer and the state are the real ones.)"""
-    import threading as th
-
     from mia_stream.monitor import _detok
     from mia_stream.monitor._state import MonitorState
     from mia_stream.schemas import StreamStart
 
-    release, real_load = th.Event(), _detok._load
+    release, real_load = threading.Event(), _detok._load
     monkeypatch.setattr(_detok, "_load", lambda name: (release.wait(30), real_load(name))[1])
     st = MonitorState()
     prompt = tokenizer.encode("The capital of France is")
