@@ -181,20 +181,21 @@ def _unset_broker() -> None:
 
 
 def _plugin_engine_core(address: str) -> int | None:
-    """The pid of the plugin engine's core process: an ``EngineCore`` whose environment names the broker (it
-    runs the scheduler and, with TP 1 on a GPU, the worker; py-spy follows its subprocesses too)."""
-    mark = f"MIA_STREAM_BROKER={address}".encode()
+    """The pid of the plugin engine's core process: called after the plugin engine started and before the plain
+    one, it is this process's only ``EngineCore`` child (it runs the scheduler and, with TP 1 on a GPU, the
+    worker; py-spy follows its subprocesses too). Found by parent pid: vLLM's process title (setproctitle)
+    overwrites the memory /proc/PID/environ reads, so the broker address in its environment is not visible."""
+    me = os.getpid()
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                if b"EngineCore" not in f.read():
-                    continue
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
+                if ppid == me and b"EngineCore" in f.read():
                     return int(d)
-        except OSError:
+        except (OSError, ValueError, IndexError):
             continue
     return None
 
