@@ -246,6 +246,7 @@ def main() -> int:
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="mia-bench-served-", dir="/tmp"))
     serve = consumer = None
+    finished = False
     try:
         if args.url:
             url, address = args.url, args.broker
@@ -273,6 +274,7 @@ def main() -> int:
         consumer.wait(30)
         print()
         print(_report(results, json.loads(out.read_text()), args))
+        finished = True
     finally:
         if consumer is not None and consumer.poll() is None:
             consumer.kill()
@@ -282,8 +284,8 @@ def main() -> int:
                 serve.wait(120)
             except subprocess.TimeoutExpired:
                 os.killpg(serve.pid, signal.SIGKILL)
-        if serve is None or serve.returncode == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # kept when the server failed: its log is there
+        if finished and (serve is None or serve.returncode == 0):
+            shutil.rmtree(tmp, ignore_errors=True)  # kept when the run or the server failed: its log is there
         else:
             print(f"server log kept in {tmp}", file=sys.stderr)
     return 0
