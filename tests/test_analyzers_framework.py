@@ -523,9 +523,11 @@ def test_the_readme_analyzer_scores_generated_rows_only_as_numpy_does():
 
 
 @pytest.mark.slow  # subprocesses
-def test_published_results_reach_other_consumers_with_the_analyzers_producer_id(tmp_path):
+@pytest.mark.parametrize("broker_from", ["--source", "MIA_STREAM_BROKER"])
+def test_published_results_reach_other_consumers_with_the_analyzers_producer_id(tmp_path, broker_from):
     """`--publish`: the analyzer's results go back through the broker's producers endpoint; a consumer of the
-    same requests receives them as analysis messages (needs a broker that routes them: issue 12)."""
+    same requests receives them as analysis messages (needs a broker that routes them: issue 12). A bare
+    `--publish` goes to the source broker, whether `--source` or `$MIA_STREAM_BROKER` names it."""
     from mia_stream.broker import run_broker_in_thread
     from mia_stream.consumers._live import BrokerClient
     from mia_stream.producer.publisher import FramePublisher
@@ -534,11 +536,14 @@ def test_published_results_reach_other_consumers_with_the_analyzers_producer_id(
     rng = np.random.default_rng(5)
     msgs, ref = _synthetic_streams(rng, n_requests=2, steps=3)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    source = ["--source", str(run)]
+    if broker_from == "MIA_STREAM_BROKER":
+        env["MIA_STREAM_BROKER"], source = str(run), []
     with run_broker_in_thread(address=str(run)) as broker:
         watcher = BrokerClient(str(run), consumer_id="watcher")
         watcher.subscribe(["*"])
         analyzer = subprocess.Popen([sys.executable, "-m", "mia_stream.cli", "analyze", "hidden_states",
-                                     "--source", str(run), "--publish", "--max-streams", "2",
+                                     *source, "--publish", "--max-streams", "2",
                                      "--idle-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, env=env, cwd=ROOT)
         try:
