@@ -23,9 +23,16 @@ Without an ``id`` in the spec (plain ``openai`` calls), the stream is named by v
 response's ``id`` (``chatcmpl-...``) and, for ``/v1/completions``, the response's ``id`` plus ``-<prompt
 index>`` (``cmpl-...-0``); subscribe to ``chatcmpl-*`` with ``from_start=True`` to catch those.
 
+Analysis results. Analyzer processes (``mia-stream analyze NAME --publish``) publish their results for the
+request onto the bus; they arrive as "analysis" events in the same iteration (``req.analyses`` keeps them).
+An analyzer reports a request's final results after that request's end, so ``analyzers=["NAME", ...]`` keeps
+the request open until each named analyzer has sent its final result for it (the result of step -1, which
+the analyzer runner sends when the request ends or when it refuses the request); otherwise the iteration ends
+at the stream's end and later results are not read.
+
 Stopping. The HTTP side runs in a thread (sync) or a task (async); the stream is read in a thread. A request
-is over when both its response and its stream's end have arrived; a response without a stream end within
-``end_timeout`` s raises ``BrokerTimeoutError`` (e.g. a server started without ``MIA_STREAM_BROKER``). An
+is over when its response, its stream's end and the final results of the ``analyzers`` it waits for have
+arrived; a response without those within ``end_timeout`` s raises ``BrokerTimeoutError`` (e.g. a server started without ``MIA_STREAM_BROKER``). An
 HTTP error (e.g. ``openai.BadRequestError`` for a bad spec) is raised by the iteration at once; the stream
 thread, which waits for events it can no longer get, then ends within ``idle_timeout`` s (``open_stream``'s
 iterator cannot be interrupted from another thread).
@@ -40,7 +47,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -83,6 +90,15 @@ def build_spec(capture: dict | None = None, steer: list | None = None, tags: dic
     return out
 
 
+def _analyzer_names(analyzers: Any) -> frozenset:
+    if isinstance(analyzers, str):
+        analyzers = [analyzers]
+    names = frozenset(analyzers or ())
+    if not all(isinstance(n, str) and n for n in names):
+        raise SpecError(f"analyzers must be analyzer names, got {sorted(map(repr, names))}")
+    return names
+
+
 def _glob_escape(text: str) -> str:
     """A pattern that matches exactly ``text`` (the broker matches subscriptions with fnmatch)."""
     return "".join(f"[{c}]" if c in "[]*?" else c for c in text)
@@ -120,6 +136,11 @@ class ServedEvent:
         return self.bus.end if self.bus is not None else None
 
     @property
+    def analysis(self):
+        """An "analysis" event's ``Analysis`` (one analyzer's rows for this request at one step; step -1: final)."""
+        return self.bus.analysis if self.bus is not None else None
+
+    @property
     def stream(self) -> RequestStream | None:
         return self.bus.stream if self.bus is not None else None
 
@@ -138,7 +159,12 @@ class _State:
     gaps: list = field(default_factory=list)
     http_done: bool = False
     bus_ended: bool = False
-    last_event_kinds: list = field(default_factory=list)
+    awaiting: set = field(default_factory=set)  # analyzers whose final result (step -1) has not come yet
+    analyses: list = field(default_factory=list)
+
+    @property
+    def bus_done(self) -> bool:
+        return self.bus_ended and not self.awaiting
 
     def on_bus(self, ev: Event) -> ServedEvent:
         self.stream = ev.stream
@@ -148,7 +174,21 @@ class _State:
             self.gaps.append(ev.gap)
         elif ev.kind == "end":
             self.bus_ended = True
+        elif ev.kind == "analysis":
+            self.analyses.append(ev.analysis)
+            if ev.analysis.step == -1:
+                self.awaiting.discard(ev.analysis.analyzer)
         return ServedEvent(ev.kind, self.request_id, bus=ev)
+
+    def end_timeout_error(self, end_timeout: float) -> BrokerTimeoutError:
+        if self.bus_ended:
+            return BrokerTimeoutError(
+                f"request {self.request_id!r}: its stream ended but no final result came from analyzer(s) "
+                f"{sorted(self.awaiting)} within {end_timeout:g} s (is each running with --publish on this broker "
+                "and --patterns matching this request?)")
+        return BrokerTimeoutError(
+            f"request {self.request_id!r}: the response came but its stream did not end within {end_timeout:g} s "
+            "(is the server running with MIA_STREAM_BROKER set to this broker?)")
 
     def on_text(self, delta: str, chunk: Any = None) -> ServedEvent:
         self.text_parts.append(delta)
@@ -200,6 +240,12 @@ class _Results:
         return self._state.gaps
 
     @property
+    def analyses(self) -> list:
+        """The analysis results received for this request (``Analysis``: analyzer, step, positions, values...),
+        in arrival order."""
+        return self._state.analyses
+
+    @property
     def end(self):
         return self._state.stream.end if self._state.stream is not None else None
 
@@ -212,15 +258,18 @@ class _Results:
 
 # ------------------------------------------------------------------------------------------ workers
 def _bus_worker(source: Any, request_id: str, put: Callable[[tuple], None], stop: threading.Event,
-                subscribed: Callable[[], None], idle_timeout: float, options: dict, reopen: bool) -> None:
-    """Read ``request_id``'s events from ``source`` (live) and ``put`` them; ends at its end event or ``stop``.
+                subscribed: Callable[[], None], idle_timeout: float, options: dict, reopen: bool,
+                analyzers: frozenset = frozenset()) -> None:
+    """Read ``request_id``'s events from ``source`` (live) and ``put`` them; ends at its end event (and the final
+    results of ``analyzers``, which come after it) or ``stop``.
 
     ``reopen`` (a request this client sent): a session that ends idle before any event was seen is reopened
     (the request may still be queued); nothing was delivered from it, so nothing repeats. Without it (``open``
     of someone else's request), no event within ``idle_timeout`` is an error.
     """
     pattern = _glob_escape(request_id)
-    seen = False
+    seen = ended = False
+    awaiting = set(analyzers)
     try:
         while not stop.is_set():
             with open_stream(source, patterns=[pattern], from_start=True, timeout=idle_timeout, **options) as es:
@@ -230,11 +279,15 @@ def _bus_worker(source: Any, request_id: str, put: Callable[[tuple], None], stop
                         continue
                     seen = True
                     put(("bus", ev))
-                    if ev.kind == "end" or stop.is_set():
+                    ended = ended or ev.kind == "end"
+                    if ev.kind == "analysis" and ev.analysis.step == -1:
+                        awaiting.discard(ev.analysis.analyzer)
+                    if (ended and not awaiting) or stop.is_set():
                         return
             if seen:
+                what = f"the final result of analyzer(s) {sorted(awaiting)}" if ended else "its end"
                 put(("bus_error", BrokerTimeoutError(
-                    f"stream {request_id!r}: no event for {idle_timeout:g} s before its end (idle_timeout)")))
+                    f"stream {request_id!r}: no event for {idle_timeout:g} s before {what} (idle_timeout)")))
                 return
             if not reopen:
                 put(("bus_error", BrokerTimeoutError(
@@ -295,8 +348,10 @@ class ServedRequest(_Results):
     use it as a context manager so an abandoned request's threads are stopped."""
 
     def __init__(self, request_id: str, *, source: Any, http_call: Callable[[], Any] | None, stream: bool,
-                 chat: bool, keep_frames: bool, end_timeout: float, idle_timeout: float, options: dict):
-        self._state = _State(request_id, keep_frames)
+                 chat: bool, keep_frames: bool, end_timeout: float, idle_timeout: float, options: dict,
+                 analyzers: frozenset = frozenset()):
+        self._state = _State(request_id, keep_frames, awaiting=set(analyzers))
+        self._analyzers = analyzers
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
         self._end_timeout = end_timeout
@@ -314,7 +369,7 @@ class ServedRequest(_Results):
         subscribed = threading.Event()
         self._bus = threading.Thread(target=_bus_worker, daemon=True, name=f"mia-bus-{self.request_id}",
                                      args=(source, self.request_id, self._q.put, self._stop, subscribed.set,
-                                           idle_timeout, options, http_call is not None))
+                                           idle_timeout, options, http_call is not None, self._analyzers))
         self._bus.start()
         subscribed.wait()  # subscribed before the request is sent: the stream is read from its first event
         if http_call is not None:
@@ -329,7 +384,7 @@ class ServedRequest(_Results):
             self._start()
         st = self._state
         while True:
-            if self._closed or (st.http_done and st.bus_ended):
+            if self._closed or (st.http_done and st.bus_done):
                 self.close()
                 raise StopIteration
             timeout = None
@@ -340,10 +395,7 @@ class ServedRequest(_Results):
                 kind, payload = self._q.get(timeout=timeout)
             except queue.Empty:
                 self.close()
-                raise BrokerTimeoutError(
-                    f"request {self.request_id!r}: the response came but its stream did not end within "
-                    f"{self._end_timeout:g} s (is the server running with MIA_STREAM_BROKER set to this "
-                    "broker?)") from None
+                raise st.end_timeout_error(self._end_timeout) from None
             if kind == "bus":
                 return st.on_bus(payload)
             if kind == "text":
@@ -358,7 +410,7 @@ class ServedRequest(_Results):
             if kind in ("http_error", "bus_error"):
                 self.close()
                 raise payload
-            if kind == "bus_closed" and not st.bus_ended:
+            if kind == "bus_closed" and not st.bus_done:
                 self.close()
                 raise MiaStreamError(f"stream {self.request_id!r}: the stream reader stopped before its end")
 
@@ -425,18 +477,20 @@ class StreamClient(_ClientBase):
             self.model = self.openai.models.list().data[0].id
         return self.model
 
-    def _served(self, rid: str, call, stream: bool, chat: bool, keep_frames: bool | None) -> ServedRequest:
+    def _served(self, rid: str, call, stream: bool, chat: bool, keep_frames: bool | None,
+                analyzers=()) -> ServedRequest:
         return ServedRequest(rid, source=self.broker, http_call=call, stream=stream, chat=chat,
                              keep_frames=self.keep_frames if keep_frames is None else keep_frames,
                              end_timeout=self.end_timeout, idle_timeout=self.idle_timeout,
-                             options=self.stream_options)
+                             options=self.stream_options, analyzers=_analyzer_names(analyzers))
 
     def chat(self, messages: list, *, capture: dict | None = None, steer: list | None = None,
              tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
              stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-             **create_kwargs: Any) -> ServedRequest:
+             analyzers: Sequence[str] = (), **create_kwargs: Any) -> ServedRequest:
         """A chat completion with a capture/steering spec; nothing is sent until the first ``next``.
-        ``create_kwargs`` go to ``chat.completions.create`` (``max_tokens``, ``temperature``, ``seed``...)."""
+        ``create_kwargs`` go to ``chat.completions.create`` (``max_tokens``, ``temperature``, ``seed``...).
+        ``analyzers``: names of analyzer processes publishing on this broker whose final results to wait for."""
         rid, body = self._request("chat", capture, steer, tags, request_id, spec, extra_body)
         model = create_kwargs.pop("model", None) or self._model()
         if create_kwargs.get("n", 1) != 1:
@@ -446,12 +500,12 @@ class StreamClient(_ClientBase):
             return self.openai.chat.completions.create(model=model, messages=messages, stream=stream,
                                                        extra_body=body, **create_kwargs)
 
-        return self._served(rid, call, stream, True, keep_frames)
+        return self._served(rid, call, stream, True, keep_frames, analyzers)
 
     def completion(self, prompt: str | list[int], *, capture: dict | None = None, steer: list | None = None,
                    tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
                    stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-                   **create_kwargs: Any) -> ServedRequest:
+                   analyzers: Sequence[str] = (), **create_kwargs: Any) -> ServedRequest:
         """A completion; ``prompt`` may be token ids (e.g. ``chat_spans(...).token_ids``: no re-tokenization)."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, str)):
             raise SpecError("StreamClient.completion takes one prompt (a string or a list of token ids)")
@@ -464,11 +518,11 @@ class StreamClient(_ClientBase):
             return self.openai.completions.create(model=model, prompt=prompt, stream=stream, extra_body=body,
                                                   **create_kwargs)
 
-        return self._served(rid, call, stream, False, keep_frames)
+        return self._served(rid, call, stream, False, keep_frames, analyzers)
 
-    def open(self, request_id: str, keep_frames: bool | None = None) -> ServedRequest:
+    def open(self, request_id: str, keep_frames: bool | None = None, analyzers: Sequence[str] = ()) -> ServedRequest:
         """The stream of a request sent by someone else (live, from its start while the broker buffers it)."""
-        return self._served(request_id, None, False, True, keep_frames)
+        return self._served(request_id, None, False, True, keep_frames, analyzers)
 
     @staticmethod
     def recording(path: Any) -> "RecordingClient":
@@ -564,8 +618,9 @@ class AsyncServedRequest(_Results):
     """The asyncio flavour of ``ServedRequest``: ``async for ev in req`` / ``await req.collect()``."""
 
     def __init__(self, request_id: str, *, source: Any, http_call, stream: bool, chat: bool, keep_frames: bool,
-                 end_timeout: float, idle_timeout: float, options: dict):
-        self._state = _State(request_id, keep_frames)
+                 end_timeout: float, idle_timeout: float, options: dict, analyzers: frozenset = frozenset()):
+        self._state = _State(request_id, keep_frames, awaiting=set(analyzers))
+        self._analyzers = analyzers
         self._stop = threading.Event()
         self._end_timeout = end_timeout
         self._args = (source, http_call, stream, chat, idle_timeout, options)
@@ -589,7 +644,7 @@ class AsyncServedRequest(_Results):
         threading.Thread(target=_bus_worker, daemon=True, name=f"mia-bus-{self.request_id}",
                          args=(source, self.request_id, put, self._stop,
                                lambda: loop.call_soon_threadsafe(subscribed.set), idle_timeout, options,
-                               http_call is not None)).start()
+                               http_call is not None, self._analyzers)).start()
         await subscribed.wait()
         if http_call is not None:
             self._task = asyncio.create_task(self._http(http_call, stream, chat, q))
@@ -624,7 +679,7 @@ class AsyncServedRequest(_Results):
             await self._start()
         st = self._state
         while True:
-            if self._closed or (st.http_done and st.bus_ended):
+            if self._closed or (st.http_done and st.bus_done):
                 self.close()
                 raise StopAsyncIteration
             try:
@@ -636,10 +691,7 @@ class AsyncServedRequest(_Results):
                     kind, payload = await self._q.get()
             except asyncio.TimeoutError:
                 self.close()
-                raise BrokerTimeoutError(
-                    f"request {self.request_id!r}: the response came but its stream did not end within "
-                    f"{self._end_timeout:g} s (is the server running with MIA_STREAM_BROKER set to this "
-                    "broker?)") from None
+                raise st.end_timeout_error(self._end_timeout) from None
             if kind == "bus":
                 return st.on_bus(payload)
             if kind == "text":
@@ -653,7 +705,7 @@ class AsyncServedRequest(_Results):
             if kind in ("http_error", "bus_error"):
                 self.close()
                 raise payload
-            if kind == "bus_closed" and not st.bus_ended:
+            if kind == "bus_closed" and not st.bus_done:
                 self.close()
                 raise MiaStreamError(f"stream {self.request_id!r}: the stream reader stopped before its end")
 
@@ -695,16 +747,16 @@ class AsyncStreamClient(_ClientBase):
             self.model = (await self.openai.models.list()).data[0].id
         return self.model
 
-    def _served(self, rid, call, stream, chat, keep_frames) -> AsyncServedRequest:
+    def _served(self, rid, call, stream, chat, keep_frames, analyzers=()) -> AsyncServedRequest:
         return AsyncServedRequest(rid, source=self.broker, http_call=call, stream=stream, chat=chat,
                                   keep_frames=self.keep_frames if keep_frames is None else keep_frames,
                                   end_timeout=self.end_timeout, idle_timeout=self.idle_timeout,
-                                  options=self.stream_options)
+                                  options=self.stream_options, analyzers=_analyzer_names(analyzers))
 
     def chat(self, messages: list, *, capture: dict | None = None, steer: list | None = None,
              tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
              stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-             **create_kwargs: Any) -> AsyncServedRequest:
+             analyzers: Sequence[str] = (), **create_kwargs: Any) -> AsyncServedRequest:
         rid, body = self._request("chat", capture, steer, tags, request_id, spec, extra_body)
         if create_kwargs.get("n", 1) != 1:
             raise SpecError("AsyncStreamClient sends one choice per request (n=1)")
@@ -714,12 +766,12 @@ class AsyncStreamClient(_ClientBase):
             return await self.openai.chat.completions.create(model=model, messages=messages, stream=stream,
                                                              extra_body=body, **create_kwargs)
 
-        return self._served(rid, call, stream, True, keep_frames)
+        return self._served(rid, call, stream, True, keep_frames, analyzers)
 
     def completion(self, prompt: str | list[int], *, capture: dict | None = None, steer: list | None = None,
                    tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
                    stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-                   **create_kwargs: Any) -> AsyncServedRequest:
+                   analyzers: Sequence[str] = (), **create_kwargs: Any) -> AsyncServedRequest:
         rid, body = self._request("cmpl", capture, steer, tags, request_id, spec, extra_body)
         if create_kwargs.get("n", 1) != 1:
             raise SpecError("AsyncStreamClient sends one choice per request (n=1)")
@@ -729,10 +781,11 @@ class AsyncStreamClient(_ClientBase):
             return await self.openai.completions.create(model=model, prompt=prompt, stream=stream,
                                                         extra_body=body, **create_kwargs)
 
-        return self._served(rid, call, stream, False, keep_frames)
+        return self._served(rid, call, stream, False, keep_frames, analyzers)
 
-    def open(self, request_id: str, keep_frames: bool | None = None) -> AsyncServedRequest:
-        return self._served(request_id, None, False, True, keep_frames)
+    def open(self, request_id: str, keep_frames: bool | None = None,
+             analyzers: Sequence[str] = ()) -> AsyncServedRequest:
+        return self._served(request_id, None, False, True, keep_frames, analyzers)
 
     @staticmethod
     def recording(path: Any) -> RecordingClient:

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """What one analyzer process costs per request-step, and how many request-steps/s it sustains.
 
-    python scripts/bench_analyzers.py                         # 256 requests, 4096 wide, 1 layer bf16, decode
+    python scripts/bench_analyzers.py                         # all six: 256 requests, 8B geometry, bf16
+    python scripts/bench_analyzers.py --prefill-rows 1792 --analyzers attention_tracker core_reranker attnlink
     python scripts/bench_analyzers.py --requests 64 --rounds 50 --analyzers hnode
 
 Input: synthetic ``StepBatch`` messages of ``--requests`` decoding requests (one row each), ``--layers`` captured
@@ -10,6 +11,14 @@ them; fresh random rows every round. Each round times, in this process, what an 
 decode the message (inline payload), assemble it, run the analyzer (vectorized numpy; its ``Results`` -> one
 ``AnalysisBatch``), encode the result for publishing. Analyzers are measured side by side in
 one run, interleaved round by round. Probes of the benched width are random (cost does not depend on weights).
+
+The attention analyzers (attention_tracker, core_reranker with 8 CoRe heads, attnlink; configs of
+``scripts/bench_attention_analyzers.py``) read Q/K at prompt positions only, so decode rows cost them nothing: in
+the same rounds they get the prefill that keeps ``--requests`` requests running, ``--prefill-rows`` prompt rows
+per step (default: ``--requests`` new prompts of ``--prompt`` tokens every ``--decode-steps`` steps, i.e. each
+request generates that many tokens), chunked as vLLM does, bf16 Q/K of the heads their config names (8B:
+32 heads, 8 KV heads, head_dim 128), fresh random values every step; a request's start and end are fed as they
+come. Their request-step is one of the ``--requests`` running requests in one step, as for the others.
 
 Each step goes the way ``run_analyzer`` takes it: ``decode`` -> the SDK's assembler in batch mode (seq checks
 per request) -> ``AnalyzerRunner.feed``. ``--per-request`` also times, side by side, the same step sent as 256
@@ -38,7 +47,9 @@ sys.path.insert(0, str(ROOT))
 from mia_stream.analyzers import AnalyzerRunner, create  # noqa: E402
 from mia_stream.consumers import StreamAssembler  # noqa: E402
 from mia_stream.analyzers._probe import LinearProbe  # noqa: E402
-from mia_stream.schemas import RowGroup, StepBatch, StreamStart, Tensor, decode, encode  # noqa: E402
+from mia_stream.schemas import RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, decode, encode  # noqa: E402
+
+ATTENTION = ("attention_tracker", "core_reranker", "attnlink")
 
 
 def _bf16(x: np.ndarray) -> np.ndarray:
@@ -76,6 +87,89 @@ def _step(rng, ids, step, layers, hidden, prompt):
     return StepBatch("bench", 1, step, ids, np.full(len(ids), step + 1), [g], time_ns=time.time_ns())
 
 
+class _Prefill:
+    """The prompt rows of one step: new requests of ``prompt`` tokens admitted as the ``rows`` budget allows,
+    each chunked over as many steps as it takes (vLLM's chunked prefill). The same schedule for every analyzer."""
+
+    def __init__(self, rows: int, prompt: int):
+        self.rows, self.prompt = rows, prompt
+        self.next_id, self.current, self.done = 0, None, 0  # current: [request number, next position]
+
+    def step(self) -> list[tuple[int, int, int]]:
+        """(request number, first position, rows) for each request with prompt rows in this step."""
+        out, budget = [], self.rows
+        while budget > 0:
+            if self.current is None:
+                self.current = [self.next_id, 0]
+                self.next_id += 1
+            n = min(budget, self.prompt - self.current[1])
+            out.append((self.current[0], self.current[1], n))
+            budget -= n
+            self.current[1] += n
+            if self.current[1] == self.prompt:
+                self.current, self.done = None, self.done + 1
+        return out
+
+
+class _AttentionPath:
+    """One attention analyzer fed the prefill steps of ``_Prefill``, with the capture its --print-spec names."""
+
+    def __init__(self, name: str, config: dict, args):
+        import bench_attention_analyzers as attn  # noqa: E402  (scripts/: the attention bench's configs, spans)
+
+        self.an = create(name, config)
+        spec = self.an.capture_spec()["qk"]
+        self.layers = list(range(args.num_layers)) if spec["layers"] == "all" else spec["layers"]
+        self.q_heads = list(range(args.num_heads)) if spec["heads"] == "all" else spec["heads"]
+        group = args.num_heads // args.num_kv_heads
+        self.kv_heads = sorted({h // group for h in self.q_heads})
+        self.capture = {"qk": {"layers": self.layers, "heads": self.q_heads, "positions": "prompt"}}
+        self.tags = attn._tags(args.prompt)
+        self.args = args
+        self.runner = AnalyzerRunner(self.an, [lambda b: encode(b)])
+        self.asm = StreamAssembler(batches=True)
+        self.seqs: dict[str, int] = {}
+
+    def messages(self, rng, step: int, chunks) -> list[list]:
+        """The wire messages of one step: starts of new requests, the step batch, ends of finished prompts."""
+        a = self.args
+        wires, ids, counts, positions = [], [], [], []
+        for num, first, n in chunks:
+            rid = f"new-{num:07d}"
+            if first == 0:
+                self.seqs[rid] = 1
+                wires.append(encode(StreamStart(
+                    rid, "bench", 1, 0, capture=self.capture, num_layers=a.num_layers, num_heads=a.num_heads,
+                    num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, prompt_token_ids=list(range(a.prompt)),
+                    tags=self.tags)))
+            ids.append(rid)
+            counts.append(n)
+            positions.extend(range(first, first + n))
+        rows = len(positions)
+        q = _bf16(rng.standard_normal((len(self.layers), rows, len(self.q_heads), a.head_dim), np.float32))
+        k = _bf16(rng.standard_normal((len(self.layers), rows, len(self.kv_heads), a.head_dim), np.float32))
+        g = RowGroup(np.arange(len(ids)), counts, positions,
+                     [Tensor("q", "bfloat16", q.shape, memoryview(q).cast("B"), tuple(self.layers),
+                             meta={"heads": self.q_heads}),
+                      Tensor("k", "bfloat16", k.shape, memoryview(k).cast("B"), tuple(self.layers),
+                             meta={"heads": self.kv_heads})],
+                     np.full(rows, 11), part=1)
+        seqs = [self.seqs[rid] for rid in ids]
+        for rid in ids:
+            self.seqs[rid] += 1
+        wires.append(encode(StepBatch("bench", 1, step, ids, seqs, [g], time_ns=time.time_ns())))
+        for num, first, n in chunks:
+            if first + n == a.prompt:
+                rid = f"new-{num:07d}"
+                wires.append(encode(StreamEnd(rid, "bench", 1, self.seqs.pop(rid), "length", a.prompt, 1)))
+        return wires
+
+    def feed(self, wires) -> None:
+        for w in wires:
+            for ev in self.asm.feed(decode(w)):
+                self.runner.feed(ev)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=int, default=256)
@@ -84,7 +178,15 @@ def main(argv=None) -> int:
     ap.add_argument("--num-layers", type=int, default=32, help="layers of the (synthetic) model")
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--analyzers", nargs="+", default=["hidden_states", "hnode", "science_hallucination"])
+    ap.add_argument("--analyzers", nargs="+", default=["hidden_states", "hnode", "science_hallucination", *ATTENTION])
+    ap.add_argument("--prompt", type=int, default=512, help="attention analyzers: prompt tokens per request")
+    ap.add_argument("--decode-steps", type=int, default=256,
+                    help="attention analyzers: tokens each request generates (sets the prefill rate)")
+    ap.add_argument("--prefill-rows", type=int, default=None,
+                    help="attention analyzers: prompt rows per step (default requests x prompt / decode-steps)")
+    ap.add_argument("--num-heads", type=int, default=32)
+    ap.add_argument("--num-kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--per-request", action="store_true", help="also time the per-request event path")
     ap.add_argument("--bus", action="store_true",
                     help="instead: broker, analyzer and producer as processes, paced at --rate steps/s")
@@ -105,7 +207,17 @@ def main(argv=None) -> int:
                           num_layers=args.num_layers, hidden_size=args.hidden, prompt_token_ids=list(range(prompt)))
               for rid in ids]
     paths = {}  # label -> (assembler, runner, per_request)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import bench_attention_analyzers as attn  # noqa: E402
+
+    attn_configs = attn._configs(args.num_layers, args.num_heads)
+    attn_configs["core_reranker"] = attn_configs.pop("core_reranker (8 CoRe heads)")
+    attention = {name: _AttentionPath(name, attn_configs[name], args) for name in args.analyzers if name in ATTENTION}
+    prefill_rows = args.prefill_rows or args.requests * args.prompt // args.decode_steps
+    prefill = _Prefill(prefill_rows, args.prompt)
     for name in args.analyzers:
+        if name in ATTENTION:
+            continue
         for per_request in ((False, True) if args.per_request else (False,)):
             an = create(name, configs[name] if name != "hidden_states" else {"layers": layers})
             runner = AnalyzerRunner(an, [lambda b: encode(b)])  # what publishing costs: the encode
@@ -115,29 +227,52 @@ def main(argv=None) -> int:
                     runner.feed(ev)
             label = f"{name}{' (per-request messages)' if per_request else ''}"
             paths[label] = (asm, runner, per_request)
-    times = {label: [] for label in paths}
+    times = {label: [] for label in [*paths, *attention]}
+    cpu = {label: [] for label in times}  # this process's CPU time: what a loaded machine's wall time hides
     for rnd in range(args.warmup + args.rounds):
+        chunks = prefill.step() if attention else []
+        for name, path in attention.items():
+            wires = path.messages(rng, rnd, chunks)
+            t0, c0 = time.perf_counter(), time.process_time()
+            path.feed(wires)
+            if rnd >= args.warmup:
+                times[name].append(time.perf_counter() - t0)
+                cpu[name].append(time.process_time() - c0)
+        if not paths:
+            continue
         batch = _step(rng, ids, rnd, layers, args.hidden, prompt)
         wire = encode(batch)
         wires = [encode(f) for f in batch.frames()] if args.per_request else []  # a per-request producer's
         for label, (asm, runner, per_request) in paths.items():
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for w in (wires if per_request else (wire,)):
                 for ev in asm.feed(decode(w)):
                     runner.feed(ev)
             dt = time.perf_counter() - t0
             if rnd >= args.warmup:
                 times[label].append(dt)
+                cpu[label].append(time.process_time() - c0)
         for label, (asm, runner, _) in paths.items():
             assert runner.counters["request_steps"] == len(ids) * (rnd + 1), (label, runner.counters)
+    for name, path in attention.items():
+        c = path.runner.counters
+        assert c["analysis_rows"] == prefill.done and not c["rejected"], (name, dict(c))
     print(f"# {args.requests} requests x 1 row, {args.layers} layer(s) x {args.hidden} bf16 per row, "
           f"{args.rounds} rounds (+{args.warmup} warm-up)")
-    print(f"{'analyzer':<48} {'ms/step (median)':>16} {'p90 ms':>8} {'us/request-step':>16} "
-          f"{'request-steps/s':>16} {'steps/s at R':>13}")
+    if attention:
+        why = ("--prefill-rows" if args.prefill_rows else
+               f"{args.requests} requests x {args.prompt} prompt tokens / {args.decode_steps} generated")
+        print(f"# attention analyzers: {prefill_rows} prompt rows per step ({why}), prompts of {args.prompt} tokens, "
+              f"Q/K of {args.num_layers} layers x {args.num_heads} heads ({args.num_kv_heads} KV) x {args.head_dim} "
+              f"bf16; {prefill.done} prompts scored")
+    # sustained rate: the mean CPU per step (the median wall time hides the slow steps a backlog is made of)
+    print(f"{'analyzer':<30} {'ms/step (median)':>16} {'p90 ms':>8} {'us/request-step':>16} "
+          f"{'request-steps/s':>16} {'steps/s at R':>13} {'CPU ms/step (mean)':>19} {'CPU request-steps/s':>20}")
     for name, ts in times.items():
-        med, p90 = statistics.median(ts), float(np.percentile(ts, 90))
-        print(f"{name:<48} {med * 1e3:>16.2f} {p90 * 1e3:>8.2f} {med / args.requests * 1e6:>16.2f} "
-              f"{args.requests / med:>16.0f} {1 / med:>13.1f}")
+        med, p90, cpu_mean = statistics.median(ts), float(np.percentile(ts, 90)), statistics.fmean(cpu[name])
+        print(f"{name:<30} {med * 1e3:>16.2f} {p90 * 1e3:>8.2f} {med / args.requests * 1e6:>16.2f} "
+              f"{args.requests / med:>16.0f} {1 / med:>13.1f} {cpu_mean * 1e3:>19.2f} "
+              f"{args.requests / cpu_mean:>20.0f}")
     return 0
 
 
@@ -170,6 +305,9 @@ def bus(args) -> int:
     print(f"{'analyzer':<24} {'request-steps':>14} {'lost':>7} {'producer dropped msgs':>22} {'publish s':>10} "
           f"{'done after last step s':>23} {'analyzer CPU us/request-step':>29}")
     for name in args.analyzers:
+        if name in ATTENTION:  # their workload is a prefill of Q/K: in-process only (this mode sends decode hs)
+            print(f"{name:<24} (not in --bus: measured in one process, without --bus)")
+            continue
         run = tempfile.mkdtemp(prefix="mia-bus-", dir="/tmp")
         cfg = tmp / f"config-{name}.json"
         cfg.write_text(json.dumps(configs[name]))

@@ -44,7 +44,14 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
     """name -> (spec or None or "distinct", kind): kind "decode" (default prompts), "prefill" (long prompts),
     "shared" (a shared system prompt)."""
     vec = rng.standard_normal(H).astype(np.float32)
-    vec = (vec / np.linalg.norm(vec)).tolist()
+    vec /= np.linalg.norm(vec)
+    inline = vec.tolist()
+    # Shared vectors are registered once and named, as EasySteer's benchmark loads them from files; the
+    # inline row shows what 32 float lists per request cost at admission (scripts/bench_spec_admission.py).
+    from mia_stream.producer.vectors import register_vector
+
+    register_vector("bench-engine", vec)
+    vec = {"name": "bench-engine"}
     mid = L // 2
     hs1 = {"capture": {"hidden_states": {"layers": [mid], "positions": "all"}}}
     return {
@@ -56,6 +63,8 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
         "steer_1layer": ({"steer": [{"layer": mid, "op": "add", "vector": vec, "scale": 0.5}]}, "decode"),
         "steer_all_layers": ({"steer": [{"layer": i, "op": "add", "vector": vec, "scale": 0.1} for i in range(L)]},
                              "decode"),
+        "steer_all_layers_inline": ({"steer": [{"layer": i, "op": "add", "vector": inline, "scale": 0.1}
+                                               for i in range(L)]}, "decode"),
         "steer_256_vectors": ("distinct", "decode"),
         "prefill_hs_1layer": (hs1, "prefill"),
         "prefill_steer_1layer": ({"steer": [{"layer": mid, "op": "add", "vector": vec, "scale": 0.5}]}, "prefill"),
@@ -172,20 +181,21 @@ def _unset_broker() -> None:
 
 
 def _plugin_engine_core(address: str) -> int | None:
-    """The pid of the plugin engine's core process: an ``EngineCore`` whose environment names the broker (it
-    runs the scheduler and, with TP 1 on a GPU, the worker; py-spy follows its subprocesses too)."""
-    mark = f"MIA_STREAM_BROKER={address}".encode()
+    """The pid of the plugin engine's core process: called after the plugin engine started and before the plain
+    one, it is this process's only ``EngineCore`` child (it runs the scheduler and, with TP 1 on a GPU, the
+    worker; py-spy follows its subprocesses too). Found by parent pid: vLLM's process title (setproctitle)
+    overwrites the memory /proc/PID/environ reads, so the broker address in its environment is not visible."""
+    me = os.getpid()
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
+            with open(f"/proc/{d}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
             with open(f"/proc/{d}/cmdline", "rb") as f:
-                if b"EngineCore" not in f.read():
-                    continue
-            with open(f"/proc/{d}/environ", "rb") as f:
-                if mark in f.read().split(b"\0"):
+                if ppid == me and b"EngineCore" in f.read():
                     return int(d)
-        except OSError:
+        except (OSError, ValueError, IndexError):
             continue
     return None
 
@@ -286,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = json.load(open(Path(a.model) / "config.json"))
     L, H, vocab = cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]
     rng = np.random.default_rng(int(time.time()))
+    os.environ.setdefault("MIA_STREAM_VECTORS", tempfile.mkdtemp(prefix="mia-be-vec-"))
     table = rows(L, H, np.random.default_rng(0))
     names = list(table) if a.rows == "all" else a.rows.split(",")
     run_dir = tempfile.mkdtemp(prefix="mia-be-", dir="/tmp")
@@ -381,6 +392,13 @@ def main(argv: list[str] | None = None) -> int:
                         c.update(lat_p50_ms=round(float(np.percentile(lat, 50)), 2),
                                  lat_p99_ms=round(float(np.percentile(lat, 99)), 2),
                                  lat_p99_steps=round(float(np.percentile(lat, 99)) / step_ms, 2))
+                    # a request's first frame carries its whole prompt (with the batch's other prompts: the
+                    # burst of the round's first steps); the frames after it are one decode step each
+                    dec = np.array([x for e in ends for x in e["lat"][1:]]) if ends else np.zeros(0)
+                    if dec.size:
+                        c.update(decode_p50_ms=round(float(np.percentile(dec, 50)), 2),
+                                 decode_p99_ms=round(float(np.percentile(dec, 99)), 2),
+                                 decode_p99_steps=round(float(np.percentile(dec, 99)) / step_ms, 2))
                     row[api] = c
                 results["rows"].setdefault(name, []).append(row)
                 print(f"[bench_engine] round {rnd} {name}: {json.dumps(row)}", flush=True)
@@ -401,7 +419,8 @@ def print_table(results: dict) -> None:
     apis = results["args"]["consumer_api"].split(",")
     head = f"{'row':28s} {'ratio':>6s} {'plugin tok/s':>12s} {'plain tok/s':>11s} {'step ms':>8s}"
     for api in apis:
-        head += f" | {api + ': frames':>15s} {'gaps':>5s} {'drop':>5s} {'p50 ms':>7s} {'p99 ms':>7s} {'p99 st':>6s}"
+        head += (f" | {api + ': frames':>15s} {'gaps':>5s} {'drop':>5s} {'p50 ms':>7s} {'p99 ms':>7s} {'p99 st':>6s}"
+                 f" {'dec p50':>7s} {'dec p99':>7s} {'dec st':>6s}")
     print("\n" + head)
     nan = float("nan")
     for name, runs in results["rows"].items():
@@ -412,7 +431,8 @@ def print_table(results: dict) -> None:
                 c = r.get(api, {})
                 line += (f" | {c.get('frames', 0):15d} {c.get('gap_seqs', 0):5d} {c.get('dropped', 0):5d} "
                          f"{c.get('lat_p50_ms', nan):7.2f} {c.get('lat_p99_ms', nan):7.2f} "
-                         f"{c.get('lat_p99_steps', nan):6.2f}")
+                         f"{c.get('lat_p99_steps', nan):6.2f} {c.get('decode_p50_ms', nan):7.2f} "
+                         f"{c.get('decode_p99_ms', nan):7.2f} {c.get('decode_p99_steps', nan):6.2f}")
             print(line)
 
 

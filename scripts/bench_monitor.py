@@ -15,8 +15,9 @@ Reported per rate, over the measured window (after a warm-up):
   (its tokens counter), and its private memory (USS; its RSS also counts the producer's ring pages it read);
 - broker drops for the monitor's consumer (it fell behind) and the analysis rows it took in;
 - the page: token -> page latency for the chosen request (producer's publish time to the moment its text is in
-  the page, p50/p95/max), updates received per second, time to apply one update (p50/p95/max), bytes pushed per
-  second; click -> text latency (a request picked in the list until its text shows);
+  the page, p50/p95/max), updates received per second, time to apply one update (p50/p95/max; and the part spent
+  on the request list's rows, in updates that carry rows), bytes pushed per second; click -> text latency (a
+  request picked in the list until its text shows);
 - the lag column of every running request at the end (bus latency to the monitor, p50/max);
 - chromium's CPU (all its processes).
 """
@@ -126,8 +127,8 @@ def _chromium_cpu_s() -> float:
 
 
 PICK_NEWEST = """() => {
-  const row = [...document.querySelectorAll('#requests tbody tr')].find((tr) => tr.children[2].textContent === 'running'
-    && tr.style.display !== 'none' && !tr.classList.contains('selected'));
+  const row = [...document.querySelectorAll('#requests tbody tr:not(.pad)')].find((tr) => !tr.hidden
+    && tr.children[2].textContent === 'running' && !tr.classList.contains('selected'));
   if (!row) return null;
   window.__pick = {id: row.dataset.id, t0: performance.now(), t1: null};
   row.click();
@@ -167,7 +168,8 @@ def run_one(rate: float, a: argparse.Namespace, browser) -> dict:
         while time.monotonic() < t_end and page.evaluate(PICK_NEWEST) is None:
             time.sleep(0.2)
         time.sleep(max(0.0, t_end - time.monotonic()))
-        page.evaluate("() => { window.__mia.latency = []; window.__mia.renderMs = []; window.__mia.updates = 0; "
+        page.evaluate("() => { window.__mia.latency = []; window.__mia.renderMs = []; window.__mia.listMs = []; "
+                      "window.__mia.updates = 0; "
                       "window.__pick = null; }")
         stats0 = json.loads(page.evaluate("async () => JSON.stringify(await (await fetch('api/stats')).json())"))
         cpu0, chrome0, t0 = _cpu_s(mon.pid), _chromium_cpu_s(), time.monotonic()
@@ -187,6 +189,7 @@ def run_one(rate: float, a: argparse.Namespace, browser) -> dict:
         cpu, chrome = _cpu_s(mon.pid) - cpu0, _chromium_cpu_s() - chrome0
         latency += page.evaluate("() => window.__mia.latency.splice(0)")
         render = page.evaluate("() => window.__mia.renderMs")
+        list_ms = page.evaluate("() => window.__mia.listMs || []")
         updates = page.evaluate("() => window.__mia.updates")
         stats1 = json.loads(page.evaluate("async () => JSON.stringify(await (await fetch('api/stats')).json())"))
         snap = json.loads(page.evaluate("async () => JSON.stringify(await (await fetch('api/snapshot')).json())"))
@@ -207,6 +210,7 @@ def run_one(rate: float, a: argparse.Namespace, browser) -> dict:
                 "token_to_page_ms": [pct(latency, 50), pct(latency, 95), max(latency, default=float("nan"))],
                 "tokens_measured": len(latency), "updates_per_s": updates / wall,
                 "apply_ms": [pct(render, 50), pct(render, 95), max(render, default=float("nan"))],
+                "list_rows_ms": [pct(list_ms, 50), pct(list_ms, 95), max(list_ms, default=float("nan"))],
                 "pushed_kb_per_s": (stats1["push_bytes"] - stats0["push_bytes"]) / wall / 1024,
                 "click_to_text_ms": clicks, "lag_ms_running": [pct(lags, 50), max(lags, default=float("nan"))],
                 "running": len(lags), "broker_dropped_for_monitor": mon_cons.get("dropped"),
@@ -233,7 +237,8 @@ def report(r: dict) -> str:
             f"chromium CPU {r['chromium_cpu_pct']:.0f}%\n"
             f"    page: token->page p50/p95/max {f(r['token_to_page_ms'])} ms ({r['tokens_measured']} tokens), "
             f"{r['updates_per_s']:.1f} updates/s, apply p50/p95/max {'/'.join(f'{x:.1f}' for x in r['apply_ms'])} ms, "
-            f"{r['pushed_kb_per_s']:.0f} KiB/s pushed\n"
+            f"{r['pushed_kb_per_s']:.0f} KiB/s pushed; of which the list's rows p50/p95/max "
+            f"{'/'.join(f'{x:.1f}' for x in r['list_rows_ms'])} ms\n"
             f"    click->text {', '.join(f'{x:.0f}' for x in clicks) or '-'} ms; lag of running requests p50/max "
             f"{f(r['lag_ms_running'])} ms; analysis rows taken in {r['monitor_counters'].get('analysis_rows', 0)}")
 

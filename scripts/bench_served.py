@@ -1,13 +1,13 @@
 """Served throughput and latency with and without capture: one ``mia-stream serve``, rows side by side.
 
     .venv/bin/python scripts/bench_served.py [--concurrency 8] [--prompt-words 48] [--max-tokens 32]
-        [--rounds 3] [--enforce-eager] [--url URL --broker ADDR]   # the last two: an already running server
+        [--rounds 8] [--enforce-eager] [--url URL --broker ADDR]   # the last two: an already running server
 
 The topology a user runs: ``mia-stream serve`` (its broker, vLLM's OpenAI server and engine-core processes),
 one consumer process iterating ``open_stream(broker, ["bench-*"])`` and this script as the HTTP client
 (``openai.AsyncOpenAI``, streamed chat requests, ``ignore_eos`` so every request generates ``--max-tokens``).
-Each round sends ``--concurrency`` requests at once for every row, rows in a rotating order; every request of
-every round has a fresh random prompt (no prefix-cache reuse). Rows:
+A batch sends ``--concurrency`` requests of one row at once, each with a fresh random prompt (no prefix-cache
+reuse). Rows:
 
 - ``no spec``: the plugin is loaded but the request carries no ``mia_stream`` spec (what every other request
   on a mia_stream server pays);
@@ -15,11 +15,16 @@ every round has a fresh random prompt (no prefix-cache reuse). Rows:
 - ``HS all layers, last_prompt``: every layer at the last prompt position;
 - ``steer 1 layer``: one ``add`` op, no capture (tokens still stream).
 
-Printed per row (medians over rounds): output tokens/s of the round (all requests' generated tokens over the
-round's wall time) and its ratio to ``no spec``; the median of per-round ratios (each round's row against the
-same round's ``no spec``: they ran seconds apart, so load that changes between rounds cancels); time to first token and request latency p50/p99 (all rounds'
-requests); and from the consumer process: captured rows received / expected, rows lost (gaps), and the lag
-from a frame's engine timestamp to the consumer, p50/p99.
+Why the schedule: on a shared machine the throughput of one batch moves 2-3x with other jobs' load (earlier
+runs of this script: 13.6-45.3 tok/s for one row), far more than the capture costs. So each round runs
+``no spec`` between every other row (N X1 N X2 N X3 N, the X order rotating per round) and each X batch is
+compared with the mean of the two ``no spec`` batches right before and after it (seconds apart: load that
+drifts linearly cancels); a warm-up round (every row once, not counted) comes first. Reported per row:
+the median over rounds of that ratio, with its interquartile range and min-max, for output throughput (the
+batch's generated tokens over its wall time), the batch's median time to first token and its median request
+latency; the medians over rounds of the rows' own tok/s, TTFT and latency; and, from the consumer process,
+captured rows received / expected, frames lost (gap notices), and the lag from a frame's engine timestamp to the
+consumer, p50/p99. The load average (1 min) is printed with every round.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ def _random_prompt(rng: np.random.Generator, words: int) -> str:
 
 # ------------------------------------------------------------------------------------------ consumer process
 def consumer_main(address: str, out: str) -> None:
-    """Count what arrives per row (request ids ``bench-<row>-<round>-<i>``) until SIGTERM, then write JSON."""
+    """Count what arrives per row (request ids ``bench-<row>-<round>.<slot>-<i>``) until SIGTERM, then write JSON."""
     from mia_stream.consumers import open_stream
 
     def _stop(*_):
@@ -106,16 +111,43 @@ async def _one(client, model: str, rid: str, prompt: str, spec: dict | None, max
     return {"ttft": first, "latency": time.perf_counter() - t0, "tokens": n}
 
 
-async def _round(client, model, row, spec, rnd, args, rng) -> dict:
-    key = row.split()[0] if row != "HS all layers, last_prompt" else "HSall"
-    tag = {"no": "nospec", "HS": "hs1", "HSall": "hsall", "steer": "steer"}[key]
+TAGS = {"no spec": "nospec", "HS 1 layer": "hs1", "HS all layers, last_prompt": "hsall", "steer 1 layer": "steer"}
+
+
+async def _batch(client, model, row, rnd, slot, args, rng) -> dict:
+    """``--concurrency`` requests of one row at once; its throughput, TTFTs and latencies."""
     t0 = time.perf_counter()
     results = await asyncio.gather(*(
-        _one(client, model, f"bench-{tag}-{rnd}-{i}", _random_prompt(rng, args.prompt_words), spec,
-             args.max_tokens) for i in range(args.concurrency)))
+        _one(client, model, f"bench-{'warm' if rnd == 'warm' else ''}{TAGS[row]}-{rnd}.{slot}-{i}", _random_prompt(rng, args.prompt_words),
+             ROWS[row], args.max_tokens) for i in range(args.concurrency)))
     wall = time.perf_counter() - t0
-    return {"wall": wall, "tokens": sum(r["tokens"] for r in results), "ttft": [r["ttft"] for r in results],
-            "latency": [r["latency"] for r in results]}
+    tokens = sum(r["tokens"] for r in results)
+    ttft = [r["ttft"] for r in results if r["ttft"] is not None]
+    lat = [r["latency"] for r in results]
+    return {"wall": wall, "tokens": tokens, "tps": tokens / wall, "ttft": ttft, "latency": lat,
+            "ttft_p50": float(np.median(ttft)) if ttft else float("nan"), "latency_p50": float(np.median(lat))}
+
+
+def schedule(rnd: int) -> list[str]:
+    """Round ``rnd``'s batches: ``no spec`` before, between and after the other rows, their order rotating."""
+    others = [r for r in ROWS if r != "no spec"]
+    k = rnd % len(others)
+    out = ["no spec"]
+    for row in others[k:] + others[:k]:
+        out += [row, "no spec"]
+    return out
+
+
+def bracketed_ratios(batches: list[tuple[str, dict]], key: str) -> dict[str, float]:
+    """Each non-baseline batch's ``key`` over the mean of the ``no spec`` batches just before and after it."""
+    out = {}
+    for i, (row, b) in enumerate(batches):
+        if row == "no spec":
+            continue
+        before, after = batches[i - 1], batches[i + 1]
+        assert before[0] == after[0] == "no spec", (before[0], after[0])
+        out[row] = b[key] / ((before[1][key] + after[1][key]) / 2)
+    return out
 
 
 async def _bench(url: str, args) -> dict:
@@ -124,17 +156,22 @@ async def _bench(url: str, args) -> dict:
     client = openai.AsyncOpenAI(base_url=url, api_key="EMPTY", max_retries=0)
     model = (await client.models.list()).data[0].id
     rng = np.random.default_rng(int(time.time()))
-    # warm-up: one request per row (first-use costs: vector upload, steering slots, sidecar start)
-    for row, spec in ROWS.items():
-        await _one(client, model, f"bench-warm-{row[:2]}", _random_prompt(rng, 8), spec, 4)
-    out = {row: [] for row in ROWS}
-    names = list(ROWS)
+    # warm-up, not counted: first-use costs (vector upload, steering slots, sidecar start, compiled shapes)
+    for row in ROWS:
+        b = await _batch(client, model, row, "warm", 0, args, rng)
+        print(f"warm-up {row}: {b['tps']:.1f} tok/s", flush=True)
+    rounds = []
     for rnd in range(args.rounds):
-        order = names[rnd % len(names):] + names[:rnd % len(names)]
-        for row in order:
-            out[row].append(await _round(client, model, row, ROWS[row], rnd, args, rng))
-            print(f"round {rnd} {row}: {out[row][-1]['tokens'] / out[row][-1]['wall']:.1f} tok/s", flush=True)
-    return out
+        load0 = os.getloadavg()[0]
+        batches = []
+        for slot, row in enumerate(schedule(rnd)):
+            batches.append((row, await _batch(client, model, row, rnd, slot, args, rng)))
+        ratios = {k: bracketed_ratios(batches, k) for k in ("tps", "ttft_p50", "latency_p50")}
+        rounds.append({"batches": batches, "ratios": ratios, "load": (load0, os.getloadavg()[0])})
+        print(f"round {rnd} (load {load0:.1f} -> {os.getloadavg()[0]:.1f}): " + ", ".join(
+            f"{row} {b['tps']:.1f}" for row, b in batches) + " tok/s; vs bracketing no spec: " + ", ".join(
+            f"{row} {r:.3f}" for row, r in ratios["tps"].items()), flush=True)
+    return {"rounds": rounds}
 
 
 def _pct(values, q) -> float:
@@ -142,29 +179,38 @@ def _pct(values, q) -> float:
     return float(np.percentile(values, q)) if values else float("nan")
 
 
+def _spread(values: list[float]) -> str:
+    q1, med, q3 = np.percentile(values, [25, 50, 75])
+    return f"{med:.3f} [{q1:.2f}-{q3:.2f}] ({min(values):.2f}-{max(values):.2f})"
+
+
 def _report(results: dict, consumer: dict, args) -> str:
-    tags = {"no spec": "nospec", "HS 1 layer": "hs1", "HS all layers, last_prompt": "hsall",
-            "steer 1 layer": "steer"}
-    base = np.median([r["tokens"] / r["wall"] for r in results["no spec"]])
+    rounds = results["rounds"]
+    loads = [x for r in rounds for x in r["load"]]
     lines = [f"concurrency {args.concurrency}, prompt ~{args.prompt_words} random words, {args.max_tokens} generated "
-             f"tokens per request, {args.rounds} rounds (medians of rounds; latencies over all requests)", "",
-             "| row | output tok/s | vs no spec | per-round ratio, median [min-max] | TTFT p50 / p99 ms | "
-             "latency p50 / p99 ms | rows received / expected | rows lost | consumer lag p50 / p99 ms |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for row, rounds in results.items():
-        tps = float(np.median([r["tokens"] / r["wall"] for r in rounds]))
-        ttft = [t for r in rounds for t in r["ttft"]]
-        lat = [t for r in rounds for t in r["latency"]]
-        c = consumer.get(tags[row], {})
+             f"tokens per request, {len(rounds)} rounds of {len(schedule(0))} batches; load average (1 min) "
+             f"{min(loads):.1f}-{max(loads):.1f} (median {np.median(loads):.1f}) during the rounds", "",
+             "Ratios: each batch against the mean of the `no spec` batches just before and after it; median over "
+             "rounds [interquartile range] (min-max).", "",
+             "| row | output tok/s | tok/s ratio | TTFT p50 ratio | latency p50 ratio | TTFT p50 / p99 ms | "
+             "latency p50 / p99 ms | rows received / expected | frames lost (gaps) | consumer lag p50 / p99 ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for row in ROWS:
+        mine = [b for r in rounds for name, b in r["batches"] if name == row]
+        tps = float(np.median([b["tps"] for b in mine]))
+        ttft = [t for b in mine for t in b["ttft"]]
+        lat = [t for b in mine for t in b["latency"]]
+        if row == "no spec":
+            ratio_cells = ["1", "1", "1"]
+        else:
+            ratio_cells = [_spread([r["ratios"][k][row] for r in rounds]) for k in ("tps", "ttft_p50", "latency_p50")]
+        c = consumer.get(TAGS[row], {})
         captured = ROWS[row] is not None and "capture" in ROWS[row]
         got = f"{c.get('rows', 0)} / {c.get('expected', 0)}" if captured else "-"
         lag = c.get("lag_ms") or []
         lag_s = f"{_pct(lag, 50):.0f} / {_pct(lag, 99):.0f}" if captured else "-"
-        # each round's row against the same round's no-spec row: the two ran seconds apart, under the same load
-        ratios = [(r["tokens"] / r["wall"]) / (b["tokens"] / b["wall"]) for r, b in zip(rounds, results["no spec"])]
-        per_round = f"{np.median(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"
-        lines.append(f"| {row} | {tps:.1f} | {tps / base:.3f} | {per_round} | "
-                     f"{_pct(ttft, 50) * 1e3:.0f} / {_pct(ttft, 99) * 1e3:.0f}"
+        lines.append(f"| {row} | {tps:.1f} | " + " | ".join(ratio_cells) +
+                     f" | {_pct(ttft, 50) * 1e3:.0f} / {_pct(ttft, 99) * 1e3:.0f}"
                      f" | {_pct(lat, 50) * 1e3:.0f} / {_pct(lat, 99) * 1e3:.0f} | {got} | "
                      f"{c.get('lost', 0) if ROWS[row] is not None else '-'} | {lag_s} |")
     return "\n".join(lines)
@@ -189,7 +235,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--prompt-words", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--enforce-eager", action="store_true", help="start the server without torch.compile")
     ap.add_argument("--url", help="an already running mia-stream server's /v1 URL (with --broker)")
     ap.add_argument("--broker", help="that server's broker address")
@@ -200,6 +246,7 @@ def main() -> int:
         return 0
     tmp = Path(tempfile.mkdtemp(prefix="mia-bench-served-", dir="/tmp"))
     serve = consumer = None
+    finished = False
     try:
         if args.url:
             url, address = args.url, args.broker
@@ -227,6 +274,7 @@ def main() -> int:
         consumer.wait(30)
         print()
         print(_report(results, json.loads(out.read_text()), args))
+        finished = True
     finally:
         if consumer is not None and consumer.poll() is None:
             consumer.kill()
@@ -236,8 +284,8 @@ def main() -> int:
                 serve.wait(120)
             except subprocess.TimeoutExpired:
                 os.killpg(serve.pid, signal.SIGKILL)
-        if serve is None or serve.returncode == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # kept when the server failed: its log is there
+        if finished and (serve is None or serve.returncode == 0):
+            shutil.rmtree(tmp, ignore_errors=True)  # kept when the run or the server failed: its log is there
         else:
             print(f"server log kept in {tmp}", file=sys.stderr)
     return 0

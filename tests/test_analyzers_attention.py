@@ -331,6 +331,17 @@ def test_print_spec_is_what_the_analyzers_need(tmp_path):
         assert analyze_main(["attention_tracker", "--config", str(cfg), "--print-spec"]) == 0
     assert json.loads(buf.getvalue()) == {"capture": {"qk": {"layers": [3, 9, 17], "heads": [0, 2, 4, 6, 8],
                                                              "positions": "prompt"}}}
+    # attnlink has no default head: its error names the config shipped for the embedded model, which works
+    from mia_stream.analyzers import create
+    from mia_stream.errors import AnalyzerConfigError
+
+    with pytest.raises(AnalyzerConfigError) as e:
+        create("attnlink", {})
+    shipped = str(e.value).rsplit("--config ", 1)[1].rstrip(")")
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert analyze_main(["attnlink", "--config", shipped, "--print-spec"]) == 0
+    assert json.loads(buf.getvalue())["capture"]["qk"]["positions"] == "prompt"
 
 
 def test_qk_buffer_joins_tensor_parallel_shards():
@@ -352,3 +363,80 @@ def test_qk_buffer_joins_tensor_parallel_shards():
     assert shards.heads_at(6) == set(range(6)) and shards.q_heads == tuple(range(6)) and shards.k_heads == (0, 1, 2)
     np.testing.assert_array_equal(shards.queries([6, 2]), q[:, [6, 2]])
     np.testing.assert_array_equal(shards.keys(7), k)
+
+
+def test_live_analyzer_processes_equal_replay_of_the_recording(engine, tokenizer, broker_address, tmp_path):
+    """The engine -> the session broker -> {`mia-stream analyze` processes for attention_tracker, core_reranker
+    and attnlink, `mia-stream record`}; then the recording through `mia-stream analyze` again: the same JSON
+    lines, byte for byte (the analyzers are deterministic, and live and replay take the same code path)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from vllm import SamplingParams
+
+    from mia_stream.analyzers._attention_data import injection_set, rerank_set, sql_set
+    from mia_stream.broker import fetch_stats
+    from mia_stream.spans import prompt_parts
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root))
+    inj = injection_set("test", 1, seed=11)  # one normal, one attacked
+    rr = rerank_set(1, seed=13, num_docs=8)[0]
+    sq = sql_set(1, seed=17)[0]
+    reqs = {}  # rid -> (token ids, tags)
+    for i, e in enumerate(inj):
+        pp = prompt_parts(tokenizer, e.messages)
+        reqs[f"lr-inj-{i}"] = (pp.token_ids, pp.tags())
+    for role, msgs in (("calibration", rr.calibration_messages), ("query", rr.messages)):
+        pp = prompt_parts(tokenizer, msgs)
+        reqs[f"lr-rr-{role}"] = (pp.token_ids, {**pp.tags(), "core_reranker": {"group": "g", "role": role}})
+    pp = prompt_parts(tokenizer, sq.messages)
+    reqs["lr-sql"] = (pp.token_ids, {**pp.tags(), "attnlink": {"columns": sq.columns}})
+    # name -> (config, pattern, streams, result rows): the reranker gives one row per query/calibration pair
+    assert len(inj) == 2
+    configs = {"attention_tracker": (TRACKER, "lr-inj-*", 2, 2), "core_reranker": (RERANKER, "lr-rr-*", 2, 1),
+               "attnlink": ({**LINK, "anchor": "question"}, "lr-sql", 1, 1)}
+    procs, rec = {}, tmp_path / "rec"
+    for name, (cfg, pattern, n, _) in configs.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(cfg))
+        procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "mia_stream.cli", "analyze", name, "--config", str(tmp_path / f"{name}.json"),
+             "--source", broker_address, "--patterns", pattern, "--max-streams", str(n), "--idle-timeout", "120"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=root)
+    recorder = subprocess.Popen([sys.executable, "-m", "mia_stream.cli", "record", str(rec), "--broker",
+                                 broker_address, "--patterns", "lr-*", "--flush-interval", "0.1"],
+                                stderr=subprocess.PIPE, env=env, cwd=root)
+    try:
+        deadline = time.monotonic() + 90
+        want = [f"analyzer:{n}:" for n in configs] + ["recorder"]
+        while not all(any(c.startswith(w) for c in fetch_stats(broker_address)["consumers"]) for w in want):
+            for p in [*procs.values(), recorder]:
+                assert p.poll() is None, p.stderr.read()
+            assert time.monotonic() < deadline, f"not all of {want} subscribed"
+            time.sleep(0.1)
+        params = [SamplingParams(max_tokens=2, temperature=0.0, extra_args={"mia_stream": {
+            "id": rid, "capture": CAPTURE, "tags": tags}}) for rid, (_, tags) in reqs.items()]
+        engine.generate([{"prompt_token_ids": ids} for ids, _ in reqs.values()], params, use_tqdm=False)
+        live = {name: p.communicate(timeout=180) for name, p in procs.items()}
+        time.sleep(1.0)  # the recorder's last flush
+    finally:
+        recorder.send_signal(signal.SIGINT)
+        try:
+            recorder.wait(20)
+        except subprocess.TimeoutExpired:
+            recorder.kill()
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+    for name, (cfg, pattern, n, rows) in configs.items():
+        out, err = live[name]
+        assert procs[name].returncode == 0, err
+        lines = [json.loads(x) for x in out.splitlines()]
+        assert len(lines) == rows and all("error" not in x["labels"] for x in lines), out
+        replay = subprocess.run([sys.executable, "-m", "mia_stream.cli", "analyze", name, "--config",
+                                 str(tmp_path / f"{name}.json"), "--source", str(rec), "--patterns", pattern],
+                                capture_output=True, text=True, timeout=120, env=env, cwd=root)
+        assert replay.returncode == 0 and replay.stdout == out, (name, replay.stderr, replay.stdout, out)

@@ -39,10 +39,11 @@ TOKEN_NORM = textwrap.dedent('''
 
         def on_batch(self, batch, out):
             for g in batch.groups:                    # requests captured alike share a row group
+                keep = self.rows_at(batch, g, "generated")  # a stream may capture more positions than needed
                 t = g.tensor("hs")                    # [layers, rows, hidden]
-                x = t.numpy()[list(t.layers).index(self.config["layer"])]
+                x = t.numpy()[list(t.layers).index(self.config["layer"])][keep]
                 norm = np.sqrt(np.square(x).sum(-1))  # one value per row: all requests at once
-                out.add(batch.request_ids, g.row_requests, g.positions, {"norm": norm},
+                out.add(batch.request_ids, g.row_requests[keep], g.positions[keep], {"norm": norm},
                         alerts=norm > self.config["threshold"])
 ''')
 
@@ -310,7 +311,9 @@ def test_bad_configs_and_probe_files_are_one_line_errors(tmp_path):
     r = _cli("hnode", "--config", str(tmp_path / "cfg-bin.json"), "--print-spec")
     assert r.returncode == 2 and "not a text (JSON) file" in r.stderr
     r = _cli("nope", "--print-spec")
-    assert r.returncode == 2 and "unknown analyzer 'nope'; available: hidden_states, hnode" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "unknown analyzer 'nope'; available: " in r.stderr
+    available = r.stderr.split("available: ", 1)[1].strip().split(", ")
+    assert available == sorted(available) and {"hidden_states", "hnode", "attention_tracker"} <= set(available)
     r = _cli("hnode", "--config", str(tmp_path / "absent.json"), "--print-spec")
     assert r.returncode == 2 and "No such file or directory" in r.stderr and r.stderr.count("\n") == 1
 
@@ -490,10 +493,41 @@ def test_an_analyzer_reads_only_its_positions_of_a_stream_that_captures_more():
         assert final.values["tokens"][0] == 3 and final.values["last_position"][0] == prompt + 2
 
 
+def test_the_readme_analyzer_scores_generated_rows_only_as_numpy_does():
+    """The README's TokenNorm, as written there, on streams that capture every position (more than it needs):
+    one norm per generated row, equal to numpy's, alerts above its threshold; the same from step batches."""
+    ns: dict = {}
+    exec(compile(TOKEN_NORM, "README.md", "exec"), ns)
+    rng = np.random.default_rng(5)
+    msgs, ref = _synthetic_streams(rng, n_requests=3, steps=4, prompt=5)
+    threshold = 4.0  # about the median norm of 16 standard normal values: both verdicts occur
+    results = []
+    for stream in (msgs, _as_step_batches(msgs)):
+        runner, got = _run_in_process(ns["TokenNorm"]({"layer": 2, "threshold": threshold}), stream)
+        assert runner.counters["rejected"] == 0
+        results.append(_by_request(got))
+    alerts = []
+    for r, (rid, parts) in enumerate(sorted(ref.items())):
+        prompt = 5 + r
+        pos = np.array([p for ps, _ in parts for p in ps])
+        hs = np.concatenate([h for _, h in parts], axis=1)[2]
+        want = np.linalg.norm(hs[pos >= prompt], axis=-1)
+        for res in results:
+            rows = res[rid]
+            assert [p for a in rows for p in a.positions] == list(range(prompt, prompt + 3))
+            got_norms = np.concatenate([a.values["norm"] for a in rows])
+            np.testing.assert_allclose(got_norms, want, rtol=1e-6)
+            assert [x for a in rows for x in a.alerts] == (want > threshold).tolist()
+        alerts += (want > threshold).tolist()
+    assert any(alerts) and not all(alerts)
+
+
 @pytest.mark.slow  # subprocesses
-def test_published_results_reach_other_consumers_with_the_analyzers_producer_id(tmp_path):
+@pytest.mark.parametrize("broker_from", ["--source", "MIA_STREAM_BROKER"])
+def test_published_results_reach_other_consumers_with_the_analyzers_producer_id(tmp_path, broker_from):
     """`--publish`: the analyzer's results go back through the broker's producers endpoint; a consumer of the
-    same requests receives them as analysis messages (needs a broker that routes them: issue 12)."""
+    same requests receives them as analysis messages (needs a broker that routes them: issue 12). A bare
+    `--publish` goes to the source broker, whether `--source` or `$MIA_STREAM_BROKER` names it."""
     from mia_stream.broker import run_broker_in_thread
     from mia_stream.consumers._live import BrokerClient
     from mia_stream.producer.publisher import FramePublisher
@@ -502,11 +536,14 @@ def test_published_results_reach_other_consumers_with_the_analyzers_producer_id(
     rng = np.random.default_rng(5)
     msgs, ref = _synthetic_streams(rng, n_requests=2, steps=3)
     env = dict(os.environ, PYTHONPATH=str(ROOT))
+    source = ["--source", str(run)]
+    if broker_from == "MIA_STREAM_BROKER":
+        env["MIA_STREAM_BROKER"], source = str(run), []
     with run_broker_in_thread(address=str(run)) as broker:
         watcher = BrokerClient(str(run), consumer_id="watcher")
         watcher.subscribe(["*"])
         analyzer = subprocess.Popen([sys.executable, "-m", "mia_stream.cli", "analyze", "hidden_states",
-                                     "--source", str(run), "--publish", "--max-streams", "2",
+                                     *source, "--publish", "--max-streams", "2",
                                      "--idle-timeout", "60"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, env=env, cwd=ROOT)
         try:

@@ -161,7 +161,10 @@ def test_publisher_never_blocks_without_broker_and_counts_drops_exactly(broker_d
     assert st["dropped_queue_full"] == n_dropped
     # close(timeout=0) with no broker: what was still queued is dropped too, and counted as such
     assert st["dropped"] == n_dropped + st["dropped_publisher_closed"]
-    assert st["dropped_publisher_closed"] == len(accepted) - n_dropped + 2  # + the GapNotice and StreamEnd
+    # + the StreamEnd and the GapNotices: one before the end, and one more per heartbeat that found room in the
+    # control reserve to announce the drops so far (timing: the count of notices varies, their sum does not)
+    assert st["gap_notices"] >= 1
+    assert st["dropped_publisher_closed"] == len(accepted) - n_dropped + st["gap_notices"] + 1
     del arr
 
 

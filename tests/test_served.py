@@ -1,9 +1,11 @@
 """Served mode end to end, with real processes: ``mia-stream serve`` (broker, recorder and vLLM's OpenAI server
-with the plugin, each its own process), then a plain vLLM server without mia_stream, both on the embedded model
-(CPU, float32, eager, greedy, seed 0). The official ``openai`` client and ``StreamClient`` talk to them.
+with the plugin, each its own process) and an analyzer process (``mia-stream analyze hidden_states --publish``),
+then a plain vLLM server without mia_stream, both on the embedded model (CPU, float32, eager, greedy, seed 0).
+The official ``openai`` client and ``StreamClient`` talk to them.
 
-Two server lifetimes per run, one after the other (module fixture; the tests run in file order): about 4
-minutes on 2 cores.
+Two server lifetimes per run, one after the other (module fixture; the tests run in file order): 8-9 minutes
+on the shared 2 cores at load average 10-40 (about 4 on a quieter machine); the analyzer's part is about 20 s
+of it (its process start, the replay run).
 """
 
 from __future__ import annotations
@@ -215,7 +217,8 @@ def _requests(tokenizer):
     from mia_stream.spans import chat_spans
 
     return {
-        "A": ("chat", PROMPT_A, dict(stream=True, capture={"hidden_states": {"layers": [0, 29], "positions": "all"}})),
+        "A": ("chat", PROMPT_A, dict(stream=True, capture={"hidden_states": {"layers": [0, 29], "positions": "all"}},
+                                     request_id="ana-A", analyzers=[ANALYZER])),
         "B": ("chat", PROMPT_B, dict(stream=False, capture={"qk": {"layers": [3], "heads": [0, 1],
                                                                    "positions": "last_prompt"}})),
         "C": ("chat", PROMPT_C, dict(stream=True, capture={"hidden_states": {"layers": [10], "positions": "generated"}},
@@ -226,32 +229,68 @@ def _requests(tokenizer):
     }
 
 
+# The analyzer process: per-token norms of request A's captured layers, published back onto the bus.
+ANALYZER = "hidden_states"
+ANALYZER_CONFIG = {"layers": [0, 29], "positions": "all"}
+
+
+def _analyze_cmd(config: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "mia_stream.cli", "analyze", ANALYZER, "--config", str(config), "--patterns",
+            "ana-*", *args]
+
+
+def _wait_subscribed(address: str, prefix: str, proc: subprocess.Popen, timeout: float = 60) -> None:
+    from mia_stream.broker import fetch_stats
+
+    deadline = time.monotonic() + timeout
+    while not any(c.startswith(prefix) for c in fetch_stats(address)["consumers"]):
+        assert proc.poll() is None, proc.communicate()[1]
+        assert time.monotonic() < deadline, f"{prefix} did not subscribe"
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
 def concurrent_run(servers, tokenizer):
-    """The five requests sent at once through StreamClient (one thread each); their ServedRequests."""
+    """The five requests sent at once through StreamClient (one thread each), with the analyzer process running
+    on the live broker (it analyzes request A, "ana-*"); their ServedRequests and events. The analyzer's printed
+    results, stderr and exit status go to ``servers.live_analysis``."""
     from mia_stream.client import StreamClient
 
-    client = StreamClient(servers.url, broker=servers.address, max_retries=0)
-    reqs = {}
-    for name, (kind, prompt, kw) in _requests(tokenizer).items():
-        send = client.chat if kind == "chat" else client.completion
-        reqs[name] = send(prompt, max_tokens=12, temperature=0, keep_frames=True, **kw)
-    events: dict = {name: [] for name in reqs}
-    errors = []
+    config = servers.tmp / "analyzer.json"
+    config.write_text(json.dumps(ANALYZER_CONFIG))
+    servers.analyzer_config = config
+    analyzer = subprocess.Popen(_analyze_cmd(config, "--source", servers.address, "--publish", "--print",
+                                             "--max-streams", "1", "--idle-timeout", "300"),
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=servers.env)
+    try:
+        _wait_subscribed(servers.address, f"analyzer:{ANALYZER}:", analyzer)
+        client = StreamClient(servers.url, broker=servers.address, max_retries=0)
+        reqs = {}
+        for name, (kind, prompt, kw) in _requests(tokenizer).items():
+            send = client.chat if kind == "chat" else client.completion
+            reqs[name] = send(prompt, max_tokens=12, temperature=0, keep_frames=True, **kw)
+        events: dict = {name: [] for name in reqs}
+        errors = []
 
-    def run(name):
-        try:
-            for ev in reqs[name]:
-                events[name].append(ev)
-        except Exception as e:  # noqa: BLE001
-            errors.append((name, e))
+        def run(name):
+            try:
+                for ev in reqs[name]:
+                    events[name].append(ev)
+            except Exception as e:  # noqa: BLE001
+                errors.append((name, e))
 
-    threads = [threading.Thread(target=run, args=(n,)) for n in reqs]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
+        threads = [threading.Thread(target=run, args=(n,)) for n in reqs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        out, err = analyzer.communicate(timeout=120)  # --max-streams 1: it exits after request A's end
+        servers.live_analysis = (out, err, analyzer.returncode)
+    finally:
+        if analyzer.poll() is None:
+            analyzer.kill()
+            analyzer.wait()
     return reqs, events
 
 
@@ -270,7 +309,7 @@ def test_each_request_streams_complete_and_in_order(concurrent_run, tokenizer):
         kinds = [e.kind for e in events[name]]
         assert kinds.count("start") == 1 and kinds.count("end") == 1 and kinds.count("response") == 1, name
         assert kinds.index("start") < kinds.index("end"), name
-        bus = [e for e in events[name] if e.bus is not None]
+        bus = [e for e in events[name] if e.bus is not None and e.kind != "analysis"]  # analysis: after the end
         assert bus[0].kind == "start" and bus[-1].kind == "end", name
         assert req.gaps == [] and req.end.frames_dropped == 0, (name, req.gaps)
         assert req.end.finish_reason == req.finish_reason, name
@@ -313,24 +352,27 @@ def test_captured_tensors_match_hugging_face(concurrent_run, hf_model):
     assert rel_err(frame.tensors["q"][0], ref_q[3][p:p + 1, [0, 1]]).max() < TOL
 
 
-def test_the_recording_replays_the_same_frames(concurrent_run, servers):
+def _recorded(servers, live) -> tuple:
+    """``live``'s request replayed from the recording once it holds its end and as many analysis results
+    (the recorder writes a chunk at least every second)."""
     from mia_stream.client import StreamClient
 
-    reqs, events = concurrent_run
     rec = StreamClient.recording(servers.recording)
-    deadline = time.monotonic() + 30  # the recorder writes a chunk at least every second
-    while set(reqs[n].request_id for n in reqs) - set(rec.request_ids()) and time.monotonic() < deadline:
+    deadline = time.monotonic() + 30
+    while True:
+        replay = rec.open(live.request_id, keep_frames=True)
+        replayed = list(replay)
+        if replay.end is not None and len(replay.analyses) >= len(live.analyses):
+            return replay, replayed
+        assert time.monotonic() < deadline, (live.request_id, replay.end, len(replay.analyses))
         time.sleep(1)
+
+
+def test_the_recording_replays_the_same_frames(concurrent_run, servers):
+    reqs, events = concurrent_run
     for name, live in reqs.items():
-        replay, replayed = None, []
-        while time.monotonic() < deadline:
-            replay = rec.open(live.request_id, keep_frames=True)
-            replayed = list(replay)
-            if replay.end is not None:
-                break
-            time.sleep(1)
-        assert replay is not None and replay.end is not None, name
-        # every bus event in the same order: when analyzers publish "analysis" events, this compares those too
+        replay, replayed = _recorded(servers, live)
+        # every bus event in the same order, the analyzer's "analysis" events (request A) included
         assert [e.kind for e in replayed if e.bus is not None] == [e.kind for e in events[name] if e.bus is not None]
         assert len(replay.frames) == len(live.frames), name
         for a, b in zip(live.frames, replay.frames):
@@ -342,6 +384,51 @@ def test_the_recording_replays_the_same_frames(concurrent_run, servers):
         assert replay.end.num_generated_tokens == live.end.num_generated_tokens
         assert replay.stream.generated_token_ids == live.stream.generated_token_ids
         assert replay.text == live.text, name  # decoded from the recorded tokens
+
+
+def _results(stdout: str) -> list[dict]:
+    return [json.loads(line) for line in stdout.splitlines()]
+
+
+def test_an_analyzer_process_gives_the_same_results_live_and_on_the_recording(concurrent_run, servers, hf_model):
+    """The analyzer process ran on the live broker with --publish: its results reached request A's StreamClient
+    as "analysis" events (per step, then the final row after the end: the client waited for it), they equal
+    Hugging Face's hidden-state norms of A's tokens, the recorder recorded them, and the same command run on
+    the recording prints byte-identical results."""
+    from producer_helpers import hf_trace, rel_err
+
+    from mia_stream.analyzers._runner import result_dict
+
+    reqs, events = concurrent_run
+    out, err, rc = servers.live_analysis
+    assert rc == 0, err
+    assert f"mia-stream analyze {ANALYZER}: 1 request(s)" in err and "0 rejected, 0 seqs lost" in err, err
+    live = _results(out)
+    a = reqs["A"]
+    assert {r["request_id"] for r in live} == {"ana-A"}
+    # what the client received through the broker == what the analyzer printed, in order, final row last
+    received = [result_dict(x) for x in a.analyses]
+    assert received == live and received[-1]["step"] == -1
+    assert [e.kind for e in events["A"] if e.bus is not None][-1] == "analysis"  # it came after the end
+    assert all(not reqs[n].analyses for n in reqs if n != "A")  # the analyzer's patterns: "ana-*" only
+
+    # the results are HF's: per-token norms of layers 0 and 29, mean and last state at the end
+    full = list(a.stream.start.prompt_token_ids) + list(a.stream.generated_token_ids)
+    ref_hs = hf_trace(hf_model, full[:-1])[0][[0, 29]].astype(np.float64)  # [2, positions, 576]
+    steps = [r for r in live if r["step"] >= 0]
+    assert [p for r in steps for p in r["positions"]] == list(range(len(full) - 1))
+    norms = np.concatenate([np.asarray(r["values"]["norm"]) for r in steps])  # [positions, 2]
+    assert rel_err(norms.T, np.linalg.norm(ref_hs, axis=-1)).max() < TOL
+    assert rel_err(np.asarray(live[-1]["values"]["mean"][0]), ref_hs.mean(axis=1)).max() < TOL
+    assert rel_err(np.asarray(live[-1]["values"]["last"][0]), ref_hs[:, -1]).max() < TOL
+
+    # the recording holds the published results; the same analyzer replayed on it prints the same bytes
+    replay, _ = _recorded(servers, a)
+    assert [result_dict(x) for x in replay.analyses] == live
+    again = subprocess.run(_analyze_cmd(servers.analyzer_config, "--source", servers.recording),
+                           capture_output=True, text=True, env=servers.env, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert again.stdout == out
 
 
 # ------------------------------------------------------------------------------------------ more clients
@@ -450,8 +537,12 @@ def test_ctrl_c_stops_every_child(servers):
     assert len(children) >= 4  # broker, recorder, api server, engine core (and its worker)
     serve.send_signal(signal.SIGINT)
     assert serve.wait(120) == 0
-    alive = {p for p in children if _alive(p)}
-    assert not alive, alive
+    # SIGKILLed children may take a moment to be gone under load (one was still there right after the wait,
+    # gone a few seconds later, at load average 35)
+    deadline = time.monotonic() + 30
+    while (alive := {p for p in children if _alive(p)}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive, {p: _cmdline(p) for p in alive}
     assert "mia-stream serve: stopped" in servers.serve.text()
 
 
@@ -480,6 +571,13 @@ def test_unsteered_answers_equal_a_server_without_mia_stream(concurrent_run, ser
 def _session_pids(sid: int) -> set[int]:
     out = subprocess.run(["ps", "-eo", "pid=,sid="], capture_output=True, text=True).stdout
     return {int(p) for p, s in (ln.split() for ln in out.splitlines() if ln.strip()) if int(s) == sid}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return "?"
 
 
 def _alive(pid: int) -> bool:

@@ -61,3 +61,41 @@ def test_a_stale_stamp_runs_setup_again(tmp_path: Path) -> None:
     result = _setup(venv, MIA_STREAM_SETUP_NEED_GB="1000000")
     assert result.returncode == 2
     assert "not enough disk space" in result.stderr
+
+
+def _bin_without_chromium(tmp_path: Path, apt_get: str | None) -> str:
+    """A PATH with the tools setup.sh's fast path uses, no chromium, and ``apt_get`` as apt-get's script (or none)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for tool in ("bash", "cat", "sha256sum", "cut", "mkdir", "rm", "date", "grep", "head", "tr", "id", "dirname",
+                 "nvidia-smi"):  # (nvidia-smi where there is one: the stamp's flavour)
+        if shutil.which(tool):
+            (bin_dir / tool).symlink_to(shutil.which(tool))
+    if apt_get is not None:
+        (bin_dir / "apt-get").write_text(f"#!{shutil.which('bash')}\n{apt_get}\n")
+        (bin_dir / "apt-get").chmod(0o755)
+    return str(bin_dir)
+
+
+def test_chromium_that_cannot_be_installed_is_said_and_recorded_for_the_monitor_tests(tmp_path: Path) -> None:
+    """With a current venv, setup.sh still looks for chromium; where it cannot install it, it writes why to
+    $VENV/.mia-stream-no-chromium (tests/test_monitor.py then skips naming that reason, and fails otherwise)."""
+    if os.geteuid() != 0:
+        expected = "this user is not root"
+        path = _bin_without_chromium(tmp_path, None)
+    else:
+        expected = "apt-get install chromium failed: E: Could not resolve deb.debian.org"
+        path = _bin_without_chromium(tmp_path, 'echo "E: Could not resolve deb.debian.org"; exit 100')
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".mia-stream-setup").write_text(_stamp_key() + "\n")
+    result = _setup(venv, PATH=path)
+    assert result.returncode == 0, result.stderr
+    reason = (venv / ".mia-stream-no-chromium").read_text()
+    assert expected in reason
+    assert f"the monitor's browser tests will skip: {reason.strip()}" in result.stderr
+    # chromium back on PATH: the note goes
+    (Path(path) / "chromium").symlink_to(shutil.which("true"))
+    result = _setup(venv, PATH=path)
+    assert (result.returncode, result.stdout, result.stderr) == (0, "", "")
+    assert not (venv / ".mia-stream-no-chromium").exists()

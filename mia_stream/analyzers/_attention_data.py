@@ -226,6 +226,9 @@ def rerank_messages(query: str, documents: list) -> list:
 
 
 def rerank_set(n: int, seed: int = 0, num_docs: int = 10) -> list[RerankExample]:
+    if not 7 <= num_docs <= 16:
+        raise ValueError(f"num_docs must be 7..16 (1 relevant, 6 hard negatives, the rest other facts), got "
+                         f"{num_docs}")
     rng = random.Random(f"rerank-{seed}")
     people = [f"{f} {l}" for f in _FIRST for l in _LAST]
     rng.shuffle(people)

@@ -369,6 +369,11 @@ class Analyzer:
             pos >= row_plen if positions == "generated" else pos == row_plen - 1)
         return None if mask.all() else mask
 
+    def rows_at(self, batch: StepBatch, group: Any, positions: str) -> Any:
+        """``position_mask`` as an index for a group's row arrays: a bool mask, or ``slice(None)`` (every row)."""
+        mask = self.position_mask(batch, group, positions)
+        return slice(None) if mask is None else mask
+
     def config_value(self, key: str, kind: type | tuple, what: str = "") -> Any:
         """``config[key]`` checked against ``kind`` (AnalyzerConfigError naming the key otherwise)."""
         v = self.config.get(key)

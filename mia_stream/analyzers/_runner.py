@@ -352,6 +352,13 @@ class _Terminated(Exception):
 def _terminate(*_: Any) -> None:
     raise _Terminated
 
+
+def _default_broker() -> str:
+    from mia_stream import _transport, settings
+
+    return settings.get_address(_transport.ENV_BROKER) or str(_transport.default_run_dir())
+
+
 def _list() -> str:
     lines = []
     for name, target in available().items():
@@ -405,7 +412,9 @@ def analyze_main(argv: list[str] | None = None) -> int:
             return 0
         publish = None
         if args.publish is not None:
-            publish = args.publish or args.source
+            # a bare --publish without --source: the broker the source defaults to ($MIA_STREAM_BROKER or the
+            # default run dir), not None (which published nothing)
+            publish = args.publish or args.source or _default_broker()
             if _is_recording(publish):
                 raise AnalyzerError("--publish needs a broker address when --source is a recording")
         sinks = [jsonl_printer()] if (publish is None or args.print_results) else []

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Sequence
 
 import numpy as np
@@ -95,8 +96,10 @@ class AttnLink(SpanAttentionAnalyzer):
         for key in ("layer", "head"):
             v = config[key]
             if v is None:
+                shipped = Path(__file__).parent / "configs" / "attnlink-smollm2-135m.json"
                 raise AnalyzerConfigError(f"{self.name} config lacks {key!r} (choose the head with "
-                                          "python -m mia_stream.analyzers.attnlink select-head)")
+                                          "python -m mia_stream.analyzers.attnlink select-head; the embedded "
+                                          f"model's: --config {shipped})")
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise AnalyzerConfigError(f"{self.name} config: {key!r} must be a non-negative integer, got {v!r}")
         self.configure_heads([[config["layer"], config["head"]]])

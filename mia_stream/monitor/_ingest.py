@@ -76,7 +76,8 @@ class Ingest:
         except BaseException as e:  # shown on the page and logged: the server keeps serving what it has
             self.error = e
             log.exception("mia-stream monitor: reading %s failed", self.source)
-            self.state.set_source_note(f"reading the source failed: {type(e).__name__}: {e}", loaded=True)
+            self.state.set_source_note(f"reading the source failed: {type(e).__name__}: {e}", loaded=True,
+                                       problem=True)
 
     def _run_live(self) -> None:
         client = self.client = BrokerClient(self.source, consumer_id=self.consumer_id, keys=self.keys)
@@ -102,6 +103,7 @@ class Ingest:
 
     def _run_recording(self) -> None:
         from mia_stream.consumers import open_batches
+        from mia_stream.consumers.recording import Recording
 
         self.state.set_source_note(f"loading {self.source}", loaded=False)
         t0 = time.monotonic()
@@ -112,7 +114,11 @@ class Ingest:
                     return
                 self.handle(ev, None)
                 n += 1
-        self.state.set_source_note(f"{n} events loaded in {time.monotonic() - t0:.1f} s", loaded=True)
+        note = f"{n} events loaded in {time.monotonic() - t0:.1f} s"
+        cut = Recording(self.source).summary().truncated_parts  # read up to their last complete chunk: said
+        if cut:
+            note += f"; cut short (its recorder was killed?), read up to the last complete chunk: {', '.join(cut)}"
+        self.state.set_source_note(note, loaded=True, problem=bool(cut))
 
     def _poll_stats(self) -> None:
         from mia_stream.broker import fetch_stats

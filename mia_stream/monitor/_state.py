@@ -119,6 +119,7 @@ class MonitorState:
         self.counters: collections.Counter[str] = collections.Counter()
         self.broker_stats: dict | None = None
         self.source_note: str | None = None  # e.g. "loading", an error reading the source
+        self.source_problem = False  # the note reports something wrong with the source (shown as such)
         self.loaded = not recording
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -386,9 +387,9 @@ class MonitorState:
             self.version += 1
         self._changed()
 
-    def set_source_note(self, note: str | None, loaded: bool | None = None) -> None:
+    def set_source_note(self, note: str | None, loaded: bool | None = None, problem: bool = False) -> None:
         with self.lock:
-            self.source_note = note
+            self.source_note, self.source_problem = note, problem
             if loaded is not None:
                 self.loaded = loaded
             self.version += 1
@@ -437,19 +438,21 @@ class MonitorState:
         cursor to pass next time. With ``at`` (a recording's tick) always everything up to that time."""
         n = len(rec.tok_ids) if at is None else bisect.bisect_right(rec.tok_tau, at)
         keep = (lambda tau: True) if at is None else (lambda tau: tau <= at)
+        as_ids = False
         if rec.decoder is None:
             tok, note, final = self.tokenizers.lookup(rec.tokenizer_name, rec.model)
             rec.detok_note = note if tok is not None or not final else f"{note}: showing token ids"
             if final:
                 rec.decoder = PieceDecoder(tok)
-            else:
-                n = 0  # tokens are sent once their text can be
-        if len(rec.pieces) < n:
+            else:  # its tokenizer is still loading (0.3-1.5 s for SmolLM2's on the shared 2-core machine): the
+                as_ids = True  # tokens go out as ids now, not held back, and again as text once it has loaded
+        if not as_ids and len(rec.pieces) < n:
             rec.pieces.extend(rec.decoder.extend(rec.tok_ids[len(rec.pieces):]))
-        full = at is not None or cursor is None or cursor["t"] > n
+        full = at is not None or cursor is None or cursor["t"] > n or (cursor.get("ids", False) and not as_ids)
         cur = _EMPTY_CURSOR if full else cursor
         out: dict = {"id": rec.rid, "reset": full}
-        out["tokens"] = [[rec.tok_pos[i], rec.pieces[i], rec.tok_tau[i] // 1_000_000, rec.tok_step[i],
+        piece = (lambda i: f"#{rec.tok_ids[i]} ") if as_ids else rec.pieces.__getitem__
+        out["tokens"] = [[rec.tok_pos[i], piece(i), rec.tok_tau[i] // 1_000_000, rec.tok_step[i],
                           1 if i < rec.n_prompt else 0] for i in range(cur["t"], n)]
         out["scores"] = [[p, k, _round(v), tau // 1_000_000] for p, k, v, tau in rec.scores[cur["s"]:] if keep(tau)]
         out["alerts"] = [[p, k, text, tau // 1_000_000] for p, k, text, tau in rec.alerts[cur["a"]:] if keep(tau)]
@@ -475,7 +478,7 @@ class MonitorState:
                            "lag_ms": None if rec.lag_ns is None or self.recording else round(rec.lag_ns / 1e6, 1),
                            "tp_size": rec.tp_size, "producer": rec.producer_id}
         new_cursor = {"t": n, "s": len(rec.scores), "a": len(rec.alerts), "n": rec.norms_dropped + len(rec.norms),
-                      "v": rec.version}
+                      "v": rec.version, "ids": as_ids}
         return out, new_cursor
 
     def overview(self, at: int | None) -> dict:
@@ -485,7 +488,7 @@ class MonitorState:
         return {"requests": len(recs), "running": running, "score_keys": list(self.score_keys),
                 "score_key": self.score_key, "profile_keys": list(self.profile_keys),
                 "broker": self.broker_stats, "counters": dict(self.counters), "note": self.source_note,
-                "loaded": self.loaded}
+                "note_is_problem": self.source_problem, "loaded": self.loaded}
 
 
 def summarize_broker_stats(stats: dict | None, note: str | None = None) -> dict | None:

@@ -582,10 +582,15 @@ class ProducerRuntime:
             if host_steer is None:
                 host_steer = np.full((self.geo.num_layers, max(n, self._dirty_steer_rows),
                                       self.cfg.max_ops_per_layer), -1, np.int32)
-            for layer, entries in req.slots_by_layer.items():
-                for m, (slot, op) in enumerate(entries[: self.cfg.max_ops_per_layer]):
-                    sel = self._select(positions, op.positions, plen, 0)
-                    host_steer[layer, a + sel, m] = slot
+            # all of the request's ops over its rows of this chunk in one assignment per part (prompt rows,
+            # generated rows): per (layer, op) it was 32 numpy calls per request steering every layer, 30-90 ms
+            # per 8192-token prefill step of such requests (scripts/bench_begin_step.py)
+            in_prompt = positions < plen
+            for ops, mask in zip(self._steer_rows(req), (in_prompt, ~in_prompt)):
+                if ops is not None and mask.any():
+                    layers, ms, slots = ops
+                    rows = a + np.nonzero(mask)[0]
+                    host_steer[layers[:, None], rows[None, :], ms[:, None]] = slots[:, None]
         if fast_ops:
             if host_steer is None:
                 host_steer = np.full((self.geo.num_layers, max(n, self._dirty_steer_rows),

@@ -214,7 +214,9 @@ def served_spec_error(err: SpecError) -> SpecError:
     message, which the ``openai`` client even retries. ``VLLMValidationError`` maps to 400 with the message
     (``error.param`` = "mia_stream"). vLLMs from before that hierarchy (vLLM PR 49665, July 2026) re-raise
     any ``ValueError`` from ``generate`` and answer it with a 400, and their ``VLLMValidationError`` derives
-    from ``ValueError``: the ``ValueError`` base keeps the 400 there (0.26's sources were not available here).
+    from ``ValueError``: the ``ValueError`` base keeps the 400 there. vLLM 0.26 (read, not run): its
+    ``generate`` re-raises ``ValueError`` and its ``create_error_response`` maps ``VLLMValidationError`` to 400
+    with ``param``.
     """
     cls = type(err)
     served = _SERVED_ERROR_CLASSES.get(cls)

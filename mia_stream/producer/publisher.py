@@ -440,6 +440,7 @@ class FramePublisher:
             gap = GapNotice(st.request_id, pid, epoch, missing, reason, "producer", time.time_ns())
             frames = encode(gap)
             self._append(frames, _transport.frames_nbytes(frames))
+            self.counters["gap_notices"] += 1
         st.pending = {}
         self._pending.discard(st.request_id)
 

@@ -3,11 +3,11 @@
 "use strict";
 (() => {
   const $ = (id) => document.getElementById(id);
-  // Page state. Also read by the tests and the load benchmark (shownAt / scoredAt / latency / renderMs).
+  // Page state. Also read by the tests and the load benchmark (shownAt / scoredAt / latency / renderMs / listMs).
   const M = (window.__mia = {
     client: null, recording: false, loaded: true, select: null, tick: null, ticks: [], updates: 0,
     rows: new Map(), d: null, scoreKey: null, userKey: false, overview: null,
-    shownAt: {}, scoredAt: {}, latency: [], renderMs: [],
+    shownAt: {}, scoredAt: {}, latency: [], renderMs: [], listMs: [],
   });
   const COLS = 10;
 
@@ -68,9 +68,16 @@
 
   // ------------------------------------------------------------------------------------------ updates
   function apply(u) {
-    if (u.full) clearRows();
-    for (const id of u.gone || []) removeRow(id);
-    for (const r of u.rows || []) upsertRow(r);
+    const t0 = performance.now();
+    if (u.full) M.rows.clear();
+    for (const id of u.gone || []) M.rows.delete(id);
+    for (const r of u.rows || []) M.rows.set(r[0], r);
+    if (u.full || (u.gone && u.gone.length) || (u.rows && u.rows.length)) {
+      M.viewStale = true;
+      renderList();
+      M.listMs.push(performance.now() - t0);
+      if (M.listMs.length > 2000) M.listMs.splice(0, 1000);
+    }
     if (u.overview) applyOverview(u.overview);
     if (u.detail) applyDetail(u.detail);
     if (u.ticks !== undefined) setTicks(u.ticks, u.tick);
@@ -86,69 +93,93 @@
   }
 
   // ------------------------------------------------------------------------------------------ request list
-  const tbody = document.querySelector("#requests tbody");
-  function clearRows() { tbody.textContent = ""; M.rows.clear(); }
-  function removeRow(id) { const e = M.rows.get(id); if (e) { e.tr.remove(); M.rows.delete(id); } }
+  // The list is virtual: the page keeps every row's data (M.rows: id -> row) but only the rows in view are in the
+  // DOM (a pool of <tr>, between two spacer rows), so an update of 256 requests touches about 40 rows. Writing
+  // all 256 rows took 24 ms (median) and 180 ms (p95) per list update on the shared 2-core machine.
+  let rowH = 22;  // the CSS height; measured from a filled row once one is laid out (fonts differ)
+  const tbody = document.querySelector("#requests tbody"), wrap = document.querySelector(".table-wrap");
+  const topPad = el("tr", "pad"), bottomPad = el("tr", "pad");
+  tbody.append(topPad, bottomPad);
+  const pool = [];
+  M.view = [];
 
-  function upsertRow(r) {
-    const [id, tags, state, prompt, gen, tps, drops, lag, alerts, top, order] = r;
-    let e = M.rows.get(id);
-    if (!e) {
-      const tr = el("tr");
-      const cells = [];
-      for (let i = 0; i < COLS; i++) {
-        const td = el("td", i >= 3 ? "num" : i === 1 ? "tags" : "");
-        tr.appendChild(td);
-        cells.push(td);
-      }
-      tr.dataset.id = id;
-      tr.addEventListener("click", () => select(id));
-      e = { tr, cells, order };
-      M.rows.set(id, e);
-      insertOrdered(e);
-      if (id === M.select) tr.classList.add("selected");
+  function rowMatches(r) {
+    const q = filterInput.value.trim().toLowerCase();
+    const [id, tags, state] = r;
+    return (!q || id.toLowerCase().includes(q) || tags.toLowerCase().includes(q)) && (!runningOnly.checked || state === "running");
+  }
+
+  function poolRow() {
+    const tr = el("tr");
+    const cells = [];
+    for (let i = 0; i < COLS; i++) {
+      const td = el("td", i >= 3 ? "num" : i === 1 ? "tags" : "");
+      tr.appendChild(td);
+      cells.push(td);
     }
-    // only what changed is written: every write to 256 rows costs style and layout work in the page
-    const vals = [id, tags, state, prompt, gen, fmt(tps), drops, fmt(lag), alerts, fmt(top, 3)];
-    const old = e.data;
-    for (let i = 0; i < COLS; i++) if (!old || old[i] !== r[i]) setText(e.cells[i], vals[i] + "");
-    if (!old || old[1] !== tags) e.cells[1].title = tags;
-    if (!old || old[2] !== state) e.tr.classList.toggle("ended", state !== "running" && state !== "no start");
-    if (!old || (old[8] > 0) !== (alerts > 0)) e.cells[8].classList.toggle("alerting", alerts > 0);
-    e.data = r;
-    if (!old || old[2] !== state || old[1] !== tags) filterRow(e);
+    tr.addEventListener("click", () => select(tr.dataset.id));
+    tbody.insertBefore(tr, bottomPad);
+    const p = { tr, cells, data: null };
+    pool.push(p);
+    return p;
   }
 
-  function insertOrdered(e) {  // newest (highest arrival order) first
-    let before = tbody.firstChild;
-    while (before && M.rows.get(before.dataset.id) && M.rows.get(before.dataset.id).order > e.order) before = before.nextSibling;
-    tbody.insertBefore(e.tr, before);
+  function fillRow(p, r) {
+    if (p.data === r) return;
+    const [id, tags, state, prompt, gen, tps, drops, lag, alerts, top] = r;
+    const vals = [id, tags, state, prompt, gen, fmt(tps), drops, fmt(lag), alerts, fmt(top, 3)];
+    for (let i = 0; i < COLS; i++) setText(p.cells[i], vals[i] + "");
+    if (p.tr.dataset.id !== id) p.tr.dataset.id = id;
+    p.cells[0].title = id;
+    p.cells[1].title = tags;
+    p.tr.classList.toggle("ended", state !== "running" && state !== "no start");
+    p.tr.classList.toggle("selected", id === M.select);
+    p.cells[8].classList.toggle("alerting", alerts > 0);
+    p.data = r;
   }
+
+  function renderList() {
+    if (M.viewStale) {  // newest (highest arrival order) first, filtered
+      M.view = [...M.rows.values()].filter(rowMatches).sort((a, b) => b[10] - a[10]);
+      M.viewStale = false;
+    }
+    const first = Math.max(0, Math.floor(wrap.scrollTop / rowH) - 5);
+    const last = Math.min(M.view.length, first + Math.ceil((wrap.clientHeight || 600) / rowH) + 10);
+    topPad.style.height = first * rowH + "px";
+    bottomPad.style.height = (M.view.length - last) * rowH + "px";
+    while (pool.length < last - first) poolRow();
+    pool.forEach((p, i) => {
+      const r = M.view[first + i];
+      if (r === undefined) { p.tr.hidden = true; p.data = null; return; }
+      p.tr.hidden = false;
+      fillRow(p, r);
+    });
+    if (pool.length && !pool[0].tr.hidden && !M.rowMeasured) {
+      const h = pool[0].tr.getBoundingClientRect().height;
+      if (h > 0) { M.rowMeasured = true; if (Math.abs(h - rowH) > 0.5) { rowH = h; renderList(); } }
+    }
+  }
+  let scrollQueued = false;
+  wrap.addEventListener("scroll", () => {
+    if (scrollQueued) return;
+    scrollQueued = true;
+    requestAnimationFrame(() => { scrollQueued = false; renderList(); });
+  });
 
   const filterInput = $("filter"), runningOnly = $("running-only");
-  function filterRow(e) {
-    const q = filterInput.value.trim().toLowerCase();
-    const [id, tags, state] = e.data;
-    const show = (!q || id.toLowerCase().includes(q) || tags.toLowerCase().includes(q)) && (!runningOnly.checked || state === "running");
-    const display = show ? "" : "none";
-    if (e.tr.style.display !== display) e.tr.style.display = display;
-  }
-  const refilter = () => { for (const e of M.rows.values()) filterRow(e); };
+  const refilter = () => { M.viewStale = true; renderList(); updateCounts(); };
   filterInput.addEventListener("input", refilter);
   runningOnly.addEventListener("change", refilter);
 
   function updateCounts() {
     const o = M.overview;
-    if (o) setText($("counts"), `${o.running} running · ${o.requests} shown`);
+    if (o) setText($("counts"), `${o.running} running · ${M.view.length} shown of ${M.rows.size}`);
   }
 
   function select(id) {
     if (M.select === id) return;
-    const old = M.rows.get(M.select);
-    if (old) old.tr.classList.remove("selected");
     M.select = id;
-    const cur = M.rows.get(id);
-    if (cur) cur.tr.classList.add("selected");
+    for (const p of pool) p.tr.classList.toggle("selected", p.tr.dataset.id === id);
     M.d = null;
     M.shownAt = {}; M.scoredAt = {}; M.latency = [];
     $("text").textContent = "";
@@ -181,7 +212,7 @@
     const box = $("broker-body");
     const b = o.broker;
     box.textContent = "";
-    if (M.recording) { box.appendChild(el("span", "muted", o.note || "recording: no broker")); return; }
+    if (M.recording) { box.appendChild(el("span", o.note_is_problem ? "bad" : "muted", o.note || "recording: no broker")); return; }
     if (!b) { box.appendChild(el("span", "muted", "no stats yet")); return; }
     if (b.error && b.frames_per_s === undefined) { box.appendChild(el("span", "bad", b.error)); return; }
     const kv = (k, v, bad) => box.appendChild(el("span", "kv" + (bad ? " bad" : ""), `${k} ${v}`));
@@ -207,10 +238,12 @@
     if (d.id !== M.select) return;
     const text = $("text");
     if (d.reset || !M.d || M.d.id !== d.id) {
+      // shownAt/scoredAt: when a position first showed; kept when the same request is sent again whole
+      // (its text replacing the token ids shown while its tokenizer loaded)
+      if (!M.d || M.d.id !== d.id) { M.shownAt = {}; M.scoredAt = {}; }
       M.d = newDetail(d.id);
       text.textContent = "";
       $("alerts").textContent = "";
-      M.shownAt = {}; M.scoredAt = {};
     }
     const D = M.d;
     if (d.missing) { setText($("detail-info"), "not known to the monitor (never seen, or ended and forgotten)"); return; }

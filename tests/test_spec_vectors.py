@@ -1,0 +1,73 @@
+"""Steering vectors at admission: every form parses to the same float32 op, parsed ops are reused only while
+their vector is unchanged, and bad lists are refused (the fast list conversion must not let bools through)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mia_stream.errors import SteeringSpecError
+from mia_stream.producer.spec import ModelGeometry, parse_spec
+from mia_stream.producer.vectors import register_vector
+
+GEO = ModelGeometry(num_layers=4, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4)
+
+
+@pytest.fixture(autouse=True)
+def vectors_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("MIA_STREAM_VECTORS", str(tmp_path / "vectors"))
+    return tmp_path / "vectors"
+
+
+def _op(vector, layer=1, **kw):
+    return parse_spec({"steer": [dict({"layer": layer, "op": "add", "vector": vector, "scale": 0.5}, **kw)]},
+                      GEO).steer[0]
+
+
+def test_every_vector_form_gives_the_same_op():
+    v = np.random.default_rng(0).standard_normal(16).astype(np.float32)
+    register_vector("v", v)
+    forms = [v.tolist(), tuple(v.tolist()), v, v.astype(np.float64), {"f32": v.astype("<f4").tobytes()},
+             {"name": "v"}]
+    ops = [_op(f) for f in forms]
+    for op in ops:
+        assert np.array_equal(op.array, v) and op.key() == ops[0].key()
+    ints = _op(list(range(16)))
+    assert np.array_equal(ints.array, np.arange(16, dtype=np.float32))
+
+
+def test_a_named_op_is_parsed_once_and_again_when_the_vector_is_registered_again(vectors_dir):
+    register_vector("joy", np.ones(16, np.float32))
+    first = _op({"name": "joy"})
+    assert _op({"name": "joy"}) is first  # reused: no second parse
+    assert _op({"name": "joy"}, layer=2) is not first and _op({"name": "joy"}, scale=1.0).scale == 1.0
+    register_vector("joy", np.full(16, 2.0, np.float32))  # replaced in place by name
+    again = _op({"name": "joy"})
+    assert again is not first and np.all(again.array == 2.0) and again.key() != first.key()
+    (vectors_dir / "joy.npy").unlink()
+    with pytest.raises(SteeringSpecError, match="no registered vector named 'joy'"):
+        _op({"name": "joy"})
+
+
+def test_bytes_ops_are_reused_by_content_and_typed_fields_do_not_collide():
+    raw = np.arange(16, dtype="<f4").tobytes()
+    first = _op({"f32": raw})
+    assert _op({"f32": bytes(bytearray(raw))}) is first  # equal content, another object
+    assert _op({"f32": np.zeros(16, "<f4").tobytes()}) is not first
+    with pytest.raises(SteeringSpecError, match=r"\['scale'\]"):
+        _op({"f32": raw}, scale=True)  # True == 1 must not hit the cached scale=1 op
+    _op({"f32": raw}, scale=1)
+
+
+@pytest.mark.parametrize("vector", [
+    [True] * 16, [0.5] * 15 + [True], [0.5] * 15 + [False], ["0.5"] * 16, [[0.5]] * 16, [None] * 16,
+    [0.5] * 15 + [1 + 2j], [0.5] * 15 + [10 ** 400],
+])
+def test_a_list_that_is_not_numbers_is_refused(vector):
+    with pytest.raises(SteeringSpecError, match="must be a list of numbers"):
+        _op(vector)
+
+
+def test_a_list_of_ones_and_zeros_is_numbers():
+    op = _op([0.0, 1.0] * 8)
+    assert np.array_equal(op.array, np.tile([0.0, 1.0], 8).astype(np.float32))
