@@ -142,10 +142,13 @@ def consume(a: argparse.Namespace) -> None:
     got = lost = 0
     first = last = None
 
+    arrivals: list[tuple[float, float]] = []  # (seconds since the first message, ms) per message
+
     def note(time_ns: int, count: int) -> None:
         nonlocal got, first, last
         now = time.time_ns()
         latencies.append(np.full(count, now - time_ns, dtype=np.int64))
+        arrivals.append((time.monotonic() - (first or time.monotonic()), (now - time_ns) / 1e6))
         got += count
         first = first or time.monotonic()
         last = time.monotonic()
@@ -174,8 +177,12 @@ def consume(a: argparse.Namespace) -> None:
                         lost += ev.gap.count
     lat = np.concatenate(latencies) if latencies else np.zeros(1, dtype=np.int64)
     span = (last - first) if first and last and last > first else float("nan")
+    # where the slow deliveries were: seconds into the run of the messages over 20 ms (stalls show as clusters)
+    slow = sorted({round(t, 1) for t, ms in arrivals if ms > 20})
     print(json.dumps({"request_steps": got, "lost": lost, "p50_ms": float(np.percentile(lat, 50)) / 1e6,
-                      "p99_ms": float(np.percentile(lat, 99)) / 1e6, "rate": got / span}), flush=True)
+                      "p99_ms": float(np.percentile(lat, 99)) / 1e6, "max_ms": float(lat.max()) / 1e6,
+                      "over_20ms": sum(1 for _, ms in arrivals if ms > 20), "messages": len(arrivals),
+                      "slow_at_s": slow[:40], "rate": got / span}), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
@@ -189,7 +196,7 @@ def _spawn(args: list[str], env: dict) -> subprocess.Popen:
 
 
 def run_one(path: str, rate: float, a: argparse.Namespace) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     run_dir = tempfile.mkdtemp(prefix="mia-load-", dir="/tmp")
     me = str(Path(__file__).resolve())
     procs: list[subprocess.Popen] = []

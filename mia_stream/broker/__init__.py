@@ -17,7 +17,7 @@ import msgpack
 import zmq
 
 from mia_stream import _transport
-from mia_stream.broker._broker import Broker, run_broker_in_thread
+from mia_stream.broker._broker import GC_FREEZE_S, Broker, run_broker_in_thread
 from mia_stream.broker._routing import (DEFAULT_CONSUMER_QUEUE_BYTES, DEFAULT_CONSUMER_TIMEOUT_S,
                                         DEFAULT_LATE_JOIN_BYTES, DEFAULT_LATE_JOIN_LINGER_S,
                                         DEFAULT_LATE_JOIN_TOTAL_BYTES, DEFAULT_PRODUCER_TIMEOUT_S,
@@ -79,7 +79,7 @@ def main(argv: list[str]) -> int:
                               args.consumer_timeout, max_message_bytes=args.max_message_bytes,
                               heartbeat_s=args.heartbeat, steering=not args.no_steering,
                               batch=not args.no_batch, shm=not args.no_shm, ring_grace_s=args.ring_grace)
-        broker = Broker(config)
+        broker = Broker(config, gc_freeze_s=GC_FREEZE_S)  # its own process: see GC_FREEZE_S
     except MiaStreamError as e:
         print(f"mia-stream broker: {e}", file=sys.stderr)
         return 2

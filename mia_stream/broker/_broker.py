@@ -9,6 +9,7 @@ are forwarded zero-copy: the received ``zmq.Frame`` objects are re-sent (only he
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -29,6 +30,12 @@ log = logging.getLogger("mia_stream.broker")
 
 _RECV_BATCH = 256  # stream messages handled per poll wake-up before consumers are flushed
 _TICK_S = 0.05  # the router's housekeeping interval
+# The late-join buffers keep ~2 tuples per request per message (200k-450k at 256 requests x 100 steps/s), and
+# CPython's full collections walk them all: 20 -> 120 ms stalls every ~1.3 s, growing with the buffers, which
+# made the consumers' p99 136-157 ms at a lossless 25,600 request-steps/s (scripts/bench_load.py). The router's
+# state is acyclic (freed by reference counting), so a broker process moves what it holds out of the collector's
+# sight once a second (gc.freeze); collections then walk at most a second of allocations.
+GC_FREEZE_S = 1.0
 
 _send_parts, _recv_parts = _transport.send_parts, _transport.recv_parts
 _send_frame_lists = _transport.send_frame_lists
@@ -41,7 +48,7 @@ class Broker:
     ``close()`` releases the sockets. ``run_broker_in_thread`` wraps all three for tests.
     """
 
-    def __init__(self, config: BrokerConfig, *, context: zmq.Context | None = None):
+    def __init__(self, config: BrokerConfig, *, context: zmq.Context | None = None, gc_freeze_s: float = 0.0):
         self.config = config
         self.instance = random.getrandbits(63)
         # Two I/O threads: one serves the producers' socket, the other the consumers' (AFFINITY below), so a
@@ -82,6 +89,8 @@ class Broker:
         for s in (self._prod, self._cons, self._stats_sock):
             self._poller.register(s, zmq.POLLIN)
         self._last_tick = 0.0
+        self._gc_freeze_s = gc_freeze_s  # 0: leave the collector alone (a broker in a thread of another program)
+        self._last_freeze = 0.0
         # Producers' rings: inlined for consumers that cannot read them, lag checks, ``received`` noted in each
         # ring's header (bounds how far its producer writes ahead), ownership proofs. Only on an ipc producers
         # endpoint: a peer on another host cannot have a ring here.
@@ -109,6 +118,9 @@ class Broker:
                 self._last_tick = now
                 router.tick(now)
                 self._send_outbox()
+                if self._gc_freeze_s and now - self._last_freeze >= self._gc_freeze_s:
+                    self._last_freeze = now
+                    gc.freeze()
             try:
                 events = dict(poll(1 if router.any_blocked() else 50))
             except zmq.ZMQError as e:
