@@ -21,6 +21,8 @@ import argparse
 import logging
 import math
 import os
+
+from mia_stream import settings
 import sys
 import time
 from dataclasses import dataclass, field
@@ -425,7 +427,7 @@ def run_args(args: argparse.Namespace) -> int:
     from mia_stream.errors import MiaStreamError
 
     prog = "mia-stream monitor --terminal"
-    source = args.source or os.environ.get("MIA_STREAM_BROKER")
+    source = args.source or settings.raw("MIA_STREAM_BROKER")
     if source and "://" not in source and not os.path.exists(source):
         print(f"{prog}: {source!r} is neither a broker run dir nor a recording (no such path)", file=sys.stderr)
         return 2

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _procs import stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
 _TICK = os.sysconf("SC_CLK_TCK")
 HIDDEN, LAYERS = 4096, 32
 
@@ -230,13 +230,7 @@ def run_one(path: str, rate: float, a: argparse.Namespace) -> dict:
                "cpu_s": {k: cpu1[k] - cpu0[k] for k in pids}}
         return out
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_processes(procs)
 
 
 def report(r: dict) -> str:

@@ -40,6 +40,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _procs import stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
 _TICK = os.sysconf("SC_CLK_TCK")
 
 
@@ -216,14 +217,7 @@ def run_one(rate: float, a: argparse.Namespace, browser) -> dict:
                 "running": len(lags), "broker_dropped_for_monitor": mon_cons.get("dropped"),
                 "monitor_counters": stats1["counters"]}
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait(5)
+        stop_processes(reversed(procs))
 
 
 def report(r: dict) -> str:

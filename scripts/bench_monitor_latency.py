@@ -40,6 +40,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _procs import stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
 
 COUNTRIES = ["France", "Japan", "Kenya", "Peru", "Norway", "Egypt", "Canada", "Chile", "Vietnam", "Ghana",
              "Poland", "Nepal", "Cuba", "Spain", "Iran", "Mali", "Laos", "Fiji", "Oman", "Chad"]
@@ -195,13 +196,7 @@ def main(argv=None) -> int:
         print(line("all", summarize(total)), flush=True)
         llm.llm_engine.engine_core.shutdown()
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_processes(procs.values())
     err = procs["analyzer"].stderr.read() if procs.get("analyzer") else ""
     if err.strip():
         print(err.strip().splitlines()[-1], file=sys.stderr)

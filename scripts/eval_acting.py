@@ -45,6 +45,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from _procs import stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
 
 from mia_stream.analyzers import datasets  # noqa: E402
 
@@ -136,13 +137,7 @@ class Bench:
     def stop(self):
         if getattr(self, "llm", None) is not None:
             self.llm.llm_engine.engine_core.shutdown()
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-                try:
-                    p.wait(10)
-                except subprocess.TimeoutExpired:
-                    p.kill()
+        stop_processes(self.procs.values())
 
     def prompt_ids(self, items):
         out = []

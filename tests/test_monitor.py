@@ -237,7 +237,7 @@ PAGE_DATA = """() => {
 
 
 # Screenshots are kept as test artifacts here (CI can upload the folder); docs/img/monitor.png is the live one.
-ARTIFACTS = Path(os.environ.get("MIA_STREAM_TEST_ARTIFACTS", REPO / "test-artifacts")) / "monitor"
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR", REPO / "test-artifacts")) / "monitor"
 
 
 def save_screenshot(page, name: str) -> Path:

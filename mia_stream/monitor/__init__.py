@@ -23,6 +23,7 @@ import socket
 import sys
 from typing import Any
 
+from mia_stream import settings
 from mia_stream.monitor._ingest import Ingest
 from mia_stream.monitor._server import MonitorServer, is_loopback
 from mia_stream.monitor._state import MonitorState
@@ -89,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.terminal:
         return terminal_monitor.run_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    source = args.source or os.environ.get("MIA_STREAM_BROKER")
+    source = args.source or settings.raw("MIA_STREAM_BROKER")
     if source and "://" not in source and not os.path.exists(source):
         print(f"mia-stream monitor: {source!r} is neither a broker run dir nor a recording (no such path)",
               file=sys.stderr)

@@ -20,7 +20,7 @@ _NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
 
 def vectors_dir() -> Path:
-    key = (os.environ.get("MIA_STREAM_VECTORS"), os.environ.get("MIA_STREAM_CACHE"), os.environ.get("HOME"))
+    key = (settings.raw("MIA_STREAM_VECTORS"), settings.raw("MIA_STREAM_CACHE"), os.environ.get("HOME"))
     hit = _dir_of.get(key)
     if hit is None:  # resolved once per environment: ~50 µs a call, and admission resolves every named op
         from mia_stream.model import cache_dir
