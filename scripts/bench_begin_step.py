@@ -66,7 +66,7 @@ def measure(raw, repeat: int) -> dict:
             rt.begin_step(batch)
             runs["first_decode" if step == 0 else "decode"].append(time.perf_counter() - t)
             rt._step_segments = None
-        rt.close() if hasattr(rt, "close") else None
+        rt.close()
     return {k: round(float(np.median(v)) * 1e3, 3) for k, v in runs.items()}
 
 

@@ -68,21 +68,19 @@ def load_vector(name: str) -> np.ndarray:
 
     Read once per file version: a request steering every layer of an 8B model by name resolves 32 names, and an
     ``np.load`` each (~60 µs) was most of its admission; a stat (~2 µs) sees a replaced file."""
-    path = _path(name)
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
+    path = _path(name)  # a bad name is a ValueError, as before
+    version = vector_version(name)
+    if version is None:
         _loaded.pop(name, None)
-        raise KeyError(name) from None
-    version = (st.st_mtime_ns, st.st_size, st.st_ino)
+        raise KeyError(name)
     hit = _loaded.get(name)
-    if hit is not None and hit[0] == (str(path), version):
+    if hit is not None and hit[0] == version:
         return hit[1]
     arr = np.load(path)
     arr.setflags(write=False)
     if len(_loaded) >= _CACHE_ENTRIES:
         _loaded.pop(next(iter(_loaded)))
-    _loaded[name] = ((str(path), version), arr)
+    _loaded[name] = (version, arr)
     return arr
 
 
