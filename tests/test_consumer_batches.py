@@ -257,6 +257,7 @@ def test_order_holes_and_duplicates_of_batches_with_injected_time():
     late = asm.flush(now=10.5)
     assert [_digest(ev)[:5] for ev in late if ev.kind == "gap"] == [("gap", "a", "eng-tp0", ((3, 3),), "seq_jump")]
     assert [ev.frame.step for ev in late if ev.kind == "frame" and ev.frame.part == 0] == [1]
+    assert not asm.holding  # released: nothing waits for time any more
     assert asm.feed(msgs[2], now=11.0) == [] and asm.feed(msgs[3], now=11.0) == []  # duplicates
     # a GapNotice that comes in time releases the held share at once, without a seq_jump
     e2 = Engine(producer_id="p2")
@@ -269,6 +270,7 @@ def test_order_holes_and_duplicates_of_batches_with_injected_time():
     assert [ev.frame.step for ev in evs if ev.kind == "frame" and ev.frame.part == 0] == [0]
     evs = asm2.feed(GapNotice("x", "p2", 7, [[3, 3]], "slow_consumer", "broker"), now=0.0)
     assert [ev.kind for ev in evs] == ["gap", "frame"] and evs[0].gap.origin == "broker"
+    assert not asm2.holding
     ended = _feed(asm2, _wire([second[1], e2.end("x")]), finish=False)
     assert [ev.kind for ev in ended] == ["tokens", "end"]
     assert asm2.feed(_wire(e2.step(2, ["x"]))[0], now=0.0) == [] and asm2.counters["after_end"] == 1
@@ -281,10 +283,11 @@ def test_sequencer_timer_uses_the_injected_clock():
     asm.feed(StreamStart("r", "p", 1), now=1.0)
     asm.feed(TokenFrame("r", "p", 1, 2, 0, [5]), now=1.0)  # seq 1 missing
     asm.feed(TokenFrame("r", "p", 1, 4, 1, [6]), now=1.05)  # seq 3 missing too: _release runs again, holding
-    assert asm.flush(now=1.1) == []
+    assert asm.holding and asm.flush(now=1.1) == [] and asm.holding
     events = asm.flush(now=1.3)
     assert [(ev.kind, ev.gap.missing if ev.gap else ev.tokens.seq) for ev in events] == [
         ("gap", [[1, 1]]), ("tokens", 2), ("gap", [[3, 3]]), ("tokens", 4)]
+    assert not asm.holding
 
 
 def test_tp_ranks_batches_merge_per_request_step():

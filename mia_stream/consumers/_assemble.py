@@ -492,6 +492,9 @@ class StreamAssembler:
         self.rank_wait_s = rank_wait_s
         self.batches = batches
         self._seq: dict[tuple, _Sequencer] = {}
+        # request streams whose sequencer holds messages behind a hole: ``holding`` and ``flush`` look at these
+        # alone (scanning every sequencer on every message took 30% of a consumer's time at 256 requests/step)
+        self._held: set[tuple] = set()
         self._ranks: dict[tuple, _Rank] = {}
         self._requests: dict[str, RequestStream] = {}
         self._mergers: dict[str, _Merger] = {}
@@ -510,8 +513,7 @@ class StreamAssembler:
     @property
     def holding(self) -> bool:
         """Something waits for time to pass (call ``flush`` periodically while this is true)."""
-        return (bool(self._waiting) or any(s.held for s in self._seq.values())
-                or bool(self._analysis_held))
+        return bool(self._waiting) or bool(self._held) or bool(self._analysis_held)
 
     def feed(self, msg: Message, now: float | None = None) -> list[Event]:
         now = self._now = time.monotonic() if now is None else now
@@ -548,8 +550,10 @@ class StreamAssembler:
         ``rank_wait_s`` for a rank that never started (call when idle)."""
         now = self._now = time.monotonic() if now is None else now
         out = []
-        for key, sq in list(self._seq.items()):
-            out += self._handle(key, sq.flush(now, self.reorder_timeout_s))
+        for key in list(self._held):
+            sq = self._seq.get(key)
+            if sq is not None:
+                out += self._handle(key, sq.flush(now, self.reorder_timeout_s))
         for key in list(self._analysis_held):
             out += self._handle_analysis(key, self._analysis[key].flush(now, self.reorder_timeout_s))
         for rs, since in list(self._waiting.values()):
@@ -651,6 +655,7 @@ class StreamAssembler:
         # analyzer publishing under its engine's producer id breaks the spec: its results get a stream apart)
         sq = self._seq.pop(key, None) if r is None or not r.started else None
         if sq is not None:
+            self._held.discard(key)
             self._ranks.pop(key, None)
             if not sq.held and sq.expected == 0 and sq.known:
                 sq.expected = min(sq.known[0][0], first_seq)
@@ -767,6 +772,12 @@ class StreamAssembler:
     # ---------------------------------------------------------------------------------------- internals
 
     def _handle(self, key: tuple, msgs: list) -> list[Event]:
+        """Events of what a request stream's sequencer released (called after each of its operations)."""
+        sq = self._seq.get(key)
+        if sq is not None and sq.held:
+            self._held.add(key)
+        else:
+            self._held.discard(key)
         out: list[Event] = []
         for m in msgs:
             if isinstance(m, _Share):
@@ -901,6 +912,7 @@ class StreamAssembler:
 
     def _forget(self, key: tuple) -> None:
         self._seq.pop(key, None)
+        self._held.discard(key)
         self._done[key] = None
         if len(self._done) > 100_000:
             self._done.popitem(last=False)
