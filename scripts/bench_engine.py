@@ -200,10 +200,12 @@ def _plugin_engine_core(address: str) -> int | None:
     return None
 
 
-def start_pyspy(pyspy: str, pid: int, seconds: float, raw: str) -> subprocess.Popen:
-    """Sample ``pid`` (and its threads) for ``seconds`` without stopping it; collapsed stacks into ``raw``."""
+def start_pyspy(pyspy: str, pid: int, seconds: float, raw: str, children: bool = True) -> subprocess.Popen:
+    """Sample ``pid`` (and its threads; ``children``: its child processes too) for ``seconds`` without stopping
+    it; collapsed stacks into ``raw``."""
     return subprocess.Popen([pyspy, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds))),
-                             "--rate", "200", "--nonblocking", "--subprocesses", "--format", "raw", "--output", raw],
+                             "--rate", "200", "--nonblocking", *(["--subprocesses"] if children else []),
+                             "--format", "raw", "--output", raw],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -359,19 +361,22 @@ def main(argv: list[str] | None = None) -> int:
                 order = [("plugin", plugin), ("plain", plain)] if rnd % 2 == 0 else [("plain", plain), ("plugin", plugin)]
                 row = {}
                 for which, llm in order:
-                    spy = None
+                    spies = []
                     if which == "plugin" and core_pid and name in a.profile.split(",") and rnd == a.rounds - 1:
-                        raw = str(out / f"pyspy-{name}.raw")
-                        spy = start_pyspy(a.pyspy, core_pid, a.pyspy_s, raw)
+                        # the engine core, and this process: vLLM's frontend, which admits the requests
+                        for title, pid, children in (("plugin engine core", core_pid, True),
+                                                     ("frontend (driver process)", os.getpid(), False)):
+                            raw = str(out / f"pyspy-{name}-{pid}.raw")
+                            spies.append((title, raw, start_pyspy(a.pyspy, pid, a.pyspy_s, raw, children)))
                         time.sleep(0.3)  # attached before the batch starts
                     gen, dt = run_batch(llm, prompts, params if which == "plugin" else SamplingParams(**base))
                     row[which] = {"tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1)}
-                    if spy is not None:
+                    for title, raw, spy in spies:
                         spy.wait(a.pyspy_s + 30)
                         with open(out / "pyspy.txt", "a") as f:
-                            f.write(summarize_pyspy(raw, f"{name}: plugin engine core, {a.pyspy_s:g} s from the "
+                            f.write(summarize_pyspy(raw, f"{name}: {title}, {a.pyspy_s:g} s from the "
                                                          f"batch's start ({dt:.2f} s run)"))
-                        os.unlink(raw)
+                        os.replace(raw, raw.removesuffix(".raw") + ".stacks")  # for a flame graph
                         row["profiled"] = True
                 steps = row["plain"]["tokens"] / max(len(prompts), 1)
                 step_ms = 1e3 * row["plain"]["s"] / max(steps, 1)

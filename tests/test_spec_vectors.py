@@ -71,3 +71,45 @@ def test_a_list_that_is_not_numbers_is_refused(vector):
 def test_a_list_of_ones_and_zeros_is_numbers():
     op = _op([0.0, 1.0] * 8)
     assert np.array_equal(op.array, np.tile([0.0, 1.0], 8).astype(np.float32))
+
+
+def test_a_named_op_travels_by_name_and_digest_and_resolves_to_the_content_the_frontend_checked(vectors_dir):
+    """The normalized (compact) form of a named op names the vector and its content digest instead of carrying
+    512 KiB per request steering 32 layers of an 8B model; the worker loads exactly that content, even when the
+    name was registered again between the frontend's check and the worker's parse."""
+    old = np.random.default_rng(1).standard_normal(16).astype(np.float32)
+    register_vector("mood", old)
+    spec = parse_spec({"steer": [{"layer": 1, "op": "cap", "vector": {"name": "mood"}, "threshold": 0.5}]}, GEO)
+    wire = spec.to_wire()
+    vec = wire["steer"][0]["vector"]
+    assert vec.keys() == {"name", "digest"} and vec["name"] == "mood" and len(vec["digest"]) == 32
+    register_vector("mood", -old)  # registered again while the request is on its way to the engine
+    worker = parse_spec(wire, GEO).steer[0]
+    assert worker.vector == spec.steer[0].vector and worker.key() == spec.steer[0].key()
+    assert np.allclose(worker.array, old / np.linalg.norm(old))  # cap: the unit direction of the OLD vector
+    assert worker.to_wire(compact=True)["vector"] == vec  # and it stays by reference downstream
+    assert np.allclose(_op({"name": "mood"}).array, -old)  # the name now means the new vector
+    assert _op({"f32": old.tobytes()}).to_wire(compact=True)["vector"].keys() == {"f32"}  # inline: bytes
+    assert isinstance(worker.to_wire()["vector"], list)  # the readable form: floats
+
+
+@pytest.mark.parametrize("digest, match", [
+    ("0" * 32, r"no registered vector named 'mood' in the version of digest 0{32}"),
+    ("../../etc/passwd", "must be 32 hex digits"),
+    ("ABC", "must be 32 hex digits"),
+])
+def test_an_unknown_or_malformed_digest_is_a_spec_error(digest, match):
+    register_vector("mood", np.ones(16, np.float32))
+    with pytest.raises(SteeringSpecError, match=match):
+        _op({"name": "mood", "digest": digest})
+    with pytest.raises(SteeringSpecError, match="a named vector is"):
+        _op({"name": "mood", "digest": 7})
+
+
+def test_a_vector_file_placed_by_hand_gets_its_digest_copy_on_first_use(vectors_dir):
+    v = np.arange(16, dtype=np.float32)
+    vectors_dir.mkdir(parents=True)
+    np.save(vectors_dir / "hand.npy", v)  # not through register_vector: no digest copy yet
+    digest = _op({"name": "hand"}).to_wire(compact=True)["vector"]["digest"]
+    assert (vectors_dir / ".by-digest" / f"{digest}.npy").exists()
+    assert np.array_equal(_op({"name": "hand", "digest": digest}).array, v)

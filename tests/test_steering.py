@@ -179,4 +179,6 @@ def test_vector_forms_steer_identically_and_leave_the_callers_params_alone(engin
     stacks = {name: col.stacked(f"form-{name}", "hs")[2] for name in forms}
     assert np.array_equal(stacks["list"], stacks["array"]) and np.array_equal(stacks["list"], stacks["f32"])
     start = col.events["form-f32"][0].stream.start
-    np.testing.assert_array_equal(np.asarray(start.steering[0]["vector"], np.float32), v)  # the wire: a list
+    wire = start.steering[0]["vector"]  # the wire: float32 bytes (docs/wire-format.md 3.1)
+    assert wire.keys() == {"f32"}
+    np.testing.assert_array_equal(np.frombuffer(wire["f32"], "<f4"), v)

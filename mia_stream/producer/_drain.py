@@ -210,9 +210,9 @@ class StepDrain:
         self._streams_epoch += 1
         self._streams[eid] = _Stream(msg.request_id, info["prompt_len"], tuple(info.get("qk_heads") or ()))
         msg.producer_id, msg.epoch = self.publisher.producer_id, self.publisher.epoch
-        # the engine hands steering vectors over as float32 bytes; the wire carries the op format's lists
-        msg.steering = [dict(o, vector=np.frombuffer(o["vector"]["f32"], "<f4").tolist())
-                        if isinstance(o.get("vector"), dict) and "f32" in o["vector"] else o for o in msg.steering]
+        # steering ops stay in their compact form (float32 bytes, or a registered vector's name and digest):
+        # as float lists, 32 ops of 4096 were 1 MiB of msgpack per request for the drain, the broker and every
+        # consumer to encode and decode (docs/wire-format.md 3.1)
         msg.seq = self.publisher.next_seq(msg.request_id)
         self._publish(msg)
 

@@ -57,6 +57,8 @@ class SteerOp:
     scale: float = 1.0
     threshold: float = 0.0
     positions: str = "all"
+    # (name, digest) when the vector is a registered one: the compact wire form names it instead of carrying it
+    vector_ref: tuple[str, str] | None = None
 
     @property
     def array(self) -> np.ndarray:
@@ -75,9 +77,16 @@ class SteerOp:
         return self._key
 
     def to_wire(self, compact: bool = False) -> dict:
-        """The op in steering-spec format; ``compact`` carries the vector as ``{"f32": bytes}`` (what the
-        frontend hands the engine: parsing 4096 floats per op per request was the engine's bottleneck)."""
-        vector = {"f32": self.vector} if compact else self.array.tolist()
+        """The op in steering-spec format; ``compact``: the vector as ``{"name", "digest"}`` when it is a
+        registered one, else as ``{"f32": bytes}`` (what the frontend hands the engine and the producer puts
+        in StreamStart: parsing 4096 floats per op per request was the engine's bottleneck, and 32 vectors per
+        request were 512 KiB through vLLM and the bus)."""
+        if not compact:
+            vector: Any = self.array.tolist()
+        elif self.vector_ref is not None:
+            vector = {"name": self.vector_ref[0], "digest": self.vector_ref[1]}
+        else:
+            vector = {"f32": self.vector}
         return {"layer": self.layer, "op": self.op, "vector": vector, "scale": self.scale,
                 "threshold": self.threshold, "positions": self.positions}
 
@@ -227,7 +236,8 @@ def parse_steer_ops(ops: Any, geo: ModelGeometry,
                     resolve_vector: Callable[[str], np.ndarray] | None = None) -> tuple[SteerOp, ...]:
     if not isinstance(ops, (list, tuple)):
         _fail(SteeringSpecError, "['steer']", f"must be a list of operations, got {type(ops).__name__}")
-    return tuple(_parse_op(op, geo, resolve_vector, f"['steer'][{i}]") for i, op in enumerate(ops))
+    versions: dict[str, tuple | None] = {}  # one stat per vector name per spec, not one per op
+    return tuple(_parse_op(op, geo, resolve_vector, f"['steer'][{i}]", versions) for i, op in enumerate(ops))
 
 
 def _float_list(vec: list | tuple, path: str) -> np.ndarray:
@@ -244,11 +254,11 @@ def _float_list(vec: list | tuple, path: str) -> np.ndarray:
     return arr
 
 
-def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> SteerOp:
+def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, versions: dict) -> SteerOp:
     """One steering op, checked. Ops whose vector is a registered name or float32 bytes are parsed once and
     reused: a request steering all 32 layers of an 8B model repeats the same 32 ops as every other such
     request, and parsing them again (~2 ms a request) held back vLLM's admission of the next request."""
-    key = _op_cache_key(op, geo, resolve_vector)
+    key = _op_cache_key(op, geo, resolve_vector, versions)
     if key is None:
         return _parse_new_op(op, geo, resolve_vector, path)
     parsed = _parsed_ops.get(key)
@@ -264,7 +274,7 @@ _PARSED_OPS_MAX = 4096
 _parsed_ops: dict[tuple, SteerOp] = {}
 
 
-def _op_cache_key(op: Any, geo: ModelGeometry, resolve_vector) -> tuple | None:
+def _op_cache_key(op: Any, geo: ModelGeometry, resolve_vector, versions: dict) -> tuple | None:
     """A key that identifies the parsed op, or None when the op cannot be recognized cheaply (inline numbers,
     an injected resolver, unusual field types: those are parsed every time)."""
     if type(op) is not dict or not op.keys() <= _STEER_KEYS:
@@ -272,15 +282,22 @@ def _op_cache_key(op: Any, geo: ModelGeometry, resolve_vector) -> tuple | None:
     vec = op.get("vector")
     if type(vec) is not dict:
         return None
-    if vec.keys() == {"f32"} and type(vec["f32"]) is bytes:
+    keys = vec.keys()
+    if keys == {"f32"} and type(vec["f32"]) is bytes:
         token: tuple = ("f32", vec["f32"])  # bytes hash once per object, and compare by content
-    elif vec.keys() == {"name"} and type(vec["name"]) is str and resolve_vector is None:
-        from mia_stream.producer.vectors import vector_version
+    elif keys == {"name", "digest"} and type(vec["name"]) is str and type(vec["digest"]) is str:
+        token = ("digest", vec["name"], vec["digest"])  # content-addressed: no file to check
+    elif keys == {"name"} and type(vec["name"]) is str and resolve_vector is None:
+        name = vec["name"]
+        if name in versions:
+            version = versions[name]
+        else:
+            from mia_stream.producer.vectors import vector_version
 
-        version = vector_version(vec["name"])
+            version = versions[name] = vector_version(name)
         if version is None:
             return None
-        token = ("name", vec["name"], version)
+        token = ("name", name, version)
     else:
         return None
     fields = []
@@ -302,21 +319,35 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> Ste
     if kind not in STEER_OPS:
         _fail(SteeringSpecError, path + "['op']", f"must be one of {list(STEER_OPS)}, got {kind!r}")
     vec = op.get("vector")
+    ref = None
     if isinstance(vec, dict) and set(vec) == {"f32"}:  # the normalized form: float32 little-endian bytes
         if not isinstance(vec["f32"], (bytes, bytearray, memoryview)) or len(vec["f32"]) != 4 * geo.hidden_size:
             _fail(SteeringSpecError, path + "['vector']",
                   f"{{'f32': bytes}} must hold {geo.hidden_size} float32 values ({4 * geo.hidden_size} bytes)")
         arr = np.frombuffer(bytes(vec["f32"]), dtype="<f4").astype(np.float64)
     elif isinstance(vec, dict):
-        if set(vec) != {"name"} or not isinstance(vec["name"], str):
+        if set(vec) not in ({"name"}, {"name", "digest"}) or not all(isinstance(x, str) for x in vec.values()):
             _fail(SteeringSpecError, path + "['vector']", "a named vector is {'name': NAME}")
-        if resolve_vector is None:
-            from mia_stream.producer.vectors import load_vector as resolve_vector
+        name = vec["name"]
         try:
-            arr = np.asarray(resolve_vector(vec["name"]), dtype=np.float64)
+            if "digest" in vec:  # the normalized form: exactly the content the frontend checked
+                from mia_stream.producer.vectors import vector_by_digest
+
+                arr = np.asarray(vector_by_digest(vec["digest"]), dtype=np.float64)
+                ref = (name, vec["digest"])
+            elif resolve_vector is None:
+                from mia_stream.producer.vectors import named_vector
+
+                loaded, digest = named_vector(name)
+                arr, ref = np.asarray(loaded, dtype=np.float64), (name, digest)
+            else:
+                arr = np.asarray(resolve_vector(name), dtype=np.float64)
         except KeyError:
+            version = f" in the version of digest {vec['digest']}" if "digest" in vec else ""
             _fail(SteeringSpecError, path + "['vector']",
-                  f"no registered vector named {vec['name']!r} (register it with `mia-stream vectors add`)")
+                  f"no registered vector named {name!r}{version} (register it with `mia-stream vectors add`)")
+        except ValueError as e:
+            _fail(SteeringSpecError, path + "['vector']", str(e))
     elif isinstance(vec, (list, tuple)):
         arr = _float_list(vec, path)
     elif isinstance(vec, np.ndarray):
@@ -343,4 +374,4 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> Ste
         arr = arr / norm
     positions = _positions(op.get("positions", "all"), path + "['positions']", STEER_POSITIONS, SteeringSpecError)
     return SteerOp(layer, kind, arr.astype("<f4").tobytes(), float(scale),
-                   float(threshold), positions)
+                   float(threshold), positions, ref)

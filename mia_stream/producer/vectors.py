@@ -1,12 +1,17 @@
 """Named steering vectors: register once (``mia-stream vectors add NAME FILE``), reference by name.
 
 Vectors live as float32 ``.npy`` files in ``$MIA_STREAM_VECTORS`` (default ``~/.cache/mia_stream/vectors``),
-shared by every engine on the machine.
+shared by every engine on the machine. Each version of a vector is also kept, write-once, under its content
+digest (``.by-digest/DIGEST.npy``): the frontend hands the engine a named op as ``{"name", "digest"}`` and the
+worker loads exactly the vector the frontend checked, even if the name is registered again in between. A
+request steering 32 layers of an 8B model by name then moves 32 short strings through vLLM, the drain and the
+bus instead of 512 KiB of vectors (1 MiB as float lists on the wire).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import sys
@@ -47,11 +52,36 @@ def register_vector(name: str, vector) -> Path:
         raise ValueError("steering vector contains NaN or inf")
     path = _path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".tmp{os.getpid()}.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)
+    _keep_by_digest(arr, vector_digest(arr))
+    _write_atomically(path, arr)
     return path
 
+
+def vector_digest(arr: np.ndarray) -> str:
+    """The content digest of a float32 vector (what a normalized named op carries)."""
+    return hashlib.blake2b(np.ascontiguousarray(arr, dtype="<f4").tobytes(), digest_size=16).hexdigest()
+
+
+def _write_atomically(path: Path, arr: np.ndarray) -> None:
+    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
+    np.save(tmp, arr)
+    os.replace(tmp, path)
+
+
+def _digest_path(digest: str) -> Path:
+    if not _DIGEST.match(digest):
+        raise ValueError(f"vector digest {digest!r} must be 32 hex digits")
+    return vectors_dir() / ".by-digest" / f"{digest}.npy"
+
+
+def _keep_by_digest(arr: np.ndarray, digest: str) -> None:
+    path = _digest_path(digest)
+    if not path.exists():  # write-once: a digest names one content forever
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write_atomically(path, arr)
+
+
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 def vector_version(name: str) -> tuple | None:
     """What changes when the vector ``name`` is registered again (None: there is none, or a bad name)."""
@@ -86,6 +116,42 @@ def load_vector(name: str) -> np.ndarray:
 
 _CACHE_ENTRIES = 4096
 _loaded: dict[str, tuple[tuple, np.ndarray]] = {}
+
+
+def named_vector(name: str) -> tuple[np.ndarray, str]:
+    """The registered vector ``name`` and its digest; its version is kept under the digest (for
+    ``vector_by_digest``). ``KeyError`` if there is none."""
+    arr = load_vector(name)
+    hit = _digests.get(id(arr))
+    if hit is None or hit[0] is not arr:
+        digest = vector_digest(arr)
+        _keep_by_digest(arr, digest)  # vectors placed by hand or by an older mia_stream have no copy yet
+        if len(_digests) >= _CACHE_ENTRIES:
+            _digests.pop(next(iter(_digests)))
+        hit = _digests[id(arr)] = (arr, digest)
+    return arr, hit[1]
+
+
+_digests: dict[int, tuple[np.ndarray, str]] = {}  # id(loaded array) -> (array, digest): one hash per version
+
+
+def vector_by_digest(digest: str) -> np.ndarray:
+    """The vector of content ``digest`` (read-only; read once: a digest's file never changes); ``KeyError`` if
+    no vector of that content was registered on this machine."""
+    arr = _by_digest.get(digest)
+    if arr is None:
+        try:
+            arr = np.load(_digest_path(digest))
+        except FileNotFoundError:
+            raise KeyError(digest) from None
+        arr.setflags(write=False)
+        if len(_by_digest) >= _CACHE_ENTRIES:
+            _by_digest.pop(next(iter(_by_digest)))
+        _by_digest[digest] = arr
+    return arr
+
+
+_by_digest: dict[str, np.ndarray] = {}
 
 
 def list_vectors() -> dict[str, int]:
