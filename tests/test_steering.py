@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from mia_stream.producer.vectors import register_vector, vector_by_digest, vector_digest
 from producer_helpers import collecting, hf_trace, rel_err
 
 TOL = 1e-4
@@ -164,7 +165,8 @@ def test_vector_forms_steer_identically_and_leave_the_callers_params_alone(engin
     hands vLLM the normalized spec (vectors as bytes, so vLLM's deepcopy of the params stays cheap) without
     touching the caller's SamplingParams, which may be shared by several prompts."""
     v = (_direction(3) * 6).astype(np.float32)
-    forms = {"list": v.tolist(), "array": v, "f32": {"f32": v.astype("<f4").tobytes()}}
+    register_vector("test-forms", v)
+    forms = {"list": v.tolist(), "array": v, "f32": {"f32": v.astype("<f4").tobytes()}, "named": {"name": "test-forms"}}
     params = {name: _params(4, {"capture": {"hidden_states": {"layers": [LAYER], "positions": "all"}},
                                 "steer": [{"layer": LAYER, "op": "add", "vector": vec}], "id": f"form-{name}"})
               for name, vec in forms.items()}
@@ -177,8 +179,11 @@ def test_vector_forms_steer_identically_and_leave_the_callers_params_alone(engin
         spec = p.extra_args["mia_stream"]
         assert spec.keys() == before[name].keys() and spec["steer"][0]["vector"] is forms[name]
     stacks = {name: col.stacked(f"form-{name}", "hs")[2] for name in forms}
-    assert np.array_equal(stacks["list"], stacks["array"]) and np.array_equal(stacks["list"], stacks["f32"])
+    assert all(np.array_equal(stacks["list"], stacks[name]) for name in forms)
     start = col.events["form-f32"][0].stream.start
     wire = start.steering[0]["vector"]  # the wire: float32 bytes (docs/wire-format.md 3.1)
     assert wire.keys() == {"f32"}
     np.testing.assert_array_equal(np.frombuffer(wire["f32"], "<f4"), v)
+    named = col.events["form-named"][0].stream.start.steering[0]["vector"]  # a registered vector: its name and digest
+    assert named == {"name": "test-forms", "digest": vector_digest(v)}
+    np.testing.assert_array_equal(vector_by_digest(named["digest"]), v)
