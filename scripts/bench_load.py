@@ -143,6 +143,18 @@ def consume(a: argparse.Namespace) -> None:
     first = last = None
 
     arrivals: list[tuple[float, float]] = []  # (seconds since the first message, ms) per message
+    gc_pauses: list[tuple[int, float]] = []  # (generation, ms) of each garbage collection in this process
+    gc_started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            gc_started[0] = time.perf_counter()
+        else:
+            gc_pauses.append((info["generation"], 1e3 * (time.perf_counter() - gc_started[0])))
+
+    import gc
+
+    gc.callbacks.append(on_gc)
 
     def note(time_ns: int, count: int) -> None:
         nonlocal got, first, last
@@ -182,7 +194,10 @@ def consume(a: argparse.Namespace) -> None:
     print(json.dumps({"request_steps": got, "lost": lost, "p50_ms": float(np.percentile(lat, 50)) / 1e6,
                       "p99_ms": float(np.percentile(lat, 99)) / 1e6, "max_ms": float(lat.max()) / 1e6,
                       "over_20ms": sum(1 for _, ms in arrivals if ms > 20), "messages": len(arrivals),
-                      "slow_at_s": slow[:40], "rate": got / span}), flush=True)
+                      "slow_at_s": slow[:40], "rate": got / span,
+                      "gc": {f"gen{g}": {"count": sum(1 for x, _ in gc_pauses if x == g),
+                                         "max_ms": round(max((ms for x, ms in gc_pauses if x == g), default=0), 2)}
+                             for g in (0, 1, 2)}}), flush=True)
 
 
 # ---------------------------------------------------------------------------------------------- orchestration
@@ -241,7 +256,9 @@ def report(r: dict) -> str:
              f"producer dropped {r['producer']['dropped']} messages"]
     for name, c in r["consumers"].items():
         lines.append(f"    consumer {name:5s}: {c['request_steps']:7d} request-steps at {c['rate']:8.0f}/s, lost "
-                     f"{c['lost']:6d}, latency p50 {c['p50_ms']:7.2f} ms p99 {c['p99_ms']:7.2f} ms")
+                     f"{c['lost']:6d}, latency p50 {c['p50_ms']:7.2f} ms p99 {c['p99_ms']:7.2f} ms max "
+                     f"{c['max_ms']:7.2f} ms; GC pauses max (count) gen0/1/2: "
+                     + " / ".join(f"{c['gc'][g]['max_ms']:.1f} ({c['gc'][g]['count']})" for g in ("gen0", "gen1", "gen2")))
     cpu = ", ".join(f"{k} {1e6 * v / all_got:.1f}" for k, v in r["cpu_s"].items())
     lines.append(f"    CPU us per request-step delivered to '*': {cpu}")
     return "\n".join(lines)
