@@ -12,7 +12,7 @@ import pytest
 
 from mia_stream._transport import BrokerEndpoints
 from mia_stream.broker._routing import PRODUCERS, BrokerConfig, Router
-from mia_stream.schemas import (AnalysisBatch, Credit, ErrorNotice, GapNotice, Heartbeat, RowGroup, ShmRingReader,
+from mia_stream.schemas import (AnalysisBatch, Credit, ErrorNotice, GapBatch, GapNotice, Heartbeat, RowGroup, ShmRingReader,
                                 ShmRingWriter, SteeringAck, SteeringCommand, StepBatch, StreamEnd, StreamStart,
                                 Subscribe, Tensor, TensorFrame, TokenBatch, TokenFrame, Unsubscribe, decode,
                                 decode_header, encode, encode_batch)
@@ -137,8 +137,9 @@ def per_request(messages: list) -> dict[str, list[tuple]]:
         if isinstance(m, (StepBatch, TokenBatch, AnalysisBatch)):
             for rid, seq in zip(m.request_ids, m.seqs.tolist()):
                 out[rid].append((m.KIND, seq))
-        elif isinstance(m, GapNotice):
-            out[m.request_id].append(("gap", m.reason, [s for a, b in m.missing for s in range(a, b + 1)]))
+        elif isinstance(m, (GapNotice, GapBatch)):
+            for g in (m.notices() if isinstance(m, GapBatch) else [m]):
+                out[g.request_id].append(("gap", g.reason, [s for a, b in g.missing for s in range(a, b + 1)]))
         elif hasattr(m, "seq"):
             out[m.request_id].append((m.KIND, m.seq))
     return out
@@ -286,6 +287,104 @@ def test_a_full_queue_drops_tensors_first_and_names_every_lost_seq_of_every_requ
     assert bus.totals["dropped_for_consumers"] == dropped
     fast = per_request(bus.receive(b"fast"))
     assert all(not [e for e in bus_events if e[0] == "gap"] for bus_events in fast.values())
+
+
+def _lossy_run(bus: Bus, rids: list[str], steps: int = 20) -> None:
+    """Starts, ``steps`` step batches (1 KiB a row) and token batches of ``rids`` and their ends, nothing
+    drained for the consumers: what they cannot queue is dropped for them."""
+    for rid in rids:
+        bus.produce(start(rid))
+    for step in range(1, steps + 1):
+        bus.produce(step_batch(step, {rid: 2 * step - 1 for rid in rids}, nbytes_per_row=1024))
+        bus.produce(token_batch(step, {rid: 2 * step for rid in rids}))
+    for rid in rids:
+        bus.produce(StreamEnd(rid, "prod", 1, 2 * steps + 1))
+
+
+def _gap_messages(messages: list) -> list:
+    return [m for m in messages if isinstance(m, (GapNotice, GapBatch))]
+
+
+def test_drops_pending_for_a_subset_subscriber_go_as_one_gap_batch_naming_only_its_requests():
+    bus = Bus(consumer_queue_bytes=4096)
+    bus.subscribe(b"subset", "a*")
+    rids = ["a1", "b1", "a2", "b2", "a3"]
+    _lossy_run(bus, rids)
+    got = bus.receive(b"subset")
+    events = per_request(got)
+    assert set(events) == {"a1", "a2", "a3"}
+    gaps = _gap_messages(got)
+    assert gaps and all(isinstance(g, GapBatch) for g in gaps)
+    assert all(g.request_ids == ["a1", "a2", "a3"] and g.reason == "consumer_queue_full" and g.origin == "broker"
+               for g in gaps)
+    lost_total = 0
+    for rid in ("a1", "a2", "a3"):
+        delivered = [e[1] for e in events[rid] if e[0] != "gap"]
+        lost = [s for e in events[rid] if e[0] == "gap" for s in e[2]]
+        assert lost and sorted(delivered + lost) == list(range(42)) and not set(delivered) & set(lost), rid
+        assert delivered == sorted(delivered)
+        for i, e in enumerate(events[rid]):  # each gap comes before the request's next message after the loss
+            if e[0] == "gap":
+                assert all(later[1] > max(e[2]) for later in events[rid][i + 1:] if later[0] != "gap")
+        lost_total += len(lost)
+    consumer = bus.router.stats(bus.now)["consumers"]["subset"]
+    assert consumer["dropped"] == consumer["gaps_notified"] == lost_total
+    assert consumer["pending_gaps"] == 0
+    assert bus.totals["gap_batches"] == len(gaps)
+
+
+def test_a_consumer_of_schema_2_0_gets_a_gap_notice_per_request_instead():
+    bus = Bus(consumer_queue_bytes=4096)
+    frames = encode(Subscribe(["*"], consumer_id="old"))
+    header = msgpack.unpackb(frames[1], raw=False)
+    header["v"] = [2, 0]  # an older consumer: it does not know gap_batch
+    bus.consume(b"old", [frames[0], msgpack.packb(header, use_bin_type=True)])
+    bus.subscribe(b"new", "*")
+    _lossy_run(bus, ["a", "b", "c"])
+    old, new = bus.receive(b"old"), bus.receive(b"new")
+    assert _gap_messages(old) and all(isinstance(g, GapNotice) for g in _gap_messages(old))
+    assert _gap_messages(new) and all(isinstance(g, GapBatch) for g in _gap_messages(new))
+    assert per_request(old) == per_request(new)  # the same gaps, at the same places of each request's stream
+
+
+def test_an_unsubscribe_forgets_the_pending_drops_of_the_requests_it_removes():
+    bus = Bus(consumer_queue_bytes=4096)
+    bus.subscribe(b"c", "a", "b")
+    for rid in ("a", "b"):
+        bus.produce(start(rid))
+    for step in range(1, 8):
+        bus.produce(step_batch(step, {"a": step, "b": step}, nbytes_per_row=1024))
+    assert bus.router.stats(bus.now)["consumers"]["c"]["pending_gaps"] > 0
+    bus.consume(b"c", Unsubscribe(["b"]))
+    bus.produce(StreamEnd("a", "prod", 1, 8))
+    bus.produce(StreamEnd("b", "prod", 1, 8))
+    got = per_request(bus.receive(b"c"))
+    assert [e for e in got["b"] if e[0] == "gap"] == []  # b's drops are not announced after it unsubscribed
+    lost = [s for e in got["a"] if e[0] == "gap" for s in e[2]]
+    assert lost and sorted(lost + [e[1] for e in got["a"] if e[0] != "gap"]) == list(range(9))
+
+
+def test_stale_ring_messages_of_several_requests_become_one_gap_batch(ring_dir):
+    ring = ShmRingWriter(size=1 << 20, min_bytes=1024, directory=ring_dir)
+    bus = Bus(shm=ShmRingReader(directory=ring_dir, writable=True))
+    try:
+        bus.prove(ring)
+        bus.subscribe(b"reader", "*", shm=True)
+        for rid in ("a", "b", "c"):
+            bus.produce(start(rid))
+        for step in range(1, 11):  # the first steps end more than half a ring behind the writer
+            bus.produce(step_batch(step, {"a": step, "b": step, "c": step}, nbytes_per_row=32 << 10), ring=ring)
+        got = bus.receive(b"reader")
+    finally:
+        ring.close()
+    (gap,) = _gap_messages(got)
+    assert isinstance(gap, GapBatch) and gap.request_ids == ["a", "b", "c"] and gap.reason == "shm_overrun"
+    events = per_request(got)
+    lost = [s for e in events["a"] if e[0] == "gap" for s in e[2]]
+    assert lost and all(e == [("gap", "shm_overrun", lost)] + [("step_batch", s) for s in range(lost[-1] + 1, 11)]
+                        for e in (events[r][1:] for r in ("a", "b", "c")))
+    consumer = bus.router.stats(bus.now)["consumers"]["reader"]
+    assert consumer["dropped"] == consumer["gaps_notified"] == bus.totals["shm_stale_dropped"] == 3 * len(lost)
 
 
 def test_a_consumer_is_flushed_before_anything_is_dropped_for_it():

@@ -14,8 +14,10 @@ kept once, each request's late-join buffer references it (counting that request'
 consumer gets it as received when it matches every request (no copy), else as a selection naming the requests
 it matches (``select_requests``: a rewritten header, ring references untouched), compacted to just its rows'
 bytes inline for a consumer that does not read rings or when the selection would send buffer frames of which
-only some rows are wanted. Loss is per request: a message dropped for a consumer becomes one GapNotice per
-request, naming its seq.
+only some rows are wanted. Loss is per request: every seq a consumer loses is named to it, before that
+request's next message. Where the gaps of several requests are announced at one point (the drops pending when the
+next message is queued, stale ring messages, a columnar message whose ring bytes are gone) a consumer of schema
+2.1 or later gets one GapBatch per producer and epoch; an older one a GapNotice per request.
 
 A columnar message's request whose stream has not started (its start was re-announced after a broker restart
 and is still on its way) is held in that stream like any per-request message: its part is replayed, as a
@@ -40,7 +42,7 @@ import numpy as np
 from mia_stream import _transport
 from mia_stream._transport import BrokerEndpoints, ServerKeys
 from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
-from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat,
+from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat,
                                 SteeringAck, SteeringCommand, StreamEnd, Subscribe, Unsubscribe, columnar_requests,
                                 compact, decode, decode_header, encode, has_partial_inline_rows, inline_shm,
                                 select_requests, shm_extent, shm_loss_reason, split_batch, sweep_stale_rings)
@@ -83,6 +85,7 @@ _DROPPABLE = frozenset(("tensors", "tokens", "analysis"))
 _EVICT_FIRST = frozenset(("tensors", "analysis"))
 _I64 = np.dtype("<i8")
 _order_of = operator.itemgetter(0)
+_GAP_BATCH_MINOR = 1  # a consumer whose subscribe is of schema 2.1 or later decodes gap_batch (spec 3.16)
 
 
 @dataclass
@@ -164,7 +167,7 @@ class _Stream:
 class _Consumer:
     __slots__ = ("identity", "name", "patterns", "match_cache", "queue", "queue_bytes", "window", "in_flight",
                  "drops", "delivered", "delivered_bytes", "dropped", "gaps_sent", "last_seen", "blocked", "batch",
-                 "batches", "shm")
+                 "batches", "shm", "gap_batch")
 
     def __init__(self, identity: bytes, now: float):
         self.identity = identity
@@ -182,6 +185,7 @@ class _Consumer:
         self.blocked = False
         self.batch = False  # it said (Subscribe.batch) that it unpacks batches
         self.shm = False  # it said (Subscribe.shm) that it reads producers' shared-memory rings itself
+        self.gap_batch = False  # its subscribe was of schema 2.1+: it decodes gap_batch
         self.batches = 0
 
     def matches(self, request_id: str) -> bool:
@@ -915,8 +919,8 @@ class Router:
         """A columnar message to ``c``, naming the requests ``idx`` (ascending indices)."""
         frames, n, ring = self._view(entry, idx, c.shm, views)
         if frames is None:
-            for key, seq in entry.requests(idx):
-                self._enqueue_gap(c, key, [[seq, seq]], n)
+            for gap in self._gap_messages(c, [(key, [[seq, seq]]) for key, seq in entry.requests(idx)], n):
+                self._enqueue_control(c, gap)
             return
         self._enqueue(c, frames, n, entry, idx, ring, _PART_KIND[entry.kind])
 
@@ -968,7 +972,7 @@ class Router:
     def _enqueue(self, c: _Consumer, frames: list, n: int, entry: _Entry, idx: list[int] | None,
                  ring: tuple | None, kind: str) -> None:
         """Queue a stream message for ``c``: past its budget, tensors (then tokens beyond a reserve) are dropped
-        and recorded per stream; before its next message of a stream, a gap names that stream's drops."""
+        and recorded per stream; before the next message queued, gaps name every stream's drops."""
         if c.queue_bytes and kind in _DROPPABLE:
             cfg = self.config
             limit = cfg.consumer_queue_bytes
@@ -985,10 +989,11 @@ class Router:
                     self.counters["dropped_for_consumers"] += len(requests)
                     return
         if c.drops:
-            for key, _ in entry.requests(idx):
-                pending = c.drops.pop(key, None)
-                if pending:
-                    self._enqueue_gap(c, key, pending, "consumer_queue_full")
+            # All of them, not only this message's requests': then each request's gap still precedes its next
+            # message, and the drops of a step batch (~256 requests) go as one GapBatch, not 256 GapNotices
+            drops, c.drops = c.drops, {}
+            for gap in self._gap_messages(c, list(drops.items()), "consumer_queue_full"):
+                self._enqueue_control(c, gap)
         c.queue.append((frames, n, entry, idx, ring))
         c.queue_bytes += n
         self.ready.add(c.identity)
@@ -999,6 +1004,25 @@ class Router:
         c.gaps_sent += sum(b - a + 1 for a, b in missing)
         self._enqueue_control(c, frames)
 
+    def _gap_messages(self, c: _Consumer, gaps: list[tuple[tuple, list]], reason: str) -> list[list]:
+        """The messages that announce ``gaps`` (stream key, missing seq ranges) to ``c``, counted in its
+        ``gaps_sent``: one GapBatch per (producer, epoch) naming several streams when ``c`` decodes them, else
+        one GapNotice per stream."""
+        now_ns = self._wall_ns()
+        by_producer: dict[tuple, list] = {}
+        for (rid, pid, epoch), missing in gaps:
+            c.gaps_sent += sum(b - a + 1 for a, b in missing)
+            by_producer.setdefault((pid, epoch), []).append((rid, missing))
+        out = []
+        for (pid, epoch), named in by_producer.items():
+            if c.gap_batch and len(named) > 1:
+                out.append(encode(GapBatch.of(pid, epoch, named, reason, "broker", now_ns)))
+                self.counters["gap_batches"] += 1
+            else:
+                out.extend(encode(GapNotice(rid, pid, epoch, missing, reason, "broker", now_ns))
+                           for rid, missing in named)
+        return out
+
     def _enqueue_control(self, c: _Consumer, frames: list) -> None:
         n = _frames_nbytes(frames)
         c.queue.append((frames, n, None, None, None))
@@ -1007,7 +1031,7 @@ class Router:
 
     def _drop_stale_head(self, c: _Consumer) -> None:
         """Drop the ring-held messages at the head of ``c``'s queue whose bytes the producer is about to
-        overwrite (more than half a ring behind its writer), with one gap per stream put in their place.
+        overwrite (more than half a ring behind its writer), with their gaps put in their place.
 
         A consumer that falls behind then gets the newest frames the ring still holds, and its loss is the
         fraction it cannot keep up with; without this it would receive only frames already overwritten."""
@@ -1025,13 +1049,10 @@ class Router:
                 count += 1
         if not dropped:
             return
-        for key, missing in reversed(list(dropped.items())):
-            rid, pid, epoch = key
-            frames = encode(GapNotice(rid, pid, epoch, missing, "shm_overrun", "broker", self._wall_ns()))
+        for frames in reversed(self._gap_messages(c, list(dropped.items()), "shm_overrun")):
             n = _frames_nbytes(frames)
             q.appendleft((frames, n, None, None, None))
             c.queue_bytes += n
-        c.gaps_sent += count
         c.dropped += count
         self.counters["dropped_for_consumers"] += count
         self.counters["shm_stale_dropped"] += count
@@ -1074,7 +1095,7 @@ class Router:
         if msg is None:
             return
         if isinstance(msg, Subscribe):
-            self._on_subscribe(identity, c, msg)
+            self._on_subscribe(identity, c, msg, header["v"][1] >= _GAP_BATCH_MINOR)
         elif isinstance(msg, Unsubscribe):
             if c is not None:
                 self._on_unsubscribe(c, msg)
@@ -1092,11 +1113,12 @@ class Router:
             self._error_to(CONSUMERS, identity, "malformed", str(e))
             return None
 
-    def _on_subscribe(self, identity: bytes, c: _Consumer | None, msg: Subscribe) -> None:
+    def _on_subscribe(self, identity: bytes, c: _Consumer | None, msg: Subscribe, gap_batch: bool = False) -> None:
         if c is None:
             c = self._consumers[identity] = _Consumer(identity, self.now)
         if msg.consumer_id:
             c.name = msg.consumer_id
+        c.gap_batch = gap_batch
         c.window = max(0, msg.window_bytes)
         c.batch = self.config.batch and msg.batch is True
         c.shm = self.accept_shm and msg.shm is True
@@ -1125,6 +1147,8 @@ class Router:
         for s in self._streams.values():
             if c.identity in s.subscribers and not c.matches(s.request_id):
                 s.subscribers.discard(c.identity)
+        # drops of requests it no longer wants are not announced (all pending drops go at its next message)
+        c.drops = {key: ranges for key, ranges in c.drops.items() if c.matches(key[0])}
 
     # ------------------------------------------------------------------------------------------ steering
 
