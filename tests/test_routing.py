@@ -387,6 +387,56 @@ def test_stale_ring_messages_of_several_requests_become_one_gap_batch(ring_dir):
     assert consumer["dropped"] == consumer["gaps_notified"] == bus.totals["shm_stale_dropped"] == 3 * len(lost)
 
 
+def _seq_view(messages: list) -> dict:
+    """``per_request`` with each gap split into its seqs (how gaps are grouped into messages left out)."""
+    return {rid: [g for e in events for g in ([("gap", e[1], x) for x in e[2]] if e[0] == "gap" else [e])]
+            for rid, events in per_request(messages).items()}
+
+
+def _old_subscribe(bus: Bus, identity: bytes, *patterns: str, **options) -> None:
+    """Subscribe as a schema 2.0 consumer (it does not know gap_batch)."""
+    frames = encode(Subscribe(list(patterns), consumer_id=identity.decode(), **options))
+    header = msgpack.unpackb(frames[1], raw=False)
+    header["v"] = [2, 0]
+    bus.consume(identity, [frames[0], msgpack.packb(header, use_bin_type=True)])
+
+
+def test_a_producers_gap_notices_in_a_row_reach_a_consumer_as_one_gap_batch_each_group():
+    bus = Bus()
+    bus.subscribe(b"all", "*")
+    bus.subscribe(b"subset", "a", "c")
+    _old_subscribe(bus, b"old", "*")
+    rids = ["a", "b", "c"]
+    for rid in rids:
+        bus.produce(start(rid))
+    bus.produce(step_batch(1, {rid: 1 for rid in rids}))
+    notices = [GapNotice("a", "prod", 1, [[2, 3]], "queue_full", "producer", 30),
+               GapNotice("b", "prod", 1, [[2, 2]], "queue_full", "producer", 20),
+               GapNotice("c", "prod", 1, [[2, 3]], "queue_full", "producer", 40),
+               GapNotice("b", "prod", 1, [[3, 3]], "queue_full", "producer", 50),  # "b" again: merged
+               GapNotice("a", "prod", 1, [[4, 4]], "aperture_full", "producer", 60)]  # another reason
+    gap_frames = [encode(n) for n in notices]
+    bus.produce(encode_batch([*gap_frames, encode(step_batch(5, {rid: 5 for rid in rids}))]))
+    got = {ident: bus.receive(ident) for ident in (b"all", b"subset", b"old")}
+    *_, batch, lone, step = got[b"all"]
+    assert isinstance(batch, GapBatch) and isinstance(lone, GapNotice) and isinstance(step, StepBatch)
+    assert (batch.request_ids, batch.reason, batch.origin, batch.time_ns) == (rids, "queue_full", "producer", 20)
+    assert batch.ranges() == [[[2, 3]], [[2, 2], [3, 3]], [[2, 3]]]
+    assert (lone.request_id, lone.missing, lone.reason) == ("a", [[4, 4]], "aperture_full")
+    *_, batch, lone, step = got[b"subset"]
+    assert batch.request_ids == ["a", "c"] and batch.ranges() == [[[2, 3]], [[2, 3]]]
+    # an older consumer gets the notices as the producer sent them; the same seqs, at the same places
+    assert [encode(m) for m in got[b"old"][-6:-1]] == gap_frames
+    assert _seq_view(got[b"old"]) == _seq_view(got[b"all"])
+    assert bus.totals["producer_gaps_batched"] == 4 + 2  # "all" (a, b twice, c) and "subset" (a, c)
+
+    # a late join replays the buffered notices: they come as a gap batch too, before what follows them
+    bus.subscribe(b"late", "*", from_start=True)
+    late = bus.receive(b"late")
+    assert _seq_view(late) == _seq_view(got[b"all"])
+    assert [type(m) for m in late[-3:]] == [GapBatch, GapNotice, StepBatch]
+
+
 def test_a_consumer_is_flushed_before_anything_is_dropped_for_it():
     bus = Bus(consumer_queue_bytes=4096, flush=True)
     bus.subscribe(b"c", "*")

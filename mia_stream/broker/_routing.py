@@ -17,7 +17,10 @@ bytes inline for a consumer that does not read rings or when the selection would
 only some rows are wanted. Loss is per request: every seq a consumer loses is named to it, before that
 request's next message. Where the gaps of several requests are announced at one point (the drops pending when the
 next message is queued, stale ring messages, a columnar message whose ring bytes are gone) a consumer of schema
-2.1 or later gets one GapBatch per producer and epoch; an older one a GapNotice per request.
+2.1 or later gets one GapBatch per producer and epoch; an older one a GapNotice per request. So do the GapNotices a
+producer sends in a row (one per request for each step it dropped): those one input brings (a producer's batch,
+a late join's replay) go to such a consumer as one GapBatch per producer, epoch, reason and origin, queued before
+anything else is queued for it.
 
 A columnar message's request whose stream has not started (its start was re-announced after a broker restart
 and is still on its way) is held in that stream like any per-request message: its part is replayed, as a
@@ -127,7 +130,7 @@ class _Entry:
         self.ring = ring  # (ring, oldest position) when tensor bytes are in the producer's ring (nbytes counts them)
         self.key: tuple | None = None  # a per-request message: its stream ...
         self.seq = -1  # ... and seq (-1: none, a gap notice)
-        self.header: dict | None = None  # a columnar message: its header, request ids and seqs
+        self.header: dict | None = None  # a columnar message (or a producer's gap): its header; request ids, seqs
         self.ids: list | None = None
         self.seqs: list | None = None
         self.inline: tuple | None = None  # (frames, nbytes) with ring bytes inline (or (None, reason)), on first need
@@ -167,7 +170,7 @@ class _Stream:
 class _Consumer:
     __slots__ = ("identity", "name", "patterns", "match_cache", "queue", "queue_bytes", "window", "in_flight",
                  "drops", "delivered", "delivered_bytes", "dropped", "gaps_sent", "last_seen", "blocked", "batch",
-                 "batches", "shm", "gap_batch")
+                 "batches", "shm", "gap_batch", "gap_run")
 
     def __init__(self, identity: bytes, now: float):
         self.identity = identity
@@ -186,6 +189,9 @@ class _Consumer:
         self.batch = False  # it said (Subscribe.batch) that it unpacks batches
         self.shm = False  # it said (Subscribe.shm) that it reads producers' shared-memory rings itself
         self.gap_batch = False  # its subscribe was of schema 2.1+: it decodes gap_batch
+        # producers' gaps for it not yet queued (see Router._add_to_gap_run):
+        # (producer id, epoch, reason, origin) -> request id -> [gap entries]
+        self.gap_run: dict | None = None
         self.batches = 0
 
     def matches(self, request_id: str) -> bool:
@@ -321,6 +327,7 @@ class Router:
         self._errors: dict[tuple[str, bytes], int] = {}  # error replies per peer in the current second
         self._errors_since = now
         self._last_heartbeat = self._last_ring_sweep = self._last_ring_prune = -1e18
+        self._gap_runs: set[bytes] = set()  # consumers with a gap run to queue before this input returns
 
     # ------------------------------------------------------------------------------------------ inputs
 
@@ -351,6 +358,9 @@ class Router:
             self._producer_body(p, body)
         except Exception:  # last line of defence: bad input must never stop the broker
             self._internal_error()
+        finally:
+            if self._gap_runs:
+                self._safely(self._flush_gap_runs)
 
     def consumer_message(self, identity: bytes, body: list, now: float) -> None:
         """One zmq message from a consumer."""
@@ -359,6 +369,9 @@ class Router:
             self._consumer_body(identity, body)
         except Exception:
             self._internal_error()
+        finally:
+            if self._gap_runs:
+                self._safely(self._flush_gap_runs)
 
     def tick(self, now: float) -> None:
         """Housekeeping (the shell calls it every 50 ms): heartbeats, timeouts, lingering streams, rings."""
@@ -367,6 +380,9 @@ class Router:
             self._housekeeping(now)
         except Exception:
             self._internal_error()
+        finally:
+            if self._gap_runs:
+                self._safely(self._flush_gap_runs)
 
     # ------------------------------------------------------------------------------------------ consumer flow
 
@@ -808,7 +824,7 @@ class Router:
             self.counters["gap_for_unknown_stream"] += 1
             return
         entry = _Entry("gap", self._next_order(), body, nbytes, None)
-        entry.key = key
+        entry.key, entry.header = key, h
         part = (entry.order, -1, "gap", entry, -1, nbytes)
         s.last_time = self.now
         self._buffer(s, part)
@@ -909,6 +925,9 @@ class Router:
     def _deliver_part(self, c: _Consumer, part: tuple) -> None:
         """A per-request message (start, tensors, tokens, end, gap) to ``c``."""
         entry = part[3]
+        if entry.kind == "gap" and c.gap_batch:
+            self._add_to_gap_run(c, entry)
+            return
         frames, n, ring = self._view(entry, None, c.shm, None)
         if frames is None:  # the ring no longer holds its bytes: n is why
             self._enqueue_gap(c, entry.key, [[entry.seq, entry.seq]], n)
@@ -969,10 +988,12 @@ class Router:
         self.counters["shm_inlined" if entry.ring is not None else "compacted"] += 1
         return out, _frames_nbytes(out)
 
-    def _enqueue(self, c: _Consumer, frames: list, n: int, entry: _Entry, idx: list[int] | None,
+    def _enqueue(self, c: _Consumer, frames: list, n: int, entry: _Entry | None, idx: list[int] | None,
                  ring: tuple | None, kind: str) -> None:
         """Queue a stream message for ``c``: past its budget, tensors (then tokens beyond a reserve) are dropped
         and recorded per stream; before the next message queued, gaps name every stream's drops."""
+        if c.gap_run is not None:
+            self._queue_gap_run(c)
         if c.queue_bytes and kind in _DROPPABLE:
             cfg = self.config
             limit = cfg.consumer_queue_bytes
@@ -1024,10 +1045,56 @@ class Router:
         return out
 
     def _enqueue_control(self, c: _Consumer, frames: list) -> None:
+        if c.gap_run is not None:
+            self._queue_gap_run(c)
         n = _frames_nbytes(frames)
         c.queue.append((frames, n, None, None, None))
         c.queue_bytes += n
         self.ready.add(c.identity)
+
+    def _add_to_gap_run(self, c: _Consumer, entry: _Entry) -> None:
+        """A producer's GapNotice for ``c`` (which decodes gap batches) joins its run: it is queued, with the
+        other producers' gaps this input brings for ``c``, as one GapBatch per (producer, epoch, reason, origin)
+        before anything else is queued for ``c`` (so before its stream's next message), at the latest when this
+        input returns. A publisher announces its drops as a GapNotice per request in a row: at saturation each
+        step it dropped was ~256 of them, which the broker sent and the consumer decoded and assembled one by one
+        (scripts/bench_load.py: ~40% of a consumer's samples, py-spy)."""
+        h = entry.header
+        rid, pid, epoch = entry.key
+        if c.gap_run is None:
+            c.gap_run = {}
+            self._gap_runs.add(c.identity)
+        named = c.gap_run.setdefault((pid, epoch, h.get("reason", ""), h.get("origin", "")), {})
+        got = named.get(rid)
+        if got is None:
+            named[rid] = [entry]
+        else:
+            got.append(entry)
+
+    def _queue_gap_run(self, c: _Consumer) -> None:
+        """Queue ``c``'s gap run: a GapNotice as received for a stream alone in its group, else a GapBatch."""
+        run, c.gap_run = c.gap_run, None
+        self._gap_runs.discard(c.identity)
+        for (pid, epoch, reason, origin), named in run.items():
+            if len(named) == 1:
+                for entry in next(iter(named.values())):
+                    self._enqueue(c, entry.frames, entry.nbytes, entry, None, None, "gap")
+                continue
+            missing = [(rid, [r for e in entries for r in e.header.get("missing", ())])
+                       for rid, entries in named.items()]
+            time_ns = min(e.header.get("time_ns", 0) for entries in named.values() for e in entries)
+            frames = encode(GapBatch.of(pid, epoch, missing, reason, origin, time_ns))
+            self.counters["gap_batches"] += 1
+            self.counters["producer_gaps_batched"] += sum(len(entries) for entries in named.values())
+            self._enqueue(c, frames, _frames_nbytes(frames), None, None, None, "gap")
+
+    def _flush_gap_runs(self) -> None:
+        """Queue every consumer's gap run (an input is done)."""
+        for ident in list(self._gap_runs):
+            c = self._consumers.get(ident)
+            if c is not None and c.gap_run is not None:
+                self._queue_gap_run(c)
+        self._gap_runs.clear()
 
     def _drop_stale_head(self, c: _Consumer) -> None:
         """Drop the ring-held messages at the head of ``c``'s queue whose bytes the producer is about to
@@ -1062,6 +1129,8 @@ class Router:
         self.counters["discarded_for_gone_consumers"] += len(c.queue)
         self._consumers.pop(c.identity, None)
         self.ready.discard(c.identity)
+        c.gap_run = None
+        self._gap_runs.discard(c.identity)
         for s in self._streams.values():
             s.subscribers.discard(c.identity)
         c.queue.clear()
