@@ -284,6 +284,12 @@ class _Sequencer:
     def gap(self, missing: list) -> list[list[int]] | None:
         """Record an announced gap (``missing``: its seq ranges); the ranges that are news (not delivered, not
         already announced), or None."""
+        if not self.known and not self.held:  # the common case: what _valid_ranges and _subtract would give
+            fast = self._gap_fast(missing)
+            if fast is not None:
+                if fast:
+                    self.known = [list(r) for r in fast]
+                return fast or None
         new: list[list[int]] = []
         for a, b in _valid_ranges(missing):
             a = max(a, self.expected)
@@ -296,6 +302,26 @@ class _Sequencer:
             return None
         self.known = _union(self.known, new)
         return new
+
+    def _gap_fast(self, missing: list) -> list[list[int]] | None:
+        """``missing`` past ``expected``, when its ranges are valid, ascending and apart (not touching); None
+        otherwise (the general path). At saturation a consumer gets a gap for most requests of most steps: the
+        general path's sorting and merging was ~35% of its samples (bench_load.py, py-spy)."""
+        out: list[list[int]] = []
+        last = -2
+        expected = self.expected
+        for r in missing:
+            if (type(r) is not list and type(r) is not tuple) or len(r) != 2:
+                return None
+            a, b = r
+            if type(a) is not int or type(b) is not int or not 0 <= a <= b or a <= last + 1:
+                return None
+            last = b
+            if a < expected:
+                a = expected
+            if a <= b:
+                out.append([a, b])
+        return out
 
     def push(self, msg: Message, now: float) -> list:
         """Messages (and synthesized GapNotices) ready in order after ``msg`` arrived."""
