@@ -815,10 +815,9 @@ class Router:
 
     def _on_producer_gap(self, p: _Producer, h: dict, body: list, nbytes: int) -> None:
         key = (h["request_id"], h["producer_id"], h["epoch"])
-        missing = h.get("missing")
-        if isinstance(missing, list):
-            p.gaps_reported += sum(r[1] - r[0] + 1 for r in missing
-                                   if isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r))
+        # decode_header checked every range ([first, last] ints, 0 <= first <= last); checking each again here was
+        # ~10% of the broker's samples at saturation, a producer gap per request per dropped step (py-spy)
+        p.gaps_reported += sum(b - a + 1 for a, b in h.get("missing", ()))
         s = self._streams.get(key)
         if s is None or s.ended:
             self.counters["gap_for_unknown_stream"] += 1
