@@ -307,6 +307,8 @@ class _Sequencer:
         """``missing`` past ``expected``, when its ranges are valid, ascending and apart (not touching); None
         otherwise (the general path). At saturation a consumer gets a gap for most requests of most steps: the
         general path's sorting and merging was ~35% of its samples (bench_load.py, py-spy)."""
+        if type(missing) is not list:
+            return None
         out: list[list[int]] = []
         last = -2
         expected = self.expected
