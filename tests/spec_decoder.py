@@ -22,7 +22,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-SUPPORTED_MAJOR = 2
+SUPPORTED_MAJOR = 2  # of any minor (2.1: gap_batch)
 LEGACY_MAJOR = 1  # readers of recordings also accept it (2.1)
 MAX_HEADER_BYTES = 1 << 24
 SHM_DIR = "/dev/shm"
@@ -122,6 +122,10 @@ KINDS: dict[str, dict[str, tuple[str, bool, Any]]] = {
                  "positions": (_COL, False, None), "values": (_M, False, {}), "labels": (_M, False, {}),
                  "alerts": (_COL, False, None), "step": (_I, False, -1), "analyzer_version": (_S, False, ""),
                  "time_ns": (_I, False, 0), "source_time_ns": (_I, False, 0)},
+    # 3.16 (2.1)
+    "gap_batch": {"producer_id": (_S, True, None), "epoch": (_I, True, None), "request_ids": (_AS, True, None),
+                  "counts": (_COL, True, None), "firsts": (_COL, True, None), "lasts": (_COL, True, None),
+                  "reason": (_S, False, ""), "origin": (_S, False, ""), "time_ns": (_I, False, 0)},
 }
 COLUMNAR = ("step_batch", "token_batch", "analysis")
 
@@ -241,7 +245,7 @@ class SpecMessage:
         """Section 10: what each request named in a columnar message gets, in request order (a request with
         segments in two parts gets two entries, part 0 first; one without a segment gets none)."""
         f = self.fields
-        ids, seqs = f["request_ids"], f["seqs"]
+        ids, seqs = f["request_ids"], f.get("seqs")
         out = []
         if self.kind == "step_batch":
             found = []
@@ -276,6 +280,15 @@ class SpecMessage:
                             "positions": f["positions"][a:b], "alerts": [x == 1 for x in f["alerts"][a:b]],
                             "values": {k: v[a:b] for k, v in self.values.items()},
                             "labels": {k: v[a:b] for k, v in f["labels"].items()}})
+            return out
+        if self.kind == "gap_batch":  # 3.16: each request's part is the GapNotice of that request
+            off = 0
+            for i, rid in enumerate(ids):
+                c = f["counts"][i]
+                out.append({"request_id": rid, "producer_id": f["producer_id"], "epoch": f["epoch"],
+                            "missing": [[a, b] for a, b in zip(f["firsts"][off:off + c], f["lasts"][off:off + c])],
+                            "reason": f["reason"], "origin": f["origin"], "time_ns": f["time_ns"]})
+                off += c
             return out
         raise ValueError(f"{self.kind} is not a columnar kind")
 
@@ -619,6 +632,21 @@ def _check_analysis(fields: dict) -> dict:
     return values
 
 
+def _check_gap_batch(fields: dict) -> None:
+    """Sections 3.16, 10.6."""
+    ids = fields["request_ids"]
+    if len(set(ids)) != len(ids):
+        raise _malformed("a request named twice")
+    fields["counts"] = _column("counts", fields["counts"], len(ids))
+    if any(c < 0 for c in fields["counts"]):
+        raise _malformed("negative count")
+    n = sum(fields["counts"])
+    fields["firsts"] = _column("firsts", fields["firsts"], n)
+    fields["lasts"] = _column("lasts", fields["lasts"], n)
+    if any(not 0 <= a <= b for a, b in zip(fields["firsts"], fields["lasts"])):
+        raise _malformed("a range without 0 <= first <= last")
+
+
 # ---------------------------------------------------------------------------------------------- payloads
 
 def _decompress(payload: bytes, raw_nbytes: int) -> bytes:
@@ -710,6 +738,11 @@ def decode(frames: list, max_message_bytes: int = 1 << 30, *, legacy: bool = Fal
             groups.append(SpecGroup(g.part, g.requests, g.rows, g.positions, g.token_ids, tensors, g.row0,
                                     g.stored_rows))
         return SpecMessage(frames[0], version, kind, fields, [], groups)
+    if kind == "gap_batch":
+        _check_gap_batch(fields)
+        if len(frames) != 2:
+            raise _malformed("buffers on a message without tensors")
+        return SpecMessage(frames[0], version, kind, fields, [])
     if kind in ("token_batch", "analysis"):
         values = _check_token_batch(fields) if kind == "token_batch" else _check_analysis(fields)
         if len(frames) != 2:

@@ -1,6 +1,6 @@
 """Columnar messages (schema 2.0, docs/wire-format.md section 10) through a real broker process, real sockets and
 real shared-memory rings: whole to a consumer matching every request, a selection to one matching 10%, bit-exact
-inline and through a ring; per-request gaps for a batch dropped for a slow consumer; late join of a request in
+inline and through a ring; gap batches naming every request of a batch dropped for a slow consumer; late join of a request in
 the middle of batches. The producer is a raw DEALER sending encoded frames (the broker must not depend on the
 publisher), the consumers raw DEALERs that decode what they get."""
 
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from bus_helpers import RawConsumer, RawProducer, processes, run_dir, start_broker, stats, wait_for
-from mia_stream.schemas import (GapNotice, RowGroup, ShmRingWriter, StepBatch, StreamEnd, StreamStart, Tensor,
+from mia_stream.schemas import (GapBatch, GapNotice, RowGroup, ShmRingWriter, StepBatch, StreamEnd, StreamStart, Tensor,
                                 TokenBatch, decode_header, shm_available)
 
 HIDDEN = 1024  # floats per row: 4 KiB, ring payloads of one step are 4 KiB x rows
@@ -48,8 +48,9 @@ def per_request(messages) -> dict[str, list]:
         if isinstance(m, (StepBatch, TokenBatch)):
             for rid, seq in zip(m.request_ids, m.seqs.tolist()):
                 out[rid].append((m.KIND, seq))
-        elif isinstance(m, GapNotice):
-            out[m.request_id].append(("gap", m.reason, [s for a, b in m.missing for s in range(a, b + 1)]))
+        elif isinstance(m, (GapNotice, GapBatch)):
+            for g in (m.notices() if isinstance(m, GapBatch) else [m]):
+                out[g.request_id].append(("gap", g.reason, [s for a, b in g.missing for s in range(a, b + 1)]))
         elif hasattr(m, "seq"):
             out[m.request_id].append((m.KIND, m.seq))
     return out
@@ -122,17 +123,20 @@ def test_a_step_batch_goes_whole_to_a_consumer_of_all_and_as_its_selection_to_a_
     assert not any(k.startswith(("malformed", "internal", "dropped")) for k in st["totals"]), st["totals"]
 
 
-def test_a_slow_consumer_gets_a_gap_per_request_for_each_batch_dropped_for_it():
+def test_a_slow_consumer_gets_gap_batches_naming_every_request_of_each_batch_dropped_for_it():
     ids = [f"req-{i}" for i in range(8)]
+    mine = ids[:4]  # what the subset consumer subscribed to
     steps = 60
     rows = {rid: 2 for rid in ids}  # 16 rows x 4 KiB = 64 KiB per step batch
     with run_dir() as d, processes() as procs:
         procs.append(start_broker(d, "--consumer-queue-bytes", str(256 << 10), "--no-shm"))
         slow = RawConsumer(d, "slow", ["*"], window=128 << 10)  # credits nothing until the end
+        # matches half the requests: its selections are half the bytes, and it still falls behind
+        slow_subset = RawConsumer(d, "slow-subset", ["req-[0-3]"], window=64 << 10)
         fast = RawConsumer(d, "fast", ["*"])
         prod = RawProducer(d, "lossy/1")
         try:
-            wait_for(lambda: len(stats(d)["consumers"]) == 2, timeout=15)
+            wait_for(lambda: len(stats(d)["consumers"]) == 3, timeout=15)
             prod.hello()
             for rid in ids:
                 prod.send(StreamStart(rid, "lossy", 1, 0))
@@ -143,14 +147,16 @@ def test_a_slow_consumer_gets_a_gap_per_request_for_each_batch_dropped_for_it():
             for rid in ids:
                 prod.send(StreamEnd(rid, "lossy", 1, 2 * steps + 1))
             fast.read(30, ended(len(ids)))
-            wait_for(lambda: stats(d)["consumers"]["slow"]["queue_messages"] > 0, timeout=10)
-            slow.read(1)
-            slow.credit(1 << 40)  # now it reads everything that is left
-            slow.read(30, ended(len(ids)), credit=True)
+            for name, consumer, n in (("slow", slow, len(ids)), ("slow-subset", slow_subset, len(mine))):
+                wait_for(lambda: stats(d)["consumers"][name]["queue_messages"] > 0, timeout=10)
+                consumer.read(1)
+                consumer.credit(1 << 40)  # now it reads everything that is left
+                consumer.read(30, ended(n), credit=True)
             st = stats(d)
         finally:
             prod.close()
             slow.close()
+            slow_subset.close()
             fast.close()
     full = list(range(2 * steps + 2))
     for rid, events in per_request(fast.messages).items():
@@ -168,7 +174,27 @@ def test_a_slow_consumer_gets_a_gap_per_request_for_each_batch_dropped_for_it():
     lost = lost_by_request[ids[0]]
     assert lost, "the slow consumer should have lost batches"
     assert all(v == lost for v in lost_by_request.values())  # a dropped batch: a gap for every request it named
-    assert st["totals"]["dropped_for_consumers"] == len(lost) * len(ids)
+    assert len(set(lost)) == len(lost)  # each lost seq named once
+    # ... announced in gap batches, not one GapNotice per request: at most one per step batch dropped
+    gap_messages = [m for _, m in slow.messages if isinstance(m, (GapNotice, GapBatch))]
+    assert gap_messages and all(isinstance(m, GapBatch) and m.request_ids == ids for m in gap_messages)
+    assert len(gap_messages) <= len(lost)
+    assert st["consumers"]["slow"]["dropped"] == st["consumers"]["slow"]["gaps_notified"] == len(lost) * len(ids)
+
+    # the subset consumer: gap batches name only the requests it subscribed to, every lost seq exactly once
+    got = per_request(slow_subset.messages)
+    assert set(got) == set(mine)
+    subset_gaps = [m for _, m in slow_subset.messages if isinstance(m, (GapNotice, GapBatch))]
+    assert subset_gaps and all(isinstance(m, GapBatch) and m.request_ids == mine for m in subset_gaps)
+    subset_lost = 0
+    for rid in mine:
+        delivered = [e[1] for e in got[rid] if e[0] != "gap"]
+        lost = [s for e in got[rid] if e[0] == "gap" for s in e[2]]
+        assert lost and sorted(delivered + lost) == full and delivered == sorted(delivered), rid
+        subset_lost += len(lost)
+    subset = st["consumers"]["slow-subset"]
+    assert subset["dropped"] == subset["gaps_notified"] == subset_lost
+    assert st["totals"]["dropped_for_consumers"] == len(lost_by_request[ids[0]]) * len(ids) + subset_lost
 
 
 def test_late_join_of_a_request_in_the_middle_of_batches():

@@ -232,3 +232,135 @@ def test_an_sdk_consumer_sees_the_same_events_from_replay_and_from_run_consumer(
     replay(tmp_path / "rec", into=paced, pace="recorded")
     assert via_replay.out == via_sdk.out == paced.out
     assert sum(1 for o in via_sdk.out if o[1] == "end") == 3 and len(via_sdk.out) > 15
+
+
+# --- gap batches (spec 3.16): the same events as their GapNotices, live and from a recording ---------------------
+
+
+def _lossy_columnar() -> list:
+    """Three requests in step and token batches of producer "p", an analyzer's results about them, and the
+    losses of each announced by gap batches: some seqs lost, one gap naming seqs already delivered or announced
+    (trimmed), one holding a request's later message behind a hole it explains, an analyzer's hole."""
+    from mia_stream.schemas import AnalysisBatch, GapBatch, RowGroup, StepBatch, TokenBatch
+
+    ids = ["a", "b", "c"]
+
+    def steps(step: int, seqs: dict) -> StepBatch:
+        rids = list(seqs)
+        hs = np.arange(len(rids) * 8, dtype=np.float32).reshape(1, len(rids), 8) + step
+        return StepBatch("p", 1, step, rids, list(seqs.values()),
+                         groups=[RowGroup(np.arange(len(rids)), [1] * len(rids), [step] * len(rids),
+                                          [Tensor.from_array("hs", hs, layers=(2,))])])
+
+    msgs: list = [StreamStart(rid, "p", 1) for rid in ids]
+    msgs += [steps(1, {"a": 1, "b": 1, "c": 1}), TokenBatch("p", 1, 1, ids, [2, 2, 2], token_ids=[5, 6, 7])]
+    # seqs 3-6 (steps 2 and 3) of "a" and "b" are lost, 3-5 of "c", whose seq 6 comes early (held)
+    msgs.append(TokenBatch("p", 1, 3, ["c"], [6], token_ids=[9]))
+    msgs.append(GapBatch.of("p", 1, [("a", [[3, 3], [5, 6]]), ("b", [[5, 6], [3, 3]]), ("c", [[3, 5]])],
+                            "consumer_queue_full", "broker", 11))
+    msgs.append(GapBatch.of("p", 1, [("a", [[1, 4]]), ("b", [[4, 4]])], "consumer_queue_full", "broker", 12))
+    msgs.append(AnalysisBatch("ana", 1, "x", ids, [0, 0, 0], values={"v": np.array([1.0, 2.0, 3.0])}))
+    msgs.append(AnalysisBatch("ana", 1, "x", ["a", "b"], [2, 2], values={"v": np.array([4.0, 5.0])}))
+    msgs.append(GapBatch.of("ana", 1, [("a", [[1, 1]]), ("b", [[1, 1]])], "analysis_dropped", "producer", 13))
+    msgs.append(steps(4, {"a": 7, "b": 7, "c": 7}))
+    msgs += [StreamEnd(rid, "p", 1, 8) for rid in ids]
+    return msgs
+
+
+def _as_gap_notices(msgs: list) -> list:
+    from mia_stream.schemas import GapBatch
+
+    return [n for m in msgs for n in (m.notices() if isinstance(m, GapBatch) else [m])]
+
+
+def _event_view(ev) -> tuple:
+    """An event as comparable values: what a consumer sees of it."""
+    rid = ev.stream.request_id if ev.stream is not None else None
+    if ev.kind == "gap":
+        g = ev.gap  # a gap the consumer found itself (seq_jump) is stamped with the wall clock when found
+        return ("gap", rid, g.producer_id, g.epoch, g.missing, g.reason, g.origin,
+                None if g.origin == "consumer" else g.time_ns)
+    if ev.kind == "frame":
+        return ("frame", rid, ev.frame.step, ev.frame.tensors["hs"].tolist())
+    if ev.kind == "tokens":
+        return ("tokens", rid, ev.tokens.seq, ev.tokens.token_ids)
+    if ev.kind == "analysis":
+        return ("analysis", rid, ev.analysis.seq, ev.analysis.values["v"].tolist())
+    if ev.kind == "batch":
+        return ("batch", ev.batch.KIND, ev.batch.request_ids, getattr(ev.batch, "seqs", np.zeros(0)).tolist())
+    return (ev.kind, rid)
+
+
+def _events(msgs: list, batches: bool) -> list:
+    from mia_stream.consumers import StreamAssembler
+
+    asm = StreamAssembler(batches=batches)
+    out = [e for m in msgs for e in asm.feed(m, now=1.0)]
+    return [_event_view(e) for e in out + asm.finish()]
+
+
+@pytest.mark.parametrize("batches", [False, True], ids=["per-request", "batches"])
+def test_a_gap_batch_gives_the_events_of_its_gap_notices(batches):
+    msgs = _lossy_columnar()
+    got = _events(msgs, batches)
+    assert got == _events(_as_gap_notices(msgs), batches)
+    gaps = [e for e in got if e[0] == "gap"]
+    named: dict = {}
+    for e in gaps:
+        named.setdefault((e[1], e[2]), []).extend(s for a, b in e[4] for s in range(a, b + 1))
+    # every lost seq named once, in both modes (batch mode reports "c"'s hole and the analyzer's when the
+    # message after it comes, as seq_jump: a batch is never held)
+    assert {k: sorted(v) for k, v in named.items()} == {
+        ("a", "p"): [3, 4, 5, 6], ("b", "p"): [3, 4, 5, 6], ("c", "p"): [3, 4, 5], ("a", "ana"): [1],
+        ("b", "ana"): [1]}
+    if not batches:  # trimmed to what is news: "a" and "b" 3, 5-6, then 4 from the second batch
+        assert [(e[1], e[4], e[5]) for e in gaps] == [
+            ("a", [[3, 3], [5, 6]], "consumer_queue_full"), ("b", [[3, 3], [5, 6]], "consumer_queue_full"),
+            ("c", [[3, 5]], "consumer_queue_full"), ("a", [[4, 4]], "consumer_queue_full"),
+            ("b", [[4, 4]], "consumer_queue_full"), ("a", [[1, 1]], "analysis_dropped"),
+            ("b", [[1, 1]], "analysis_dropped")]
+    assert [e[0] for e in got].count("end") == 3
+
+
+def test_a_recorded_gap_batch_replays_to_the_events_it_gave_live(tmp_path):
+    from mia_stream.consumers import open_batches, open_stream
+    from mia_stream.consumers.recording import Recording, iter_recording
+    from mia_stream.schemas import GapBatch
+
+    msgs = _lossy_columnar()
+    with Recorder(tmp_path / "rec", chunk_bytes=4096) as rec:
+        for m in msgs:
+            rec.write([bytes(f) for f in encode(m)])
+    recorded = [m for _, m in iter_recording(tmp_path / "rec")]
+    assert [type(m) for m in recorded] == [type(m) for m in msgs]
+    assert [m.notices() for m in recorded if isinstance(m, GapBatch)] == [
+        m.notices() for m in msgs if isinstance(m, GapBatch)]
+    for opener, batches in ((open_stream, False), (open_batches, True)):
+        with opener(str(tmp_path / "rec")) as events:
+            assert [_event_view(e) for e in events] == _events(msgs, batches)
+    # narrowed to one request, as a live consumer of that request would get it
+    only_b = [m for _, m in iter_recording(tmp_path / "rec", patterns=["b"])]
+    assert [n.missing for m in only_b if isinstance(m, GapBatch) for n in m.notices()] == [
+        [[5, 6], [3, 3]], [[4, 4]], [[1, 1]]]
+    assert all(m.request_ids == ["b"] for m in only_b if isinstance(m, GapBatch))
+    loaded = Recording(tmp_path / "rec").messages("c")  # through the request index
+    assert [n.missing for m in loaded if isinstance(m, GapBatch) for n in m.notices()] == [[[3, 5]]]
+
+
+def test_a_consumer_without_on_gap_batch_replays_a_gap_batch_as_its_gap_notices(tmp_path):
+    from mia_stream.schemas import GapBatch
+
+    class Gaps:
+        def __init__(self):
+            self.gaps = []
+
+        def on_gap(self, m): self.gaps.append((m.request_id, m.producer_id, m.missing, m.reason))
+
+    msgs = _lossy_columnar()
+    with Recorder(tmp_path / "rec") as rec:
+        for m in msgs:
+            rec.write([bytes(f) for f in encode(m)])
+    consumer = Gaps()
+    replay(tmp_path / "rec", into=consumer)
+    assert consumer.gaps == [(n.request_id, n.producer_id, n.missing, n.reason)
+                             for m in msgs if isinstance(m, GapBatch) for n in m.notices()]

@@ -12,7 +12,7 @@ import pytest
 
 from mia_stream._transport import BrokerEndpoints
 from mia_stream.broker._routing import PRODUCERS, BrokerConfig, Router
-from mia_stream.schemas import (AnalysisBatch, Credit, ErrorNotice, GapNotice, Heartbeat, RowGroup, ShmRingReader,
+from mia_stream.schemas import (AnalysisBatch, Credit, ErrorNotice, GapBatch, GapNotice, Heartbeat, RowGroup, ShmRingReader,
                                 ShmRingWriter, SteeringAck, SteeringCommand, StepBatch, StreamEnd, StreamStart,
                                 Subscribe, Tensor, TensorFrame, TokenBatch, TokenFrame, Unsubscribe, decode,
                                 decode_header, encode, encode_batch)
@@ -137,8 +137,9 @@ def per_request(messages: list) -> dict[str, list[tuple]]:
         if isinstance(m, (StepBatch, TokenBatch, AnalysisBatch)):
             for rid, seq in zip(m.request_ids, m.seqs.tolist()):
                 out[rid].append((m.KIND, seq))
-        elif isinstance(m, GapNotice):
-            out[m.request_id].append(("gap", m.reason, [s for a, b in m.missing for s in range(a, b + 1)]))
+        elif isinstance(m, (GapNotice, GapBatch)):
+            for g in (m.notices() if isinstance(m, GapBatch) else [m]):
+                out[g.request_id].append(("gap", g.reason, [s for a, b in g.missing for s in range(a, b + 1)]))
         elif hasattr(m, "seq"):
             out[m.request_id].append((m.KIND, m.seq))
     return out
@@ -286,6 +287,154 @@ def test_a_full_queue_drops_tensors_first_and_names_every_lost_seq_of_every_requ
     assert bus.totals["dropped_for_consumers"] == dropped
     fast = per_request(bus.receive(b"fast"))
     assert all(not [e for e in bus_events if e[0] == "gap"] for bus_events in fast.values())
+
+
+def _lossy_run(bus: Bus, rids: list[str], steps: int = 20) -> None:
+    """Starts, ``steps`` step batches (1 KiB a row) and token batches of ``rids`` and their ends, nothing
+    drained for the consumers: what they cannot queue is dropped for them."""
+    for rid in rids:
+        bus.produce(start(rid))
+    for step in range(1, steps + 1):
+        bus.produce(step_batch(step, {rid: 2 * step - 1 for rid in rids}, nbytes_per_row=1024))
+        bus.produce(token_batch(step, {rid: 2 * step for rid in rids}))
+    for rid in rids:
+        bus.produce(StreamEnd(rid, "prod", 1, 2 * steps + 1))
+
+
+def _gap_messages(messages: list) -> list:
+    return [m for m in messages if isinstance(m, (GapNotice, GapBatch))]
+
+
+def test_drops_pending_for_a_subset_subscriber_go_as_one_gap_batch_naming_only_its_requests():
+    bus = Bus(consumer_queue_bytes=4096)
+    bus.subscribe(b"subset", "a*")
+    rids = ["a1", "b1", "a2", "b2", "a3"]
+    _lossy_run(bus, rids)
+    got = bus.receive(b"subset")
+    events = per_request(got)
+    assert set(events) == {"a1", "a2", "a3"}
+    gaps = _gap_messages(got)
+    assert gaps and all(isinstance(g, GapBatch) for g in gaps)
+    assert all(g.request_ids == ["a1", "a2", "a3"] and g.reason == "consumer_queue_full" and g.origin == "broker"
+               for g in gaps)
+    lost_total = 0
+    for rid in ("a1", "a2", "a3"):
+        delivered = [e[1] for e in events[rid] if e[0] != "gap"]
+        lost = [s for e in events[rid] if e[0] == "gap" for s in e[2]]
+        assert lost and sorted(delivered + lost) == list(range(42)) and not set(delivered) & set(lost), rid
+        assert delivered == sorted(delivered)
+        for i, e in enumerate(events[rid]):  # each gap comes before the request's next message after the loss
+            if e[0] == "gap":
+                assert all(later[1] > max(e[2]) for later in events[rid][i + 1:] if later[0] != "gap")
+        lost_total += len(lost)
+    consumer = bus.router.stats(bus.now)["consumers"]["subset"]
+    assert consumer["dropped"] == consumer["gaps_notified"] == lost_total
+    assert consumer["pending_gaps"] == 0
+    assert bus.totals["gap_batches"] == len(gaps)
+
+
+def test_a_consumer_of_schema_2_0_gets_a_gap_notice_per_request_instead():
+    bus = Bus(consumer_queue_bytes=4096)
+    frames = encode(Subscribe(["*"], consumer_id="old"))
+    header = msgpack.unpackb(frames[1], raw=False)
+    header["v"] = [2, 0]  # an older consumer: it does not know gap_batch
+    bus.consume(b"old", [frames[0], msgpack.packb(header, use_bin_type=True)])
+    bus.subscribe(b"new", "*")
+    _lossy_run(bus, ["a", "b", "c"])
+    old, new = bus.receive(b"old"), bus.receive(b"new")
+    assert _gap_messages(old) and all(isinstance(g, GapNotice) for g in _gap_messages(old))
+    assert _gap_messages(new) and all(isinstance(g, GapBatch) for g in _gap_messages(new))
+    assert per_request(old) == per_request(new)  # the same gaps, at the same places of each request's stream
+
+
+def test_an_unsubscribe_forgets_the_pending_drops_of_the_requests_it_removes():
+    bus = Bus(consumer_queue_bytes=4096)
+    bus.subscribe(b"c", "a", "b")
+    for rid in ("a", "b"):
+        bus.produce(start(rid))
+    for step in range(1, 8):
+        bus.produce(step_batch(step, {"a": step, "b": step}, nbytes_per_row=1024))
+    assert bus.router.stats(bus.now)["consumers"]["c"]["pending_gaps"] > 0
+    bus.consume(b"c", Unsubscribe(["b"]))
+    bus.produce(StreamEnd("a", "prod", 1, 8))
+    bus.produce(StreamEnd("b", "prod", 1, 8))
+    got = per_request(bus.receive(b"c"))
+    assert [e for e in got["b"] if e[0] == "gap"] == []  # b's drops are not announced after it unsubscribed
+    lost = [s for e in got["a"] if e[0] == "gap" for s in e[2]]
+    assert lost and sorted(lost + [e[1] for e in got["a"] if e[0] != "gap"]) == list(range(9))
+
+
+def test_stale_ring_messages_of_several_requests_become_one_gap_batch(ring_dir):
+    ring = ShmRingWriter(size=1 << 20, min_bytes=1024, directory=ring_dir)
+    bus = Bus(shm=ShmRingReader(directory=ring_dir, writable=True))
+    try:
+        bus.prove(ring)
+        bus.subscribe(b"reader", "*", shm=True)
+        for rid in ("a", "b", "c"):
+            bus.produce(start(rid))
+        for step in range(1, 11):  # the first steps end more than half a ring behind the writer
+            bus.produce(step_batch(step, {"a": step, "b": step, "c": step}, nbytes_per_row=32 << 10), ring=ring)
+        got = bus.receive(b"reader")
+    finally:
+        ring.close()
+    (gap,) = _gap_messages(got)
+    assert isinstance(gap, GapBatch) and gap.request_ids == ["a", "b", "c"] and gap.reason == "shm_overrun"
+    events = per_request(got)
+    lost = [s for e in events["a"] if e[0] == "gap" for s in e[2]]
+    assert lost and all(e == [("gap", "shm_overrun", lost)] + [("step_batch", s) for s in range(lost[-1] + 1, 11)]
+                        for e in (events[r][1:] for r in ("a", "b", "c")))
+    consumer = bus.router.stats(bus.now)["consumers"]["reader"]
+    assert consumer["dropped"] == consumer["gaps_notified"] == bus.totals["shm_stale_dropped"] == 3 * len(lost)
+
+
+def _seq_view(messages: list) -> dict:
+    """``per_request`` with each gap split into its seqs (how gaps are grouped into messages left out)."""
+    return {rid: [g for e in events for g in ([("gap", e[1], x) for x in e[2]] if e[0] == "gap" else [e])]
+            for rid, events in per_request(messages).items()}
+
+
+def _old_subscribe(bus: Bus, identity: bytes, *patterns: str, **options) -> None:
+    """Subscribe as a schema 2.0 consumer (it does not know gap_batch)."""
+    frames = encode(Subscribe(list(patterns), consumer_id=identity.decode(), **options))
+    header = msgpack.unpackb(frames[1], raw=False)
+    header["v"] = [2, 0]
+    bus.consume(identity, [frames[0], msgpack.packb(header, use_bin_type=True)])
+
+
+def test_a_producers_gap_notices_in_a_row_reach_a_consumer_as_one_gap_batch_each_group():
+    bus = Bus()
+    bus.subscribe(b"all", "*")
+    bus.subscribe(b"subset", "a", "c")
+    _old_subscribe(bus, b"old", "*")
+    rids = ["a", "b", "c"]
+    for rid in rids:
+        bus.produce(start(rid))
+    bus.produce(step_batch(1, {rid: 1 for rid in rids}))
+    notices = [GapNotice("a", "prod", 1, [[2, 3]], "queue_full", "producer", 30),
+               GapNotice("b", "prod", 1, [[2, 2]], "queue_full", "producer", 20),
+               GapNotice("c", "prod", 1, [[2, 3]], "queue_full", "producer", 40),
+               GapNotice("b", "prod", 1, [[3, 3]], "queue_full", "producer", 50),  # "b" again: merged
+               GapNotice("a", "prod", 1, [[4, 4]], "aperture_full", "producer", 60)]  # another reason
+    gap_frames = [encode(n) for n in notices]
+    bus.produce(encode_batch([*gap_frames, encode(step_batch(5, {rid: 5 for rid in rids}))]))
+    got = {ident: bus.receive(ident) for ident in (b"all", b"subset", b"old")}
+    *_, batch, lone, step = got[b"all"]
+    assert isinstance(batch, GapBatch) and isinstance(lone, GapNotice) and isinstance(step, StepBatch)
+    assert (batch.request_ids, batch.reason, batch.origin, batch.time_ns) == (rids, "queue_full", "producer", 20)
+    assert batch.ranges() == [[[2, 3]], [[2, 2], [3, 3]], [[2, 3]]]
+    assert (lone.request_id, lone.missing, lone.reason) == ("a", [[4, 4]], "aperture_full")
+    *_, batch, lone, step = got[b"subset"]
+    assert batch.request_ids == ["a", "c"] and batch.ranges() == [[[2, 3]], [[2, 3]]]
+    # an older consumer gets the notices as the producer sent them; the same seqs, at the same places
+    assert [encode(m) for m in got[b"old"][-6:-1]] == gap_frames
+    assert _seq_view(got[b"old"]) == _seq_view(got[b"all"])
+    assert bus.totals["producer_gaps_batched"] == 4 + 2  # "all" (a, b twice, c) and "subset" (a, c)
+
+    # a late join replays the buffered notices: they come as a gap batch too, before what follows them
+    bus.subscribe(b"late", "*", from_start=True)
+    late = bus.receive(b"late")
+    assert _seq_view(late) == _seq_view(got[b"all"])
+    assert [type(m) for m in late[-3:]] == [GapBatch, GapNotice, StepBatch]
 
 
 def test_a_consumer_is_flushed_before_anything_is_dropped_for_it():

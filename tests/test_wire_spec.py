@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import spec_decoder
 from mia_stream.errors import (ChecksumError, MalformedFrameError, OversizedMessageError, SchemaVersionError,
                                SharedBufferError, ShmOverrunError, ShmUnavailableError, WireError)
-from mia_stream.schemas import (MESSAGE_TYPES, SCHEMA_VERSION, WIRE_DTYPES, AnalysisBatch, ErrorNotice, GapNotice,
+from mia_stream.schemas import (MESSAGE_TYPES, SCHEMA_VERSION, WIRE_DTYPES, AnalysisBatch, ErrorNotice, GapBatch, GapNotice,
                                 Heartbeat, RowGroup, Shard, ShmRingReader, ShmRingWriter, SteeringAck,
                                 SteeringCommand, StepBatch, StreamEnd, StreamStart, Subscribe, Tensor, TensorFrame,
                                 TokenBatch, TokenFrame, Unsubscribe, compact, decode, decode_header, encode,
@@ -1321,3 +1321,76 @@ def test_property_corrupted_batches_raise_only_wire_errors_and_split_alike(posit
     assert parts == spec_parts or [[bytes(memoryview(f).cast("B")) for f in m] for m in parts] == spec_parts
     for part in parts if isinstance(parts, list) else []:
         assert _outcome(decode, part) == _outcome(spec_decoder.decode, part)
+
+
+# --- gap batches (3.16, 10.6) ----------------------------------------------------------------------------
+
+
+def _gap_batch_sample() -> GapBatch:
+    return GapBatch.of("prod-a", 7, [("r0", [[3, 3], [7, 9]]), ("r1", []), ("r2", [[0, 0]])],
+                       "consumer_queue_full", "broker", 17)
+
+
+def test_a_gap_batch_reads_as_its_gap_notices_in_both_decoders():
+    msg = _gap_batch_sample()
+    frames = encode(msg)
+    assert bytes(frames[0]) == b"" and len(frames) == 2
+    decode_header(frames)
+    official = decode(frames)
+    spec = spec_decoder.decode(frames)
+    assert spec.kind == official.KIND == "gap_batch" and spec.version == tuple(SCHEMA_VERSION)
+    assert {k: v for k, v in spec.fields.items()} == {k: _plain(v) for k, v in _fields(official).items()}
+    notices = [_fields(n) for n in official.notices()]
+    assert spec.per_request() == notices == [_fields(n) for n in msg.notices()]
+    assert notices[0]["missing"] == [[3, 3], [7, 9]] and notices[1]["missing"] == []
+    assert official.count == sum(GapNotice(**n).count for n in notices) == 5
+
+
+def test_a_selection_of_a_gap_batch_keeps_the_kept_requests_ranges():
+    frames = encode(_gap_batch_sample())
+    selected, header = select_requests(frames, decode_header(frames), [0, 2])
+    decode_header(selected)
+    assert spec_decoder.decode(selected).per_request() == [_fields(n) for n in decode(selected).notices()]
+    assert [(n.request_id, n.missing) for n in decode(selected).notices()] == [("r0", [[3, 3], [7, 9]]),
+                                                                             ("r2", [[0, 0]])]
+
+
+def _gap_batch_cases() -> dict:
+    base = msgpack.unpackb(encode(_gap_batch_sample())[1], raw=False)
+
+    def gap(update=None, drop=()):
+        h = {k: v for k, v in base.items() if k not in drop}
+        h.update(update or {})
+        return [b"", msgpack.packb(h, use_bin_type=True)]
+
+    return {
+        "counts wrong length": (gap({"counts": _col([2, 0])}), "counts has 2 values, needs 3"),
+        "negative count": (gap({"counts": _col([2, -1, 2])}), "counts must be >= 0"),
+        "firsts not sum(counts)": (gap({"firsts": _col([3, 7])}), "firsts has 2 values, needs 3"),
+        "lasts not sum(counts)": (gap({"lasts": _col([3, 9, 0, 1])}), "lasts has 4 values, needs 3"),
+        "first after last": (gap({"firsts": _col([3, 10, 0])}), "0 <= first <= last"),
+        "negative first": (gap({"firsts": _col([-1, 7, 0])}), "0 <= first <= last"),
+        "counts missing": (gap(drop=("counts",)), "lacks required field 'counts'"),
+        "firsts missing": (gap(drop=("firsts",)), "lacks required field 'firsts'"),
+        "lasts missing": (gap(drop=("lasts",)), "lacks required field 'lasts'"),
+        "counts as an array": (gap({"counts": [2, 0, 1]}), "counts must be bin"),
+        "lasts as nil": (gap({"lasts": None}), "lasts must be bin"),
+        "firsts not whole int64s": (gap({"firsts": b"\0" * 20}), "firsts must be a bin of little-endian int64s"),
+        "a request named twice": (gap({"request_ids": ["r0", "r1", "r0"]}), "names a request twice"),
+        "a request id not a str": (gap({"request_ids": ["r0", 1, "r2"]}), "request_ids must be an array of strs"),
+        "reason not a str": (gap({"reason": 3}), "reason must be str"),
+        "epoch a bool": (gap({"epoch": True}), "epoch must be int"),
+        "a buffer frame": ([*gap(), b"x"], "unexpected buffer frame"),
+    }
+
+
+_GAP_BATCH_CASES = _gap_batch_cases()
+
+
+@pytest.mark.parametrize("case", sorted(_GAP_BATCH_CASES))
+def test_malformed_gap_batches_are_refused_by_every_receiver_with_a_precise_error(case):
+    frames, error = _GAP_BATCH_CASES[case]
+    _refused_by_all(frames)
+    for receiver in (decode, decode_header):
+        with pytest.raises(MalformedFrameError, match=re.escape(error)):
+            receiver(frames)

@@ -14,8 +14,13 @@ kept once, each request's late-join buffer references it (counting that request'
 consumer gets it as received when it matches every request (no copy), else as a selection naming the requests
 it matches (``select_requests``: a rewritten header, ring references untouched), compacted to just its rows'
 bytes inline for a consumer that does not read rings or when the selection would send buffer frames of which
-only some rows are wanted. Loss is per request: a message dropped for a consumer becomes one GapNotice per
-request, naming its seq.
+only some rows are wanted. Loss is per request: every seq a consumer loses is named to it, before that
+request's next message. Where the gaps of several requests are announced at one point (the drops pending when the
+next message is queued, stale ring messages, a columnar message whose ring bytes are gone) a consumer of schema
+2.1 or later gets one GapBatch per producer and epoch; an older one a GapNotice per request. So do the GapNotices a
+producer sends in a row (one per request for each step it dropped): those one input brings (a producer's batch,
+a late join's replay) go to such a consumer as one GapBatch per producer, epoch, reason and origin, queued before
+anything else is queued for it.
 
 A columnar message's request whose stream has not started (its start was re-announced after a broker restart
 and is still on its way) is held in that stream like any per-request message: its part is replayed, as a
@@ -40,7 +45,7 @@ import numpy as np
 from mia_stream import _transport
 from mia_stream._transport import BrokerEndpoints, ServerKeys
 from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
-from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat,
+from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat,
                                 SteeringAck, SteeringCommand, StreamEnd, Subscribe, Unsubscribe, columnar_requests,
                                 compact, decode, decode_header, encode, has_partial_inline_rows, inline_shm,
                                 select_requests, shm_extent, shm_loss_reason, split_batch, sweep_stale_rings)
@@ -83,6 +88,7 @@ _DROPPABLE = frozenset(("tensors", "tokens", "analysis"))
 _EVICT_FIRST = frozenset(("tensors", "analysis"))
 _I64 = np.dtype("<i8")
 _order_of = operator.itemgetter(0)
+_GAP_BATCH_MINOR = 1  # a consumer whose subscribe is of schema 2.1 or later decodes gap_batch (spec 3.16)
 
 
 @dataclass
@@ -124,7 +130,7 @@ class _Entry:
         self.ring = ring  # (ring, oldest position) when tensor bytes are in the producer's ring (nbytes counts them)
         self.key: tuple | None = None  # a per-request message: its stream ...
         self.seq = -1  # ... and seq (-1: none, a gap notice)
-        self.header: dict | None = None  # a columnar message: its header, request ids and seqs
+        self.header: dict | None = None  # a columnar message (or a producer's gap): its header; request ids, seqs
         self.ids: list | None = None
         self.seqs: list | None = None
         self.inline: tuple | None = None  # (frames, nbytes) with ring bytes inline (or (None, reason)), on first need
@@ -164,7 +170,7 @@ class _Stream:
 class _Consumer:
     __slots__ = ("identity", "name", "patterns", "match_cache", "queue", "queue_bytes", "window", "in_flight",
                  "drops", "delivered", "delivered_bytes", "dropped", "gaps_sent", "last_seen", "blocked", "batch",
-                 "batches", "shm")
+                 "batches", "shm", "gap_batch", "gap_run")
 
     def __init__(self, identity: bytes, now: float):
         self.identity = identity
@@ -182,6 +188,10 @@ class _Consumer:
         self.blocked = False
         self.batch = False  # it said (Subscribe.batch) that it unpacks batches
         self.shm = False  # it said (Subscribe.shm) that it reads producers' shared-memory rings itself
+        self.gap_batch = False  # its subscribe was of schema 2.1+: it decodes gap_batch
+        # producers' gaps for it not yet queued (see Router._add_to_gap_run):
+        # (producer id, epoch, reason, origin) -> request id -> [gap entries]
+        self.gap_run: dict | None = None
         self.batches = 0
 
     def matches(self, request_id: str) -> bool:
@@ -317,6 +327,7 @@ class Router:
         self._errors: dict[tuple[str, bytes], int] = {}  # error replies per peer in the current second
         self._errors_since = now
         self._last_heartbeat = self._last_ring_sweep = self._last_ring_prune = -1e18
+        self._gap_runs: set[bytes] = set()  # consumers with a gap run to queue before this input returns
 
     # ------------------------------------------------------------------------------------------ inputs
 
@@ -347,6 +358,9 @@ class Router:
             self._producer_body(p, body)
         except Exception:  # last line of defence: bad input must never stop the broker
             self._internal_error()
+        finally:
+            if self._gap_runs:
+                self._safely(self._flush_gap_runs)
 
     def consumer_message(self, identity: bytes, body: list, now: float) -> None:
         """One zmq message from a consumer."""
@@ -355,6 +369,9 @@ class Router:
             self._consumer_body(identity, body)
         except Exception:
             self._internal_error()
+        finally:
+            if self._gap_runs:
+                self._safely(self._flush_gap_runs)
 
     def tick(self, now: float) -> None:
         """Housekeeping (the shell calls it every 50 ms): heartbeats, timeouts, lingering streams, rings."""
@@ -363,6 +380,9 @@ class Router:
             self._housekeeping(now)
         except Exception:
             self._internal_error()
+        finally:
+            if self._gap_runs:
+                self._safely(self._flush_gap_runs)
 
     # ------------------------------------------------------------------------------------------ consumer flow
 
@@ -795,16 +815,15 @@ class Router:
 
     def _on_producer_gap(self, p: _Producer, h: dict, body: list, nbytes: int) -> None:
         key = (h["request_id"], h["producer_id"], h["epoch"])
-        missing = h.get("missing")
-        if isinstance(missing, list):
-            p.gaps_reported += sum(r[1] - r[0] + 1 for r in missing
-                                   if isinstance(r, list) and len(r) == 2 and all(isinstance(x, int) for x in r))
+        # decode_header checked every range ([first, last] ints, 0 <= first <= last); checking each again here was
+        # ~10% of the broker's samples at saturation, a producer gap per request per dropped step (py-spy)
+        p.gaps_reported += sum(b - a + 1 for a, b in h.get("missing", ()))
         s = self._streams.get(key)
         if s is None or s.ended:
             self.counters["gap_for_unknown_stream"] += 1
             return
         entry = _Entry("gap", self._next_order(), body, nbytes, None)
-        entry.key = key
+        entry.key, entry.header = key, h
         part = (entry.order, -1, "gap", entry, -1, nbytes)
         s.last_time = self.now
         self._buffer(s, part)
@@ -905,6 +924,9 @@ class Router:
     def _deliver_part(self, c: _Consumer, part: tuple) -> None:
         """A per-request message (start, tensors, tokens, end, gap) to ``c``."""
         entry = part[3]
+        if entry.kind == "gap" and c.gap_batch:
+            self._add_to_gap_run(c, entry)
+            return
         frames, n, ring = self._view(entry, None, c.shm, None)
         if frames is None:  # the ring no longer holds its bytes: n is why
             self._enqueue_gap(c, entry.key, [[entry.seq, entry.seq]], n)
@@ -915,8 +937,8 @@ class Router:
         """A columnar message to ``c``, naming the requests ``idx`` (ascending indices)."""
         frames, n, ring = self._view(entry, idx, c.shm, views)
         if frames is None:
-            for key, seq in entry.requests(idx):
-                self._enqueue_gap(c, key, [[seq, seq]], n)
+            for gap in self._gap_messages(c, [(key, [[seq, seq]]) for key, seq in entry.requests(idx)], n):
+                self._enqueue_control(c, gap)
             return
         self._enqueue(c, frames, n, entry, idx, ring, _PART_KIND[entry.kind])
 
@@ -965,10 +987,12 @@ class Router:
         self.counters["shm_inlined" if entry.ring is not None else "compacted"] += 1
         return out, _frames_nbytes(out)
 
-    def _enqueue(self, c: _Consumer, frames: list, n: int, entry: _Entry, idx: list[int] | None,
+    def _enqueue(self, c: _Consumer, frames: list, n: int, entry: _Entry | None, idx: list[int] | None,
                  ring: tuple | None, kind: str) -> None:
         """Queue a stream message for ``c``: past its budget, tensors (then tokens beyond a reserve) are dropped
-        and recorded per stream; before its next message of a stream, a gap names that stream's drops."""
+        and recorded per stream; before the next message queued, gaps name every stream's drops."""
+        if c.gap_run is not None:
+            self._queue_gap_run(c)
         if c.queue_bytes and kind in _DROPPABLE:
             cfg = self.config
             limit = cfg.consumer_queue_bytes
@@ -985,10 +1009,11 @@ class Router:
                     self.counters["dropped_for_consumers"] += len(requests)
                     return
         if c.drops:
-            for key, _ in entry.requests(idx):
-                pending = c.drops.pop(key, None)
-                if pending:
-                    self._enqueue_gap(c, key, pending, "consumer_queue_full")
+            # All of them, not only this message's requests': then each request's gap still precedes its next
+            # message, and the drops of a step batch (~256 requests) go as one GapBatch, not 256 GapNotices
+            drops, c.drops = c.drops, {}
+            for gap in self._gap_messages(c, list(drops.items()), "consumer_queue_full"):
+                self._enqueue_control(c, gap)
         c.queue.append((frames, n, entry, idx, ring))
         c.queue_bytes += n
         self.ready.add(c.identity)
@@ -999,15 +1024,80 @@ class Router:
         c.gaps_sent += sum(b - a + 1 for a, b in missing)
         self._enqueue_control(c, frames)
 
+    def _gap_messages(self, c: _Consumer, gaps: list[tuple[tuple, list]], reason: str) -> list[list]:
+        """The messages that announce ``gaps`` (stream key, missing seq ranges) to ``c``, counted in its
+        ``gaps_sent``: one GapBatch per (producer, epoch) naming several streams when ``c`` decodes them, else
+        one GapNotice per stream."""
+        now_ns = self._wall_ns()
+        by_producer: dict[tuple, list] = {}
+        for (rid, pid, epoch), missing in gaps:
+            c.gaps_sent += sum(b - a + 1 for a, b in missing)
+            by_producer.setdefault((pid, epoch), []).append((rid, missing))
+        out = []
+        for (pid, epoch), named in by_producer.items():
+            if c.gap_batch and len(named) > 1:
+                out.append(encode(GapBatch.of(pid, epoch, named, reason, "broker", now_ns)))
+                self.counters["gap_batches"] += 1
+            else:
+                out.extend(encode(GapNotice(rid, pid, epoch, missing, reason, "broker", now_ns))
+                           for rid, missing in named)
+        return out
+
     def _enqueue_control(self, c: _Consumer, frames: list) -> None:
+        if c.gap_run is not None:
+            self._queue_gap_run(c)
         n = _frames_nbytes(frames)
         c.queue.append((frames, n, None, None, None))
         c.queue_bytes += n
         self.ready.add(c.identity)
 
+    def _add_to_gap_run(self, c: _Consumer, entry: _Entry) -> None:
+        """A producer's GapNotice for ``c`` (which decodes gap batches) joins its run: it is queued, with the
+        other producers' gaps this input brings for ``c``, as one GapBatch per (producer, epoch, reason, origin)
+        before anything else is queued for ``c`` (so before its stream's next message), at the latest when this
+        input returns. A publisher announces its drops as a GapNotice per request in a row: at saturation each
+        step it dropped was ~256 of them, which the broker sent and the consumer decoded and assembled one by one
+        (scripts/bench_load.py: ~40% of a consumer's samples, py-spy)."""
+        h = entry.header
+        rid, pid, epoch = entry.key
+        if c.gap_run is None:
+            c.gap_run = {}
+            self._gap_runs.add(c.identity)
+        named = c.gap_run.setdefault((pid, epoch, h.get("reason", ""), h.get("origin", "")), {})
+        got = named.get(rid)
+        if got is None:
+            named[rid] = [entry]
+        else:
+            got.append(entry)
+
+    def _queue_gap_run(self, c: _Consumer) -> None:
+        """Queue ``c``'s gap run: a GapNotice as received for a stream alone in its group, else a GapBatch."""
+        run, c.gap_run = c.gap_run, None
+        self._gap_runs.discard(c.identity)
+        for (pid, epoch, reason, origin), named in run.items():
+            if len(named) == 1:
+                for entry in next(iter(named.values())):
+                    self._enqueue(c, entry.frames, entry.nbytes, entry, None, None, "gap")
+                continue
+            missing = [(rid, [r for e in entries for r in e.header.get("missing", ())])
+                       for rid, entries in named.items()]
+            time_ns = min(e.header.get("time_ns", 0) for entries in named.values() for e in entries)
+            frames = encode(GapBatch.of(pid, epoch, missing, reason, origin, time_ns))
+            self.counters["gap_batches"] += 1
+            self.counters["producer_gaps_batched"] += sum(len(entries) for entries in named.values())
+            self._enqueue(c, frames, _frames_nbytes(frames), None, None, None, "gap")
+
+    def _flush_gap_runs(self) -> None:
+        """Queue every consumer's gap run (an input is done)."""
+        for ident in list(self._gap_runs):
+            c = self._consumers.get(ident)
+            if c is not None and c.gap_run is not None:
+                self._queue_gap_run(c)
+        self._gap_runs.clear()
+
     def _drop_stale_head(self, c: _Consumer) -> None:
         """Drop the ring-held messages at the head of ``c``'s queue whose bytes the producer is about to
-        overwrite (more than half a ring behind its writer), with one gap per stream put in their place.
+        overwrite (more than half a ring behind its writer), with their gaps put in their place.
 
         A consumer that falls behind then gets the newest frames the ring still holds, and its loss is the
         fraction it cannot keep up with; without this it would receive only frames already overwritten."""
@@ -1025,13 +1115,10 @@ class Router:
                 count += 1
         if not dropped:
             return
-        for key, missing in reversed(list(dropped.items())):
-            rid, pid, epoch = key
-            frames = encode(GapNotice(rid, pid, epoch, missing, "shm_overrun", "broker", self._wall_ns()))
+        for frames in reversed(self._gap_messages(c, list(dropped.items()), "shm_overrun")):
             n = _frames_nbytes(frames)
             q.appendleft((frames, n, None, None, None))
             c.queue_bytes += n
-        c.gaps_sent += count
         c.dropped += count
         self.counters["dropped_for_consumers"] += count
         self.counters["shm_stale_dropped"] += count
@@ -1041,6 +1128,8 @@ class Router:
         self.counters["discarded_for_gone_consumers"] += len(c.queue)
         self._consumers.pop(c.identity, None)
         self.ready.discard(c.identity)
+        c.gap_run = None
+        self._gap_runs.discard(c.identity)
         for s in self._streams.values():
             s.subscribers.discard(c.identity)
         c.queue.clear()
@@ -1074,7 +1163,7 @@ class Router:
         if msg is None:
             return
         if isinstance(msg, Subscribe):
-            self._on_subscribe(identity, c, msg)
+            self._on_subscribe(identity, c, msg, header["v"][1] >= _GAP_BATCH_MINOR)
         elif isinstance(msg, Unsubscribe):
             if c is not None:
                 self._on_unsubscribe(c, msg)
@@ -1092,11 +1181,12 @@ class Router:
             self._error_to(CONSUMERS, identity, "malformed", str(e))
             return None
 
-    def _on_subscribe(self, identity: bytes, c: _Consumer | None, msg: Subscribe) -> None:
+    def _on_subscribe(self, identity: bytes, c: _Consumer | None, msg: Subscribe, gap_batch: bool = False) -> None:
         if c is None:
             c = self._consumers[identity] = _Consumer(identity, self.now)
         if msg.consumer_id:
             c.name = msg.consumer_id
+        c.gap_batch = gap_batch
         c.window = max(0, msg.window_bytes)
         c.batch = self.config.batch and msg.batch is True
         c.shm = self.accept_shm and msg.shm is True
@@ -1125,6 +1215,8 @@ class Router:
         for s in self._streams.values():
             if c.identity in s.subscribers and not c.matches(s.request_id):
                 s.subscribers.discard(c.identity)
+        # drops of requests it no longer wants are not announced (all pending drops go at its next message)
+        c.drops = {key: ranges for key, ranges in c.drops.items() if c.matches(key[0])}
 
     # ------------------------------------------------------------------------------------------ steering
 

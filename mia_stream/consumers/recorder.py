@@ -4,8 +4,8 @@
         rec.write(frames)            # the raw multipart message, e.g. from recv_multipart(copy=False)
 
 One MCAP channel per request id (topic = request id) for per-request messages (start, end, gap, steering,
-and 1.x-style tensors/tokens), one per producer (``_producer/<producer_id>``) for its columnar messages
-(step and token batches, analyses), messages without a request id on ``_bus``. Tensors a message holds in a
+and 1.x-style tensors/tokens), one per producer (``_producer/<producer_id>``) for its messages that name many
+requests (step and token batches, analyses, and the gap batches that name its streams' losses), messages without a request id on ``_bus``. Tensors a message holds in a
 producer's shared-memory ring are copied in (a step batch: compacted to the rows it carries). When a part is
 finished it gets a request index (an MCAP attachment): which messages of each producer channel name each
 request, so one request loads without scanning the file. Chunks are written to the OS as soon as they are
@@ -37,8 +37,8 @@ from mia_stream.consumers.recording import (BUS_TOPIC, INDEX_ATTACHMENT, INDEX_M
                                             METADATA_NAME, PART_GLOB, PRODUCER_TOPIC_PREFIX, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
 from mia_stream.errors import WireError
-from mia_stream.schemas import (COLUMNAR_KINDS, MESSAGE_TYPES, SCHEMA_VERSION, ShmRingReader, encode, inline_shm,
-                                shm_loss_gaps)
+from mia_stream.schemas import (MESSAGE_TYPES, MULTI_REQUEST_KINDS, SCHEMA_VERSION, ShmRingReader, encode,
+                                inline_shm, shm_loss_gaps)
 from mia_stream.schemas._codec import SHM_RING_KEY
 
 log = logging.getLogger(__name__)
@@ -142,7 +142,7 @@ class Recorder:
         return True
 
     def _write(self, frames: Sequence[Any], header: dict, recv_time_ns: int | None) -> None:
-        columnar = header.get("kind") in COLUMNAR_KINDS
+        columnar = header.get("kind") in MULTI_REQUEST_KINDS  # indexed by the requests it names
         topic = self._topic_of(frames, header)
         now = time.time_ns() if recv_time_ns is None else recv_time_ns
         # strictly increasing within a part: log-time order is recorded order, and a time range on one
@@ -225,7 +225,7 @@ class Recorder:
     @staticmethod
     def _topic_of(frames: Sequence[Any], header: dict) -> str:
         """The channel key: the request id, or NUL + producer id / bus (a request id never starts with NUL)."""
-        if header.get("kind") in COLUMNAR_KINDS:
+        if header.get("kind") in MULTI_REQUEST_KINDS:
             return "\0p" + str(header.get("producer_id", ""))
         rid = header.get("request_id")
         if isinstance(rid, str):

@@ -22,7 +22,7 @@ import msgpack
 import numpy as np
 
 from mia_stream.errors import MalformedFrameError, MiaStreamError
-from mia_stream.schemas import SCHEMA_VERSION, Message, columnar_requests, compact, decode, decode_header, select_requests
+from mia_stream.schemas import SCHEMA_VERSION, Message, compact, decode, decode_header, select_requests
 
 MESSAGE_ENCODING = "mia_stream/multipart"
 SCHEMA_NAME = "mia_stream.multipart"
@@ -302,14 +302,14 @@ class _Matcher:
 
 
 def narrow(frames: list, matcher: Callable[[str], bool], where: str = "") -> list | None:
-    """A recorded columnar message narrowed to the requests ``matcher`` accepts (as the broker narrows it for
-    a consumer with those patterns: only the header is rewritten), the message itself when it accepts all of
-    them, or None when it accepts none."""
+    """A recorded message that names many requests (columnar, or a gap batch) narrowed to the requests
+    ``matcher`` accepts (as the broker narrows it for a consumer with those patterns: only the header is
+    rewritten), the message itself when it accepts all of them, or None when it accepts none."""
     try:
         header = decode_header(frames, legacy=True)
     except MiaStreamError as e:
         raise type(e)(f"{where}: {e}") from None
-    ids, _ = columnar_requests(header)
+    ids = header["request_ids"]
     keep = [i for i, rid in enumerate(ids) if matcher(rid)]
     if len(keep) == len(ids):
         return frames

@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
 from mia_stream.consumers.recording import iter_recording
-from mia_stream.schemas import Message
+from mia_stream.schemas import GapBatch, Message
 
 PACES = ("full", "recorded")
 _DISPATCH = {"start": "on_start", "tensors": "on_tensors", "tokens": "on_tokens", "end": "on_end", "gap": "on_gap",
-             "step_batch": "on_step_batch", "token_batch": "on_token_batch", "analysis": "on_analysis"}
+             "step_batch": "on_step_batch", "token_batch": "on_token_batch", "analysis": "on_analysis",
+             "gap_batch": "on_gap_batch"}
 
 
 @dataclass
@@ -57,6 +58,10 @@ def _deliver(consumer: Any, msg: Message) -> None:
     handler = getattr(consumer, "on_message", None)
     if handler is None:
         handler = getattr(consumer, _DISPATCH.get(msg.KIND, ""), None)
+        if handler is None and type(msg) is GapBatch:  # a consumer that knows only GapNotices gets each of them
+            for notice in msg.notices():
+                _deliver(consumer, notice)
+            return
     if handler is not None:
         handler(msg)
 
@@ -108,8 +113,10 @@ def _replay_into_broker(path, address: str, pace, patterns, stats: ReplayStats, 
             # The publisher never blocks (it drops instead); a replay can afford to wait for room.
             while pub.stats()["queue_bytes"] > budget:
                 time.sleep(0.001)
-            if not pub.publish(msg):
-                stats.dropped += 1
+            # a producer announces its streams' gaps per request (spec 11): a recorded gap batch goes as them
+            for out in (msg.notices() if type(msg) is GapBatch else (msg,)):
+                if not pub.publish(out):
+                    stats.dropped += 1
             stats.messages += 1
             stats.bytes += sum(len(f) for f in frames)
         pub.flush(30)

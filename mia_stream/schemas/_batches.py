@@ -6,7 +6,8 @@ kinds carry a whole step instead (the shape of vLLM's ``KVEventBatch``):
 
 - ``StepBatch``: the captured tensors of every streamed request of one step (per producer = per TP rank);
 - ``TokenBatch``: what every streamed request sampled at one step;
-- ``AnalysisBatch``: an analyzer's results for many requests (one analyzer step).
+- ``AnalysisBatch``: an analyzer's results for many requests (one analyzer step);
+- ``GapBatch`` (2.1): the seqs many requests lost, as many GapNotices would name them (no seq of its own).
 
 Each names its requests in ``request_ids`` and gives each the ``seq`` it holds in that request's stream, so
 per-request ordering, gaps and late join work exactly as for per-request messages; the broker hands a consumer
@@ -24,7 +25,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
-from mia_stream.schemas._messages import Message, TensorFrame, TokenFrame
+from mia_stream.schemas._messages import GapNotice, Message, TensorFrame, TokenFrame
 from mia_stream.schemas._tensors import WIRE_DTYPES, Tensor
 
 _I64 = np.dtype("<i8")
@@ -327,9 +328,71 @@ class AnalysisBatch(Message):
         return out
 
 
+@dataclass
+class GapBatch(Message):
+    """(2.1) What many GapNotices of one producer's streams would say, in one message: request ``i`` lost the
+    inclusive seq ranges ``[firsts[k], lasts[k]]`` for ``k`` in ``[offsets[i], offsets[i+1])`` (``counts[i]``
+    ranges). It has no seq of its own, like a GapNotice.
+
+    A broker that drops a step batch for a slow consumer loses one seq of each of its ~256 requests: one
+    GapBatch announces them all instead of 256 GapNotices, each encoded, sent, decoded and assembled alone."""
+
+    KIND: ClassVar[str] = "gap_batch"
+    producer_id: str
+    epoch: int
+    request_ids: list  # list[str], R
+    counts: Any  # int64 [R]: ranges per request
+    firsts: Any  # int64 [sum(counts)]: first missing seq of each range
+    lasts: Any  # int64 [sum(counts)]: last missing seq of each range (inclusive)
+    reason: str = ""
+    origin: str = ""  # "producer" | "broker" | "consumer"
+    time_ns: int = 0
+
+    def __post_init__(self) -> None:
+        self.counts = int_column(self.counts, "counts")
+        self.firsts = int_column(self.firsts, "firsts")
+        self.lasts = int_column(self.lasts, "lasts")
+
+    @classmethod
+    def of(cls, producer_id: str, epoch: int, missing: list, reason: str = "", origin: str = "",
+           time_ns: int = 0) -> "GapBatch":
+        """From ``missing``: ``(request_id, [[first, last], ...])`` per request."""
+        ids, counts, firsts, lasts = [], [], [], []
+        for rid, ranges in missing:
+            ids.append(rid)
+            counts.append(len(ranges))
+            for a, b in ranges:
+                firsts.append(a)
+                lasts.append(b)
+        return cls(producer_id, epoch, ids, counts, firsts, lasts, reason, origin, time_ns)
+
+    def topic(self) -> bytes:
+        return b""  # names many requests, like the columnar kinds
+
+    @property
+    def offsets(self) -> np.ndarray:
+        return _offsets(self.counts)
+
+    @property
+    def count(self) -> int:
+        """Seqs named in all (as ``GapNotice.count`` summed over its requests)."""
+        return int((self.lasts - self.firsts).sum()) + len(self.lasts)
+
+    def ranges(self) -> list[list[list[int]]]:
+        """Each request's missing ranges, ``[[first, last], ...]``, in request order."""
+        off = self.offsets.tolist()
+        pairs = [[a, b] for a, b in zip(self.firsts.tolist(), self.lasts.tolist())]
+        return [pairs[off[i]:off[i + 1]] for i in range(len(self.request_ids))]
+
+    def notices(self) -> list[GapNotice]:
+        """The equivalent GapNotices, one per request, in request order."""
+        return [GapNotice(rid, self.producer_id, self.epoch, missing, self.reason, self.origin, self.time_ns)
+                for rid, missing in zip(self.request_ids, self.ranges())]
+
+
 # numpy dtypes an analysis value may have (their wire names are WIRE_DTYPES' names)
 _VALUE_DTYPES = {"float32", "float64", "float16", "int8", "uint8", "int32", "int64", "bool"}
 VALUE_WIRE_DTYPES = {**{k: v for k, v in WIRE_DTYPES.items() if k in _VALUE_DTYPES},
                      "float64": (np.dtype("<f8"), 8), "bool": (np.dtype("u1"), 1)}
 
-BATCH_MESSAGE_TYPES = (StepBatch, TokenBatch, AnalysisBatch)
+BATCH_MESSAGE_TYPES = (StepBatch, TokenBatch, AnalysisBatch)  # columnar: one seq of each request they name

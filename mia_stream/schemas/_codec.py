@@ -16,8 +16,8 @@ import numpy as np
 
 from mia_stream.errors import (MalformedFrameError, OversizedMessageError, SchemaVersionError, ShmOverrunError,
                                ShmUnavailableError, WireError)
-from mia_stream.schemas._batches import (BATCH_MESSAGE_TYPES, VALUE_WIRE_DTYPES, AnalysisBatch, RowGroup, StepBatch,
-                                         TokenBatch)
+from mia_stream.schemas._batches import (BATCH_MESSAGE_TYPES, VALUE_WIRE_DTYPES, AnalysisBatch, GapBatch, RowGroup,
+                                         StepBatch, TokenBatch)
 from mia_stream.schemas._messages import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, Message, TensorFrame
 from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter, is_ring_name
 from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, byte_view, compress, crc32,
@@ -29,7 +29,10 @@ SHM_RING_KEY = "shm_ring"  # header field: the ring that holds the buffers of en
 _SHM_MARK = msgpack.packb(SHM_RING_KEY)  # how the key looks inside a packed header
 LEGACY_MAJOR = 1  # recordings of schema 1.x stay readable: every 1.x kind is a 2.0 kind with the same fields
 
-COLUMNAR_KINDS = frozenset(cls.KIND for cls in BATCH_MESSAGE_TYPES)  # messages that name many requests
+COLUMNAR_KINDS = frozenset(cls.KIND for cls in BATCH_MESSAGE_TYPES)  # name many requests, one seq of each
+# every kind that names many requests (routed, recorded and narrowed by request_ids): the columnar kinds and
+# gap_batch, which has no seqs
+MULTI_REQUEST_KINDS = COLUMNAR_KINDS | {GapBatch.KIND}
 _I64 = np.dtype("<i8")
 
 _FIELDS = {kind: {f.name: f for f in dataclasses.fields(cls)} for kind, cls in MESSAGE_TYPES.items()}
@@ -77,6 +80,10 @@ def encode(msg: Message, *, compression: str = "none", checksum: bool = False,
     buffers: list[Any] = []
     if msg.KIND in COLUMNAR_KINDS:
         _encode_columnar(msg, header, buffers, compression, checksum, shm)
+    elif msg.KIND == GapBatch.KIND:
+        header.update(producer_id=msg.producer_id, epoch=msg.epoch, request_ids=list(msg.request_ids),
+                      counts=_col(msg.counts), firsts=_col(msg.firsts), lasts=_col(msg.lasts), reason=msg.reason,
+                      origin=msg.origin, time_ns=msg.time_ns)
     else:
         for name in _FIELDS[msg.KIND]:
             value = getattr(msg, name)
@@ -209,7 +216,8 @@ _NON_NEGATIVE = {"start": ("seq",), "tensors": ("seq",), "tokens": ("seq",), "en
                  "credit": ("nbytes",), "subscribe": ("window_bytes",)}
 _COLUMNAR_TYPES = {"request_ids": "list", "seqs": "bin", "steering_versions": "bin", "groups": "list",
                    "counts": "bin", "token_ids": "bin", "first_positions": "bin", "finish_reasons": "list",
-                   "rows": "bin", "positions": "bin", "alerts": "bin", "values": "dict", "labels": "dict"}
+                   "rows": "bin", "positions": "bin", "alerts": "bin", "values": "dict", "labels": "dict",
+                   "firsts": "bin", "lasts": "bin"}
 # Per kind, the (field, exact types, annotation, check, element type) tuples, built once.
 _CHECKS = {kind: [(name, frozenset(_EXACT_TYPES[str(f.type)]), str(f.type), _TYPE_CHECKS[str(f.type)],
                    _ELEMENTS.get((kind, name)))
@@ -247,7 +255,7 @@ def _check_fields(kind: str, header: dict) -> None:
         for reason, count in header.get("drops", _NO_META).items():
             if type(reason) is not str or type(count) is not int:
                 raise MalformedFrameError(f"end.drops must map str to int, got {reason!r}: {count!r}")
-    if kind in COLUMNAR_KINDS:
+    if kind in MULTI_REQUEST_KINDS:
         for name, ann in _COLUMNAR_TYPES.items():
             if name in header and name in _FIELDS[kind]:
                 value = header[name]
@@ -567,6 +575,25 @@ def _check_analysis(header: dict) -> None:
             raise MalformedFrameError(f"{kind}: label {name!r} must be an array of {n} str|nil")
 
 
+def _check_gap_batch(header: dict) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
+    """Spec 3.16: ``(request_ids, counts, firsts, lasts)``, each range ``0 <= first <= last``."""
+    kind = "gap_batch"
+    ids = header.get("request_ids")
+    if type(ids) is not list or any(type(r) is not str for r in ids):
+        raise MalformedFrameError(f"{kind}.request_ids must be an array of strs")
+    if len(set(ids)) != len(ids):
+        raise MalformedFrameError(f"{kind}.request_ids names a request twice")
+    counts = _column(kind, header, "counts", len(ids))
+    if len(counts) and int(counts.min()) < 0:
+        raise MalformedFrameError(f"{kind}.counts must be >= 0")
+    n = int(counts.sum())
+    firsts = _column(kind, header, "firsts", n)
+    lasts = _column(kind, header, "lasts", n)
+    if n and (int(firsts.min()) < 0 or bool((firsts > lasts).any())):
+        raise MalformedFrameError(f"{kind} ranges must have 0 <= first <= last")
+    return ids, counts, firsts, lasts
+
+
 def _check_columnar(kind: str, header: dict, sizes: list[int], max_message_bytes: int) -> list | None:
     if kind == "step_batch":
         return _check_step_batch(header, sizes, max_message_bytes)
@@ -620,6 +647,10 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
         fields["tensors"] = _decode_tensors(entries, buffers, verify, _ring_of(header, shm))
     elif buffers:
         raise MalformedFrameError(f"{kind} message carries {len(buffers)} unexpected buffer frame(s)")
+    if cls is GapBatch:
+        ids, counts, firsts, lasts = _check_gap_batch(header)
+        return GapBatch(header["producer_id"], header["epoch"], ids, counts, firsts, lasts,
+                        header.get("reason", ""), header.get("origin", ""), header.get("time_ns", 0))
     try:
         return cls(**fields)
     except TypeError as e:
@@ -760,6 +791,8 @@ def decode_header(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX
             raise MalformedFrameError(f"{n - 2 - i} buffer frame(s) not described by the header")
     elif n > 2:
         raise MalformedFrameError(f"{kind} message carries {n - 2} unexpected buffer frame(s)")
+    elif kind == "gap_batch":
+        _check_gap_batch(header)
     return header
 
 
@@ -825,7 +858,7 @@ def columnar_requests(header: dict) -> tuple[list, list]:
 
 def select_requests(frames: Sequence[Any], header: dict, keep: Sequence[int]) -> tuple[list, dict]:
     """The message naming only requests ``keep`` (ascending indices into ``request_ids``) of a validated
-    columnar message, and its header. Only the header is rewritten: tensor payloads (ring references and
+    columnar message (or gap batch), and its header. Only the header is rewritten: tensor payloads (ring references and
     buffer frames) stay whole, and each row group says which of their rows remain (``row0``, ``stored_rows``:
     spec section 10), so no tensor byte is copied; ``compact`` copies out just those rows."""
     kind = header["kind"]
@@ -835,9 +868,16 @@ def select_requests(frames: Sequence[Any], header: dict, keep: Sequence[int]) ->
     h = dict(header)
     ids = header["request_ids"]
     h["request_ids"] = [ids[i] for i in keep_arr.tolist()]
-    h["seqs"] = np.frombuffer(header["seqs"], _I64)[keep_arr].tobytes()
+    if kind != "gap_batch":
+        h["seqs"] = np.frombuffer(header["seqs"], _I64)[keep_arr].tobytes()
     buffers = list(frames[2:])
-    if kind == "step_batch":
+    if kind == "gap_batch":
+        counts = np.frombuffer(header["counts"], _I64)
+        h["counts"] = counts[keep_arr].tobytes()
+        range_mask = np.repeat(remap >= 0, counts)
+        h["firsts"] = np.frombuffer(header["firsts"], _I64)[range_mask].tobytes()
+        h["lasts"] = np.frombuffer(header["lasts"], _I64)[range_mask].tobytes()
+    elif kind == "step_batch":
         if "steering_versions" in header:
             h["steering_versions"] = np.frombuffer(header["steering_versions"], _I64)[keep_arr].tobytes()
         groups, kept_buffers, i = [], [], 0

@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 
 from mia_stream.schemas._tensors import Tensor
 
-SCHEMA_VERSION = (2, 0)  # (major, minor): a new major breaks decoders, a new minor only adds (see the spec)
+SCHEMA_VERSION = (2, 1)  # (major, minor): a new major breaks decoders, a new minor only adds (see the spec)
 
 # Finish reasons of a stream: vLLM's plus the ones only the bus knows.
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected", "producer_lost")
@@ -227,12 +227,13 @@ class ErrorNotice(Message):
 
 
 # The columnar kinds (2.0) live in _batches, which builds on the classes above (hence imported here, last).
-from mia_stream.schemas._batches import BATCH_MESSAGE_TYPES  # noqa: E402
+from mia_stream.schemas._batches import BATCH_MESSAGE_TYPES, GapBatch  # noqa: E402
 
 MESSAGE_TYPES: dict[str, type[Message]] = {
     cls.KIND: cls
     for cls in (StreamStart, TensorFrame, TokenFrame, StreamEnd, GapNotice, Heartbeat,
-                SteeringCommand, SteeringAck, Subscribe, Unsubscribe, Credit, ErrorNotice, *BATCH_MESSAGE_TYPES)
+                SteeringCommand, SteeringAck, Subscribe, Unsubscribe, Credit, ErrorNotice, *BATCH_MESSAGE_TYPES,
+                GapBatch)
 }
 
 
