@@ -16,7 +16,7 @@ publisher announces the dropped seqs exactly (origin "producer"), consecutive on
 whose gaps are announced at one point (those a message names, or all at a heartbeat) get, per reason, one
 ``GapBatch`` naming them all when the broker's heartbeats say it takes gap batches (schema 2.1), else one
 ``GapNotice`` each: a dropped step batch is then one message, not one per request it named (at saturation
-those GapNotices were ~35% of the producer's samples and most of the broker's, scripts/bench_load.py).
+those GapNotices were ~35% of the producer's samples and ~30% of the broker's, scripts/bench_load.py).
 Counters: ``gap_notices`` and ``gap_batches`` (messages queued), ``gap_batch_streams`` (streams they named).
 ``drops_for(request_id)`` gives the counts by reason. The stream's StreamEnd carries the caller's count of
 the messages it handed to ``publish`` (``frames_sent``, the end included) and of the seqs it dropped itself
