@@ -1009,7 +1009,7 @@ def shm_loss_reason(error: Exception) -> str:
 def shm_loss_gaps(header: dict, error: Exception, origin: str) -> list[GapNotice | GapBatch]:
     """The gaps that replace a message (``header``) whose ring-held bytes could not be read, each naming the seq
     it held of each request: one GapBatch for a columnar message naming several requests (a step batch names
-    ~256: one GapNotice each was most of a consumer far behind its ring), else one GapNotice."""
+    ~256, and a consumer far behind its ring meets many in a row), else one GapNotice."""
     epoch = header.get("epoch")
     epoch = epoch if type(epoch) is int else 0
     pid, reason, now = str(header.get("producer_id", "")), shm_loss_reason(error), time.time_ns()
