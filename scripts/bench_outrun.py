@@ -47,7 +47,7 @@ def _consume(address: str, in_thread: bool, ready, out) -> None:
 
     from mia_stream.broker import run_broker_in_thread
     from mia_stream.consumers import BrokerClient
-    from mia_stream.schemas import GapNotice, StreamEnd, TensorFrame
+    from mia_stream.schemas import GapBatch, GapNotice, StreamEnd, TensorFrame
 
     with (run_broker_in_thread(address=address) if in_thread else nullcontext()):
         client = BrokerClient(address, consumer_id="outrun")
@@ -68,7 +68,7 @@ def _consume(address: str, in_thread: bool, ready, out) -> None:
                 data = msg.tensors[0].data
                 nbytes += len(data)
                 np.frombuffer(data, np.uint8)[::4096].sum()  # touch it, as an analyzer would
-            elif isinstance(msg, GapNotice):
+            elif isinstance(msg, (GapNotice, GapBatch)):  # a GapBatch: the gaps of several streams (2.1)
                 where = ("source" if msg.origin == "producer" else
                          "stale" if msg.origin == "broker" and msg.reason == "shm_overrun" else
                          "overwritten" if msg.origin == "consumer" and msg.reason == "shm_overrun" else

@@ -324,7 +324,9 @@ class RawConsumer:
     unpacked, ring payloads read with its own ``ShmRingReader``), keeping the raw frames too."""
 
     def __init__(self, address: str, name: str, patterns, *, shm: bool = False, window: int = 0,
-                 from_start: bool = False, batch: bool = True):
+                 from_start: bool = False, batch: bool = True, schema: tuple[int, int] | None = None):
+        """``schema``: the version its subscribe says it speaks (e.g. ``(2, 0)``: it does not know gap_batch)."""
+        import msgpack
         import zmq
 
         from mia_stream import _transport
@@ -336,8 +338,13 @@ class RawConsumer:
         self.sock.setsockopt(zmq.IDENTITY, name.encode())
         self.sock.connect(_transport.endpoints_for(address).consumers)
         self.reader = ShmRingReader()
-        self.sock.send_multipart(encode(Subscribe(list(patterns), from_start=from_start, consumer_id=name,
-                                                  window_bytes=window, batch=batch, shm=shm)))
+        subscribe = encode(Subscribe(list(patterns), from_start=from_start, consumer_id=name, window_bytes=window,
+                                     batch=batch, shm=shm))
+        if schema is not None:
+            header = msgpack.unpackb(subscribe[1], raw=False)
+            header["v"] = list(schema)
+            subscribe[1] = msgpack.packb(header, use_bin_type=True)
+        self.sock.send_multipart(subscribe)
         self.messages: list = []  # (frames, decoded), heartbeats left out
         self.batches = 0
 

@@ -1,6 +1,6 @@
 """A stand-in for the broker's producers side, for the producer's own tests: a real ROUTER socket on a run dir's
 producers endpoint that answers a publisher's heartbeats (advertising batches and, optionally, shared-memory
-rings with ``received`` kept, as the broker does) and decodes, with the same validator, everything it is sent.
+rings with ``received`` kept, and gap batches, as the broker does) and decodes, with the same validator, everything it is sent.
 
 It lets a test read exactly what a ``FramePublisher`` put on the wire (step batches included) and stop reading
 at will (``pause``), independently of the broker's routing.
@@ -20,8 +20,9 @@ from mia_stream.schemas._shm import SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY, rem
 
 
 class StubBroker:
-    def __init__(self, address: str, shm: bool = False):
+    def __init__(self, address: str, shm: bool = False, gap_batch: bool = False):
         self.shm = shm
+        self.gap_batch = gap_batch  # it says it takes gap batches (schema 2.1), as the broker does
         self.instance = random.getrandbits(63)
         self.messages: list = []  # decoded, in arrival order (heartbeats left out)
         self.malformed: list = []
@@ -90,7 +91,8 @@ class StubBroker:
                     self._taken.append(stats[SHM_RING_CLOSED_KEY])
                     extra[SHM_RING_TAKEN_KEY] = stats[SHM_RING_CLOSED_KEY]
                 hb = Heartbeat("stub-broker", "broker", self.instance, time.time_ns(),
-                               {"known": True, "batch": True, "shm": self.shm, "shm_received": self.shm, **extra})
+                               {"known": True, "batch": True, "shm": self.shm, "shm_received": self.shm,
+                                "gap_batch": self.gap_batch, **extra})
                 self._sock.send_multipart([identity, *encode(hb)])
                 return
             extent = shm_extent(header)

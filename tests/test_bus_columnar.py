@@ -1,12 +1,14 @@
 """Columnar messages (schema 2.0, docs/wire-format.md section 10) through a real broker process, real sockets and
 real shared-memory rings: whole to a consumer matching every request, a selection to one matching 10%, bit-exact
-inline and through a ring; gap batches naming every request of a batch dropped for a slow consumer; late join of a request in
-the middle of batches. The producer is a raw DEALER sending encoded frames (the broker must not depend on the
-publisher), the consumers raw DEALERs that decode what they get."""
+inline and through a ring; gap batches naming every request of a batch dropped for a slow consumer; late join of
+a request in the middle of batches. The producer is a raw DEALER sending encoded frames (the broker must not
+depend on the publisher), the consumers raw DEALERs that decode what they get; the last test puts the real
+publisher in front (its drops, announced as gap batches, end to end)."""
 
 from __future__ import annotations
 
 import collections
+import signal
 
 import numpy as np
 import pytest
@@ -236,3 +238,88 @@ def test_late_join_of_a_request_in_the_middle_of_batches():
         for m in batches:
             if isinstance(m, StepBatch):
                 check_rows(m)
+
+
+def test_a_publishers_dropped_step_batches_reach_consumers_as_gap_batches_old_and_late_ones_included():
+    """The real FramePublisher outruns a stopped broker (SIGSTOP) with a small queue: each step batch it drops is
+    announced as one GapBatch naming every request (not a GapNotice per request), which the broker buffers and
+    routes like each request's GapNotice: whole to a consumer of all, a selection to a subset, GapNotices to a
+    schema 2.0 consumer, and all of it again to a consumer that joins after the streams ended."""
+    from mia_stream.producer.publisher import FramePublisher
+
+    ids = [f"req-{i}" for i in range(8)]
+    mine = ids[:3]
+    rows = {rid: 1 for rid in ids}  # 8 rows x 4 KiB = 32 KiB per step batch
+    steps = 600  # far more than zmq's pipe (64 messages) and the 64 KiB queue hold while the broker is stopped
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        consumers = {"all": RawConsumer(d, "all", ["*"]), "subset": RawConsumer(d, "subset", mine),
+                     "old": RawConsumer(d, "old", ["*"], schema=(2, 0))}
+        pub = FramePublisher(d, producer_id="dropper", queue_bytes=64 << 10, shm_bytes=0)
+        late = None
+        try:
+            wait_for(lambda: len(stats(d)["consumers"]) == 3 and pub.broker_gap_batch, timeout=15)
+            for rid in ids:
+                pub.publish(StreamStart(rid, pub.producer_id, pub.epoch, pub.next_seq(rid)))
+            accepted = []
+            broker.send_signal(signal.SIGSTOP)
+            try:
+                for step in range(1, steps + 1):
+                    batch = step_batch(pub.producer_id, step, ids, 0, rows)
+                    batch.epoch, batch.seqs = pub.epoch, np.asarray(pub.next_seqs(ids))
+                    accepted.append(pub.publish(batch))
+                    tokens = token_batch(pub.producer_id, step, ids, 0)
+                    tokens.epoch, tokens.seqs = pub.epoch, np.asarray(pub.next_seqs(ids))
+                    assert pub.publish(tokens), "token batches use the control reserve"
+            finally:
+                broker.send_signal(signal.SIGCONT)
+            for rid in ids:
+                seq = pub.next_seq(rid)
+                pub.publish(StreamEnd(rid, pub.producer_id, pub.epoch, seq, frames_sent=seq + 1))
+            assert pub.flush(30)
+            for name, c in consumers.items():
+                c.read(60, ended(len(mine) if name == "subset" else len(ids)))
+            late = RawConsumer(d, "late", ["*"], from_start=True)  # the streams have ended, and still linger
+            late.read(30, ended(len(ids)))
+            st = stats(d)
+            counters = pub.stats()
+        finally:
+            pub.close()
+            for c in [*consumers.values(), late]:
+                if c is not None:
+                    c.close()
+    dropped = accepted.count(False)
+    assert dropped > 0 and counters["dropped_queue_full"] == dropped
+    full = list(range(2 * steps + 2))
+    everyone = per_request(consumers["all"].messages)
+    lost = []
+    for rid in ids:
+        events = everyone[rid]
+        delivered = [e[1] for e in events if e[0] != "gap"]
+        lost = [s for e in events if e[0] == "gap" for s in e[2]]
+        assert {e[1] for e in events if e[0] == "gap"} == {"queue_full"}
+        assert sorted(delivered + lost) == full and delivered == sorted(delivered)  # each lost seq named once
+        assert len(lost) == dropped and all(s % 2 == 1 for s in lost)  # step batches were dropped, never tokens
+        assert events[-1] == ("end", 2 * steps + 1)
+    end = next(m for _, m in consumers["all"].messages if isinstance(m, StreamEnd))
+    assert end.frames_dropped == dropped and end.drops == {"queue_full": dropped}
+    # announced as gap batches naming every request, one per step batch dropped at most (consecutive: merged)
+    gaps = [m for _, m in consumers["all"].messages if isinstance(m, (GapNotice, GapBatch))]
+    assert gaps and all(isinstance(m, GapBatch) and m.request_ids == ids and m.origin == "producer" for m in gaps)
+    assert len(gaps) == counters["gap_batches"] <= dropped and counters.get("gap_notices", 0) == 0
+    assert counters["gap_batch_streams"] == len(gaps) * len(ids)
+    (producer,) = [p for name, p in st["producers"].items() if name.startswith("dropper/")]
+    assert producer["gaps_reported"] == dropped * len(ids)
+    assert not any(k.startswith(("malformed", "internal", "unexpected", "gap_for_unknown")) for k in st["totals"])
+    # a subset consumer: gap batches naming only its requests
+    subset_gaps = [m for _, m in consumers["subset"].messages if isinstance(m, (GapNotice, GapBatch))]
+    assert subset_gaps and all(isinstance(m, GapBatch) and m.request_ids == mine for m in subset_gaps)
+    assert per_request(consumers["subset"].messages) == {rid: everyone[rid] for rid in mine}
+    # a 2.0 consumer: the same, as GapNotices
+    old_gaps = [m for _, m in consumers["old"].messages if isinstance(m, (GapNotice, GapBatch))]
+    assert len(old_gaps) == len(gaps) * len(ids) and all(isinstance(m, GapNotice) for m in old_gaps)
+    assert per_request(consumers["old"].messages) == everyone
+    # a late joiner learns every gap from the broker's buffer, in place
+    assert per_request(late.messages) == everyone
+    assert all(isinstance(m, GapBatch) for _, m in late.messages if isinstance(m, (GapNotice, GapBatch)))

@@ -20,7 +20,7 @@ from mia_stream.consumers.recorder import Recorder
 from mia_stream.consumers.recording import INDEX_ATTACHMENT, Recording, iter_recording
 from mia_stream.consumers.replay import replay
 from mia_stream.errors import IncompleteShardError
-from mia_stream.schemas import (AnalysisBatch, GapNotice, RowGroup, Shard, ShmRingReader, ShmRingWriter, StepBatch, StreamEnd,
+from mia_stream.schemas import (AnalysisBatch, GapBatch, GapNotice, RowGroup, Shard, ShmRingReader, ShmRingWriter, StepBatch, StreamEnd,
                                 StreamStart, Tensor, TensorFrame, TokenBatch, TokenFrame, decode, encode,
                                 select_requests, shm_extent)
 from mia_stream.schemas._codec import decode_header
@@ -498,9 +498,9 @@ def test_on_batch_consumer_is_fed_batches_and_per_request_lifecycle(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- the live client
 
-def test_a_lost_ring_batch_becomes_one_gap_per_request_credited_once(tmp_path):
+def test_a_lost_ring_batch_becomes_one_gap_batch_naming_every_request_credited_once(tmp_path):
     """A StepBatch whose tensors the ring overwrote before the consumer read them: the BrokerClient hands on
-    one consumer GapNotice per request it named (its seq, reason shm_overrun) and credits its weight once."""
+    one consumer GapBatch naming each request it named (its seq, reason shm_overrun) and credits its weight once."""
     ring = ShmRingWriter(size=1 << 20, min_bytes=1024)
     try:
         e = Engine()
@@ -518,9 +518,10 @@ def test_a_lost_ring_batch_becomes_one_gap_per_request_credited_once(tmp_path):
         client = BrokerClient(f"ipc://{tmp_path}/none", window_bytes=1 << 30, shm=True)
         try:
             first = client._accept(frames)
-            rest = list(client._unbatched)
-            gaps = [first[1]] + [m for _, m in rest]
-            assert [(g.request_id, g.missing, g.reason, g.origin) for g in gaps] == [
+            assert not client._unbatched
+            gap = first[1]
+            assert isinstance(gap, GapBatch) and decode(first[0]).ranges() == gap.ranges()
+            assert [(g.request_id, g.missing, g.reason, g.origin) for g in gap.notices()] == [
                 ("a", [[1, 1]], "shm_overrun", "consumer"), ("b", [[1, 1]], "shm_overrun", "consumer"),
                 ("c", [[1, 1]], "shm_overrun", "consumer")]
             weight = sum(map(len, frames)) + shm_extent(header)[2]
@@ -528,7 +529,7 @@ def test_a_lost_ring_batch_becomes_one_gap_per_request_credited_once(tmp_path):
             asm = StreamAssembler()
             for m in _wire(msgs):
                 asm.feed(m, now=0.0)
-            evs = [ev for g in gaps for ev in asm.feed(g, now=0.0)]
+            evs = asm.feed(gap, now=0.0)
             assert [(ev.kind, ev.stream.request_id) for ev in evs] == [("gap", "a"), ("gap", "b"), ("gap", "c")]
         finally:
             client.close()
@@ -710,7 +711,7 @@ def test_ring_held_batch_tensors_are_recorded_inline_and_lost_ones_as_gaps(tmp_p
             assert rec.stats.shm_lost == 1
         got = [m for _, m in iter_recording(tmp_path / "rec")]
         assert [type(m).__name__ for m in got] == ["StreamStart", "StreamStart", "StepBatch", "StepBatch",
-                                                   "GapNotice", "GapNotice"]
+                                                   "GapBatch"]
         np.testing.assert_array_equal(got[2].tensor("hs"), batch.groups[0].tensors[0].numpy())
         assert got[3].request_ids == ["b"]
         b_rows = batch.groups[0].rows.tolist()
@@ -718,8 +719,8 @@ def test_ring_held_batch_tensors_are_recorded_inline_and_lost_ones_as_gaps(tmp_p
         recorded = [f for f, _ in iter_recording(tmp_path / "rec")]
         assert all("shm_ring" not in decode_header(f) for f in recorded)
         assert len(recorded[3][2]) == 2 * b_rows[1] * 512 * 4  # compacted: just b's rows
-        assert [(g.request_id, g.missing, g.reason) for g in got[4:]] == [("a", [[3, 3]], "shm_overrun"),
-                                                                          ("b", [[3, 3]], "shm_overrun")]
+        assert [(g.request_id, g.missing, g.reason) for g in got[4].notices()] == [("a", [[3, 3]], "shm_overrun"),
+                                                                                  ("b", [[3, 3]], "shm_overrun")]
     finally:
         ring.close()
 

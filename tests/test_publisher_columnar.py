@@ -1,10 +1,11 @@
 """The publisher with columnar messages (StepBatch, TokenBatch: one message naming many requests), over a real
 ZeroMQ socket to a stub broker that decodes what arrives (tests/stub_broker.py).
 
-A dropped step batch is a drop of one seq for EVERY request it names: each request gets its own producer
-GapNotice naming that seq, before its next message, and its StreamEnd counts it (frames_sent + frames_dropped
-= the seqs the stream used). Token batches use the control reserve, as token frames did. The shared-memory
-source bound applies to step batches. The drain's ring views are copied once, never left referenced.
+A dropped step batch is a drop of one seq for EVERY request it names: each request's gap names that seq before
+its next message (one GapBatch for all of them to a broker that takes gap batches, else a GapNotice each), and
+its StreamEnd counts it (frames_sent + frames_dropped = the seqs the stream used). Token batches use the control
+reserve, as token frames did. The shared-memory source bound applies to step batches. The drain's ring views are
+copied once, never left referenced.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 from mia_stream.producer.publisher import FramePublisher
 from mia_stream.producer.spec import ModelGeometry
-from mia_stream.schemas import (GapNotice, RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, TokenBatch,
+from mia_stream.schemas import (GapBatch, GapNotice, RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, TokenBatch,
                                 shm_available)
 from stub_broker import StubBroker
 from test_drain import Engine, check_rows, ended, per_request, runtimes, seqs_exact
@@ -61,6 +62,11 @@ def _end(pub, rid: str, dropped_by_caller: int = 0) -> None:
 def _gap_notices(msgs: list) -> list:
     """The distinct gap notices of a request (``per_request`` lists a notice once per seq it names)."""
     return list({id(g): g for _, k, g, _ in msgs if k == "gap"}.values())
+
+
+def _as_notices(msgs: list) -> list:
+    """The messages with each GapBatch replaced by its GapNotices (in its place)."""
+    return [n for m in msgs for n in (m.notices() if isinstance(m, GapBatch) else [m])]
 
 
 def _gaps_before_next_message(msgs: list) -> None:
@@ -108,27 +114,44 @@ def test_a_full_queue_drops_step_batches_per_request_and_keeps_token_batches(run
         assert [t.step for _, k, t, _ in m if k == "tokens"] == list(range(40))
 
 
-def test_an_oversized_step_batch_is_a_gap_of_every_request_it_names(run_dir):
-    broker = StubBroker(run_dir)
+@pytest.mark.parametrize("gap_batch", [False, True], ids=["broker-2.0", "broker-2.1"])
+def test_an_oversized_step_batch_is_a_gap_of_every_request_it_names(run_dir, gap_batch):
+    """Consecutive dropped step batches are one range per request, announced before the requests' next message:
+    to a broker that takes gap batches as one GapBatch naming every request, else as a GapNotice each."""
+    broker = StubBroker(run_dir, gap_batch=gap_batch)
     pub = FramePublisher(run_dir, producer_id="pubc-big", max_message_bytes=64 << 10)
     try:
+        deadline = time.monotonic() + 10
+        while pub.broker_instance is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert pub.broker_gap_batch is gap_batch
         _start(pub)
         assert pub.publish(_step_batch(pub, 0, row_floats=256))
-        assert not pub.publish(_step_batch(pub, 1, row_floats=8192))  # 96 KiB > 64 KiB
-        assert pub.publish(_step_batch(pub, 2, row_floats=256))
+        for step in (1, 2, 3):
+            assert not pub.publish(_step_batch(pub, step, row_floats=8192))  # 96 KiB > 64 KiB
+        assert pub.publish(_step_batch(pub, 4, row_floats=256))
         for rid in RIDS:
             _end(pub, rid)
         msgs = broker.wait_for(lambda got: ended(got) == 3)
     finally:
         pub.close()
         broker.close()
-    streams = per_request(msgs)
+    assert not broker.malformed
+    gap_messages = [m for m in msgs if isinstance(m, (GapNotice, GapBatch))]
+    if gap_batch:
+        (batch,) = gap_messages
+        assert isinstance(batch, GapBatch) and batch.request_ids == RIDS and batch.origin == "producer"
+        assert pub.stats()["gap_batches"] == 1 and pub.stats()["gap_batch_streams"] == len(RIDS)
+    else:
+        assert [g.request_id for g in gap_messages] == RIDS and pub.stats()["gap_notices"] == len(RIDS)
+    streams = per_request(_as_notices(msgs))
     for rid in RIDS:
         seqs_exact(streams[rid])
         _gaps_before_next_message(streams[rid])
         gaps = _gap_notices(streams[rid])
-        assert [(g.reason, g.missing) for g in gaps] == [("oversized", [[2, 2]])]
-        assert [f.step for _, k, f, _ in streams[rid] if k == "frame"] == [0, 2]
+        assert [(g.reason, g.missing) for g in gaps] == [("oversized", [[2, 4]])]
+        assert [f.step for _, k, f, _ in streams[rid] if k == "frame"] == [0, 4]
+        assert pub.drops_for(rid) == {"oversized": 3}
 
 
 def test_a_closed_publisher_counts_a_step_batch_for_every_request(run_dir):

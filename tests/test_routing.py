@@ -437,6 +437,104 @@ def test_a_producers_gap_notices_in_a_row_reach_a_consumer_as_one_gap_batch_each
     assert [type(m) for m in late[-3:]] == [GapBatch, GapNotice, StepBatch]
 
 
+def _dropped_step(bus: Bus, rids: list, seq: int, reason: str = "queue_full", identity: bytes = P,
+                  epoch: int = 1, time_ns: int = 77) -> GapBatch:
+    """What a publisher sends for a step batch it dropped: one GapBatch naming the seq of each request."""
+    gap = GapBatch.of("prod", epoch, [(rid, [[seq, seq]]) for rid in rids], reason, "producer", time_ns)
+    bus.produce(gap, identity)
+    return gap
+
+
+def test_the_broker_heartbeat_says_producers_may_send_gap_batches():
+    bus = Bus()
+    bus.produce(Heartbeat("prod", "producer", 1, 0, {}))
+    assert all(h.stats["gap_batch"] is True for h in bus.producer_messages(kind=Heartbeat))
+
+
+def test_a_producers_gap_batch_is_each_of_its_requests_gap_notice_in_order_and_per_subscriber():
+    bus = Bus()
+    bus.subscribe(b"all", "*")
+    bus.subscribe(b"subset", "a", "c")
+    _old_subscribe(bus, b"old", "*")
+    rids = ["a", "b", "c"]
+    for rid in rids:
+        bus.produce(start(rid))
+    bus.produce(step_batch(1, {rid: 1 for rid in rids}))
+    sent = _dropped_step(bus, rids, 2)
+    bus.produce(step_batch(3, {rid: 3 for rid in rids}))
+    got = {ident: bus.receive(ident) for ident in (b"all", b"subset", b"old")}
+    # a 2.1 consumer of every request gets the producer's message as it was sent (no copy, no re-encoding)
+    gaps = _gap_messages(got[b"all"])
+    assert len(gaps) == 1 and encode(gaps[0]) == encode(sent)
+    # a subset subscriber gets a selection naming only its requests
+    (subset,) = _gap_messages(got[b"subset"])
+    assert isinstance(subset, GapBatch) and subset.request_ids == ["a", "c"] and subset.ranges() == [[[2, 2]]] * 2
+    assert (subset.reason, subset.origin, subset.time_ns) == ("queue_full", "producer", 77)
+    # a 2.0 consumer gets a GapNotice per request
+    old = _gap_messages(got[b"old"])
+    assert all(type(g) is GapNotice for g in old) and [g.request_id for g in old] == rids
+    # each in place: after seq 1, before seq 3, for every consumer
+    want = {rid: [("start", 0), ("step_batch", 1), ("gap", "queue_full", [2]), ("step_batch", 3)] for rid in rids}
+    assert per_request(got[b"all"]) == per_request(got[b"old"]) == want
+    assert per_request(got[b"subset"]) == {rid: want[rid] for rid in ("a", "c")}
+    st = bus.router.stats(bus.now)
+    assert st["producers"]["prod/1"]["gaps_reported"] == sent.count
+    assert st["totals"]["producer_gap_batches"] == 1 and "gap_for_unknown_stream" not in st["totals"]
+
+
+def test_a_producers_gap_batch_for_streams_it_does_not_know_is_counted_per_request():
+    bus = Bus()
+    bus.subscribe(b"c", "*")
+    bus.produce(start("a"))
+    bus.produce(StreamEnd("a", "prod", 1, 1))
+    bus.produce(start("b"))
+    _dropped_step(bus, ["a", "b", "x"], 1)  # a has ended, x never started
+    (gap,) = _gap_messages(bus.receive(b"c"))
+    assert isinstance(gap, GapBatch) and gap.request_ids == ["b"]
+    assert bus.totals["gap_for_unknown_stream"] == 2
+
+
+def test_a_late_joiner_learns_a_producers_gap_batch_from_the_buffer():
+    bus = Bus(late_join_bytes=4096)  # small: the step batches are evicted, the gaps stay
+    rids = ["a", "b", "c"]
+    for rid in rids:
+        bus.produce(start(rid))
+    for step in range(1, 9):
+        if step % 3 == 0:
+            _dropped_step(bus, rids, step)
+        else:
+            bus.produce(step_batch(step, {rid: step for rid in rids}, nbytes_per_row=1024))
+    assert bus.totals["evicted"]
+    bus.subscribe(b"late", "a", "b", from_start=True)
+    _old_subscribe(bus, b"old", "*", from_start=True)
+    late, old = bus.receive(b"late"), bus.receive(b"old")
+    for got, names in ((late, ["a", "b"]), (old, rids)):
+        events = _seq_view(got)
+        assert sorted(events) == names
+        for rid in names:
+            lost = sorted(e[2] for e in events[rid] if e[0] == "gap" and e[1] == "queue_full")
+            assert lost == [3, 6]  # each dropped seq named exactly once
+            seqs = [e[1] if e[0] != "gap" else e[2] for e in events[rid]]
+            assert sorted(seqs) == list(range(9))  # with what was evicted, every seq is accounted for
+    # the buffer kept each gap batch once: the late joiner gets them as selections, not per request
+    assert [m.request_ids for m in late if isinstance(m, GapBatch) and m.reason == "queue_full"] == [["a", "b"]] * 2
+    assert not any(isinstance(m, GapBatch) for m in old)
+
+
+def test_a_producers_gap_batch_for_a_stream_not_started_yet_is_held_with_its_parts():
+    # After a broker restart the gaps of a re-announced stream can arrive before its start.
+    bus = Bus()
+    bus.subscribe(b"c", "*")
+    bus.produce(start("a"))
+    bus.produce(step_batch(1, {"a": 1, "b": 1}))  # b's start has not come: b is held
+    _dropped_step(bus, ["a", "b"], 2)
+    got = bus.receive(b"c")
+    assert [(m.KIND, m.request_ids if hasattr(m, "request_ids") else m.request_id) for m in got] == [
+        ("start", "a"), ("step_batch", ["a"]), ("gap_batch", ["a"])]
+    bus.produce(StreamStart("b", "prod", 1, 0, resent=True))
+    assert per_request(bus.receive(b"c"))["b"] == [("start", 0), ("step_batch", 1), ("gap", "queue_full", [2])]
+
+
 def test_a_consumer_is_flushed_before_anything_is_dropped_for_it():
     bus = Bus(consumer_queue_bytes=4096, flush=True)
     bus.subscribe(b"c", "*")

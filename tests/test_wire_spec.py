@@ -1114,12 +1114,14 @@ def test_ring_failures_are_losses_with_one_gap_per_request(ring):
     # a ring that does not exist (a valid name)
     gone = _reframe(frames, {"shm_ring": "mia-stream-ring-1-000000000000"})
     _lost_alike(gone, "shm_unavailable", reader)
-    # each lost message becomes one gap per request it names, each naming that request's seq (section 9)
+    # each lost message becomes a gap of each request it names, each naming that request's seq (section 9): one
+    # GapBatch for a message naming several
     try:
         decode(gone, shm=reader)
     except SharedBufferError as e:
-        gaps = shm_loss_gaps(header, e, "consumer")
-    assert [(g.request_id, g.producer_id, g.epoch, g.missing, g.reason, g.origin) for g in gaps] == [
+        (batch,) = shm_loss_gaps(header, e, "consumer")
+    assert isinstance(batch, GapBatch) and decode(encode(batch)).ranges() == batch.ranges()
+    assert [(g.request_id, g.producer_id, g.epoch, g.missing, g.reason, g.origin) for g in batch.notices()] == [
         ("a", "p", 4, [[5, 5]], "shm_unavailable", "consumer"), ("b", "p", 4, [[7, 7]], "shm_unavailable",
                                                                   "consumer")]
     # overwritten: the writer laps the payload, for the whole message and for a selection's gathered rows
@@ -1129,9 +1131,9 @@ def test_ring_failures_are_losses_with_one_gap_per_request(ring):
         writer.put(b"\0" * (writer.size // 4 - 64))
     _lost_alike(frames, "shm_overrun", reader)
     _lost_alike(sel, "shm_overrun", reader)
-    gaps = shm_loss_gaps(decode_header(sel), ShmOverrunError("x"), "broker")
-    assert [(g.request_id, g.missing, g.reason, g.origin) for g in gaps] == [("b", [[7, 7]], "shm_overrun",
-                                                                              "broker")]
+    gaps = shm_loss_gaps(decode_header(sel), ShmOverrunError("x"), "broker")  # naming one request: a GapNotice
+    assert [(type(g), g.request_id, g.missing, g.reason, g.origin) for g in gaps] == [
+        (GapNotice, "b", [[7, 7]], "shm_overrun", "broker")]
 
 
 def test_a_file_that_is_not_a_ring_is_unavailable(ring, tmp_path):

@@ -20,7 +20,9 @@ next message is queued, stale ring messages, a columnar message whose ring bytes
 2.1 or later gets one GapBatch per producer and epoch; an older one a GapNotice per request. So do the GapNotices a
 producer sends in a row (one per request for each step it dropped): those one input brings (a producer's batch,
 a late join's replay) go to such a consumer as one GapBatch per producer, epoch, reason and origin, queued before
-anything else is queued for it.
+anything else is queued for it. A producer's own GapBatch (a publisher's dropped step batch, schema 2.1: the
+broker's heartbeats say it takes them) is each request's GapNotice, kept once like a columnar message: buffered
+by reference in each of its streams, sent whole or as a selection, as a GapNotice per request to an older consumer.
 
 A columnar message's request whose stream has not started (its start was re-announced after a broker restart
 and is still on its way) is held in that stream like any per-request message: its part is replayed, as a
@@ -123,7 +125,8 @@ class BrokerConfig:
 class _Entry:
     """One message as received: its frames are shared by the late-join buffers and every consumer's queue."""
 
-    __slots__ = ("kind", "order", "frames", "nbytes", "ring", "key", "seq", "header", "ids", "seqs", "inline")
+    __slots__ = ("kind", "order", "frames", "nbytes", "ring", "key", "seq", "header", "ids", "seqs", "inline",
+                 "notices")
 
     def __init__(self, kind: str, order: int, frames: list, nbytes: int, ring: tuple | None):
         self.kind, self.order, self.frames, self.nbytes = kind, order, frames, nbytes
@@ -134,6 +137,7 @@ class _Entry:
         self.ids: list | None = None
         self.seqs: list | None = None
         self.inline: tuple | None = None  # (frames, nbytes) with ring bytes inline (or (None, reason)), on first need
+        self.notices: dict[int, list] | None = None  # a producer's gap batch: request index -> its GapNotice's frames
 
     def requests(self, idx: list[int] | None):
         """(stream key, seq) of each request the message (``idx``: the selection of a columnar one) names."""
@@ -273,6 +277,17 @@ def _shares(h: dict, nbytes: int, r: int) -> list[int]:
         if total:
             return (rows * nbytes // total).tolist()
     return [nbytes // r] * r
+
+
+def _gap_batch_ranges(h: dict) -> list[list[list[int]]]:
+    """Each request's missing ranges in a validated gap batch header, in request order."""
+    counts = np.frombuffer(h["counts"], _I64).tolist()
+    firsts, lasts = np.frombuffer(h["firsts"], _I64).tolist(), np.frombuffer(h["lasts"], _I64).tolist()
+    out, k = [], 0
+    for n in counts:
+        out.append([[firsts[j], lasts[j]] for j in range(k, k + n)])
+        k += n
+    return out
 
 
 def _user_id(frame: Any) -> str:
@@ -533,6 +548,8 @@ class Router:
             self._on_stream_message(p, header, body, nbytes, ring)
         elif kind == "gap":
             self._on_producer_gap(p, header, body, nbytes)
+        elif kind == "gap_batch":
+            self._on_producer_gap_batch(p, header, body, nbytes)
         elif kind == "heartbeat":
             self._on_producer_heartbeat(p, header)
         elif kind == "steer_ack":
@@ -654,7 +671,7 @@ class Router:
     def _heartbeat(self, known: bool, extra: dict | None = None) -> list:
         return encode(Heartbeat("broker", "broker", self.instance, self._wall_ns(),
                                 {"known": known, "batch": self.config.batch, "shm": self.accept_shm,
-                                 SHM_RECEIVED_KEY: self.accept_shm, **(extra or {})}))
+                                 SHM_RECEIVED_KEY: self.accept_shm, "gap_batch": True, **(extra or {})}))
 
     def _heartbeat_to(self, role: str, identity: bytes, known: bool) -> None:
         self.outbox.append((role, identity, self._heartbeat(known), None))
@@ -833,6 +850,57 @@ class Router:
                 if c is not None:
                     self._deliver_part(c, part)
 
+    def _on_producer_gap_batch(self, p: _Producer, h: dict, body: list, nbytes: int) -> None:
+        """A producer's GapBatch (a dropped step batch: one for all the requests it named) is each request's
+        GapNotice: kept once, each live stream's late-join buffer references its part (an index, as for a
+        columnar message), and each subscribed consumer gets it whole or as a selection of its requests (a
+        consumer of schema 2.0: a GapNotice per request)."""
+        ids = h["request_ids"]
+        pid, epoch = h["producer_id"], h["epoch"]
+        firsts, lasts = np.frombuffer(h["firsts"], _I64), np.frombuffer(h["lasts"], _I64)
+        p.gaps_reported += int((lasts - firsts).sum()) + len(lasts)  # decode_header checked the ranges
+        entry = _Entry("gap_batch", self._next_order(), body, nbytes, None)
+        entry.header, entry.ids = h, ids
+        share = nbytes // len(ids) if ids else 0
+        get, order, now, limit = self._streams.get, entry.order, self.now, self.config.late_join_bytes
+        live: list[tuple[int, _Stream]] = []
+        unknown = added = 0
+        for i, rid in enumerate(ids):
+            s = get((rid, pid, epoch))
+            if s is None or s.ended:  # as a GapNotice of a stream it does not know
+                unknown += 1
+                continue
+            s.last_time = now
+            s.ctl.append((order, -1, "gap", entry, i, share))  # gaps are never evicted
+            s.buffered += share
+            added += share
+            if s.buffered > limit:
+                self._buffered_total += added
+                added = 0
+                while s.buffered > limit and self._evict_one(s):
+                    pass
+            if s.started:
+                live.append((i, s))
+        self._buffered_total += added
+        if self._buffered_total > self.config.late_join_total_bytes:
+            self._evict_to_total()
+        if unknown:
+            self.counters["gap_for_unknown_stream"] += unknown
+        self.counters["producer_gap_batches"] += 1
+        per: dict[bytes, list[int]] = {}
+        for i, s in live:
+            for ident in s.subscribers:
+                got = per.get(ident)
+                if got is None:
+                    per[ident] = [i]
+                else:
+                    got.append(i)
+        views: dict = {}
+        for ident, idx in per.items():
+            c = self._consumers.get(ident)
+            if c is not None:
+                self._deliver_columnar(c, entry, idx, views)
+
     # ------------------------------------------------------------------------------------------ late join
 
     def _buffer(self, s: _Stream, part: tuple) -> None:
@@ -934,13 +1002,38 @@ class Router:
         self._enqueue(c, frames, n, entry, None, ring, part[2])
 
     def _deliver_columnar(self, c: _Consumer, entry: _Entry, idx: list[int], views: dict | None) -> None:
-        """A columnar message to ``c``, naming the requests ``idx`` (ascending indices)."""
+        """A columnar message (or a producer's gap batch) to ``c``, naming the requests ``idx`` (ascending
+        indices)."""
+        if entry.kind == "gap_batch":
+            self._deliver_gap_batch(c, entry, idx, views)
+            return
         frames, n, ring = self._view(entry, idx, c.shm, views)
         if frames is None:
             for gap in self._gap_messages(c, [(key, [[seq, seq]]) for key, seq in entry.requests(idx)], n):
                 self._enqueue_control(c, gap)
             return
         self._enqueue(c, frames, n, entry, idx, ring, _PART_KIND[entry.kind])
+
+    def _deliver_gap_batch(self, c: _Consumer, entry: _Entry, idx: list[int], views: dict | None) -> None:
+        """A producer's gap batch to ``c``: as received, or a selection of requests ``idx``, when it decodes gap
+        batches; else one GapNotice per request (each encoded once per message, shared by such consumers)."""
+        if c.gap_batch:
+            frames, n, _ = self._view(entry, idx, False, views)
+            self._enqueue(c, frames, n, entry, idx, None, "gap")
+            return
+        if entry.notices is None:
+            entry.notices = {}
+        notices, h = entry.notices, entry.header
+        ranges = None
+        for i in idx:
+            frames = notices.get(i)
+            if frames is None:
+                if ranges is None:
+                    ranges = _gap_batch_ranges(h)
+                frames = notices[i] = encode(GapNotice(entry.ids[i], h["producer_id"], h["epoch"], ranges[i],
+                                                       h.get("reason", ""), h.get("origin", ""),
+                                                       h.get("time_ns", 0)))
+            self._enqueue(c, frames, _frames_nbytes(frames), None, None, None, "gap")
 
     def _view(self, entry: _Entry, idx: list[int] | None, reads_rings: bool, views: dict | None) -> tuple:
         """``(frames, bytes, (ring, oldest position) or None)`` of what a consumer gets of ``entry``: the frames

@@ -21,7 +21,7 @@ import zmq
 
 from mia_stream import _transport
 from mia_stream.errors import BrokerTimeoutError, SharedBufferError, WireError
-from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotice, Heartbeat, Message,
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat, Message,
                                 ShmRingReader, SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode,
                                 decode_header, encode, references_shm, shm_extent, shm_loss_gaps, shm_loss_reason,
                                 shm_reachable, split_batch)
@@ -195,7 +195,7 @@ class BrokerClient:
             got = self._accept_one(m)
             if got is None:
                 continue
-            if type(got) is list:  # a lost columnar message: one gap notice per request it named (maybe none)
+            if type(got) is list:  # a lost ring message: the gaps that replace it (maybe none)
                 if got and first is None:
                     first, got = got[0], got[1:]
                 self._unbatched.extend(got)
@@ -249,15 +249,16 @@ class BrokerClient:
         extent = shm_extent(header)
         return _nbytes(frames) + (extent[2] if extent else 0)
 
-    def _ring_loss(self, frames: list, error: SharedBufferError) -> list[tuple[list, GapNotice]]:
-        """Credit a message whose ring-held bytes are gone (its weight, once); the gap notices that take its
-        place, one per request it named, as (frames, message). Cheap on purpose: a consumer far behind its
-        producer meets many of these in a row."""
+    def _ring_loss(self, frames: list, error: SharedBufferError) -> list[tuple[list, GapNotice | GapBatch]]:
+        """Credit a message whose ring-held bytes are gone (its weight, once); the gaps that take its place, as
+        (frames, message): one GapBatch for a columnar message naming several requests, else a GapNotice. Cheap
+        on purpose: a consumer far behind its producer meets many of these in a row."""
         header = decode_header(frames, max_message_bytes=self.max_message_bytes)
         gaps = shm_loss_gaps(header, error, "consumer")
         reason = shm_loss_reason(error)
         self.counters[reason] += 1
-        self.counters["ring_loss_gaps"] += len(gaps)
+        # streams told of a loss (a gap batch names several)
+        self.counters["ring_loss_gaps"] += sum(len(g.request_ids) if type(g) is GapBatch else 1 for g in gaps)
         self._credit(self._ring_weight(frames, header))
         if self.counters[reason] <= 10:
             log.warning("mia_stream consumer: lost a message's tensors: %s", error)

@@ -58,7 +58,8 @@ class RecorderStats:
     parts: int = 0
     channels: int = 0
     rejected: int = 0  # messages whose header is not a mia_stream header: counted and logged, not recorded
-    shm_lost: int = 0  # messages whose shared-memory tensors were gone: recorded as gaps instead (one per request)
+    shm_lost: int = 0  # messages whose shared-memory tensors were gone: recorded as gaps instead (one gap batch
+    # for a columnar message naming several requests, else a GapNotice)
 
 
 def _mia_stream_version() -> str:
@@ -178,7 +179,7 @@ class Recorder:
 
     def _inline_shm(self, frames: Sequence[Any], header: dict) -> list[tuple[list, dict]]:
         """The message with its ring-held bytes inline (a step batch compacted to its rows); when the ring
-        lost them, the GapNotices that replace it (one per request it named)."""
+        lost them, the gaps that replace it (``shm_loss_gaps``: a step batch's as one GapBatch)."""
         if self._shm is None:
             self._shm = ShmRingReader()
         try:

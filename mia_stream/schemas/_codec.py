@@ -1006,15 +1006,19 @@ def shm_loss_reason(error: Exception) -> str:
     return "shm_overrun" if isinstance(error, ShmOverrunError) else "shm_unavailable"
 
 
-def shm_loss_gaps(header: dict, error: Exception, origin: str) -> list[GapNotice]:
-    """The GapNotices that replace a message (``header``) whose ring-held bytes could not be read: one per
-    request it names (a step batch names many), each naming that request's seq."""
+def shm_loss_gaps(header: dict, error: Exception, origin: str) -> list[GapNotice | GapBatch]:
+    """The gaps that replace a message (``header``) whose ring-held bytes could not be read, each naming the seq
+    it held of each request: one GapBatch for a columnar message naming several requests (a step batch names
+    ~256, and a consumer far behind its ring meets many in a row), else one GapNotice."""
     epoch = header.get("epoch")
     epoch = epoch if type(epoch) is int else 0
     pid, reason, now = str(header.get("producer_id", "")), shm_loss_reason(error), time.time_ns()
     if header.get("kind") in COLUMNAR_KINDS:
-        ids, seqs = columnar_requests(header)
-        return [GapNotice(rid, pid, epoch, [[seq, seq]], reason, origin, now) for rid, seq in zip(ids, seqs)]
+        ids, seqs = header["request_ids"], np.frombuffer(header["seqs"], _I64)
+        if len(ids) > 1:
+            return [GapBatch(pid, epoch, list(ids), np.ones(len(ids), _I64), seqs, seqs, reason, origin, now)]
+        return [GapNotice(rid, pid, epoch, [[seq, seq]], reason, origin, now)
+                for rid, seq in zip(ids, seqs.tolist())]
     seq = header.get("seq", 0)
     return [GapNotice(str(header.get("request_id", "")), pid, epoch, [[seq, seq]], reason, origin, now)]
 
