@@ -451,12 +451,17 @@ def _column(kind: str, header: dict, key: str, n: int | None, default: Any = dat
     return arr
 
 
-def _request_columns(kind: str, header: dict) -> tuple[list, np.ndarray]:
+def _request_ids(kind: str, header: dict) -> list:
     ids = header.get("request_ids")
     if type(ids) is not list or any(type(r) is not str for r in ids):
         raise MalformedFrameError(f"{kind}.request_ids must be an array of strs")
     if len(set(ids)) != len(ids):
         raise MalformedFrameError(f"{kind}.request_ids names a request twice")
+    return ids
+
+
+def _request_columns(kind: str, header: dict) -> tuple[list, np.ndarray]:
+    ids = _request_ids(kind, header)
     seqs = _column(kind, header, "seqs", len(ids))
     if len(seqs) and int(seqs.min()) < 0:
         raise MalformedFrameError(f"{kind}.seqs must be >= 0")
@@ -578,11 +583,7 @@ def _check_analysis(header: dict) -> None:
 def _check_gap_batch(header: dict) -> tuple[list, np.ndarray, np.ndarray, np.ndarray]:
     """Spec 3.16: ``(request_ids, counts, firsts, lasts)``, each range ``0 <= first <= last``."""
     kind = "gap_batch"
-    ids = header.get("request_ids")
-    if type(ids) is not list or any(type(r) is not str for r in ids):
-        raise MalformedFrameError(f"{kind}.request_ids must be an array of strs")
-    if len(set(ids)) != len(ids):
-        raise MalformedFrameError(f"{kind}.request_ids names a request twice")
+    ids = _request_ids(kind, header)
     counts = _column(kind, header, "counts", len(ids))
     if len(counts) and int(counts.min()) < 0:
         raise MalformedFrameError(f"{kind}.counts must be >= 0")
