@@ -180,24 +180,35 @@ def _unset_broker() -> None:
         del os.environ["MIA_STREAM_BROKER"]
 
 
-def _plugin_engine_core(address: str) -> int | None:
-    """The pid of the plugin engine's core process: called after the plugin engine started and before the plain
-    one, it is this process's only ``EngineCore`` child (it runs the scheduler and, with TP 1 on a GPU, the
-    worker; py-spy follows its subprocesses too). Found by parent pid: vLLM's process title (setproctitle)
-    overwrites the memory /proc/PID/environ reads, so the broker address in its environment is not visible."""
-    me = os.getpid()
+def _children() -> dict[int, bytes]:
+    """This process's child processes: pid -> cmdline."""
+    me, out = os.getpid(), {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             with open(f"/proc/{d}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open(f"/proc/{d}/cmdline", "rb") as f:
-                if ppid == me and b"EngineCore" in f.read():
-                    return int(d)
+            if ppid == me:
+                with open(f"/proc/{d}/cmdline", "rb") as f:
+                    out[int(d)] = f.read()
         except (OSError, ValueError, IndexError):
             continue
-    return None
+    return out
+
+
+def _plugin_engine_core(before: dict[int, bytes]) -> int | None:
+    """The pid of the plugin engine's core process (it runs the scheduler and, with TP 1, the worker; py-spy
+    follows its subprocesses too): a child that appeared while the plugin engine started. Its title says
+    ``EngineCore`` where setproctitle is installed (vLLM 0.32 here); the H100/H200 staging has no setproctitle,
+    so there it is the new child that is not multiprocessing's resource tracker (the title test alone found
+    nothing on 2026-12-05)."""
+    new = {pid: cmd for pid, cmd in _children().items() if pid not in before}
+    titled = [pid for pid, cmd in new.items() if b"EngineCore" in cmd]
+    if titled:
+        return titled[0]
+    rest = sorted(pid for pid, cmd in new.items() if b"resource_tracker" not in cmd)
+    return rest[-1] if rest else None
 
 
 def start_pyspy(pyspy: str, pid: int, seconds: float, raw: str, children: bool = True) -> subprocess.Popen:
@@ -318,8 +329,9 @@ def main(argv: list[str] | None = None) -> int:
             if "ready" not in consumers[api].stdout.readline():
                 raise RuntimeError(f"{api} consumer did not start")
         t0 = time.perf_counter()
+        before = _children()
         plugin = make_llm(a, True, run_dir)
-        core_pid = _plugin_engine_core(run_dir) if a.pyspy else None
+        core_pid = _plugin_engine_core(before) if a.pyspy else None
         results["profiled_pid"] = core_pid
         plain = make_llm(a, False, run_dir)
         results["engine_start_s"] = round(time.perf_counter() - t0, 1)
