@@ -781,13 +781,7 @@ class Router:
                 self._evictable.append((s, part))
             else:
                 s.ctl.append(part)
-            s.buffered += share
-            added += share
-            if s.buffered > limit:
-                self._buffered_total += added
-                added = 0
-                while s.buffered > limit and self._evict_one(s):
-                    pass
+            added = self._charge(s, share, added, limit)
             if s.started:
                 live.append((i, s))
         self._buffered_total += added
@@ -797,6 +791,23 @@ class Router:
             self._heartbeat_to(PRODUCERS, p.identity, known=False)
         if not live:
             return
+        self._fan_out(entry, live)
+
+    def _charge(self, s: _Stream, share: int, added: int, limit: int) -> int:
+        """Count a buffered share against its stream, evicting the stream's oldest parts past ``limit``; returns
+        ``added`` (bytes not yet in ``_buffered_total``) plus the share, or 0 once the total was updated."""
+        s.buffered += share
+        added += share
+        if s.buffered > limit:
+            self._buffered_total += added
+            added = 0
+            while s.buffered > limit and self._evict_one(s):
+                pass
+        return added
+
+    def _fan_out(self, entry: _Entry, live: list) -> None:
+        """Deliver a multi-request message: each consumer gets the requests (``(index, stream)`` in ``live``)
+        it subscribed to."""
         per: dict[bytes, list[int]] = {}  # consumer -> the indices of the requests it gets
         for i, s in live:
             for ident in s.subscribers:
@@ -872,13 +883,7 @@ class Router:
                 continue
             s.last_time = now
             s.ctl.append((order, -1, "gap", entry, i, share))  # gaps are never evicted
-            s.buffered += share
-            added += share
-            if s.buffered > limit:
-                self._buffered_total += added
-                added = 0
-                while s.buffered > limit and self._evict_one(s):
-                    pass
+            added = self._charge(s, share, added, limit)
             if s.started:
                 live.append((i, s))
         self._buffered_total += added
@@ -887,19 +892,7 @@ class Router:
         if unknown:
             self.counters["gap_for_unknown_stream"] += unknown
         self.counters["producer_gap_batches"] += 1
-        per: dict[bytes, list[int]] = {}
-        for i, s in live:
-            for ident in s.subscribers:
-                got = per.get(ident)
-                if got is None:
-                    per[ident] = [i]
-                else:
-                    got.append(i)
-        views: dict = {}
-        for ident, idx in per.items():
-            c = self._consumers.get(ident)
-            if c is not None:
-                self._deliver_columnar(c, entry, idx, views)
+        self._fan_out(entry, live)
 
     # ------------------------------------------------------------------------------------------ late join
 
