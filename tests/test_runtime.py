@@ -293,7 +293,9 @@ def test_a_stalled_sidecar_loses_steps_counted_and_announced_never_silently(monk
     end = events[-1].end
     gaps = [e.gap for e in events if e.kind == "gap"]
     dropped = rt.stats["dropped_frames"]
-    assert stuck == 50 and dropped >= 100, f"the stall never filled the queue in {steps} steps"
+    # 50 steps in a row ended with the queue at its bound: each dropped its step and token items, but the first
+    # of them may have queued one item before the bound was reached (99 of 100 in one full-suite run)
+    assert stuck == 50 and dropped >= 2 * stuck - 1, f"the stall never filled the queue in {steps} steps"
     assert events[0].kind == "start" and events[-1].kind == "end"
     assert end.drops.get("drain_queue_full") == dropped == end.frames_dropped
     assert gaps and {g.reason for g in gaps} == {"drain_queue_full"} and all(g.origin == "producer" for g in gaps)
