@@ -976,3 +976,31 @@ def test_a_recording_of_batches_replays_into_a_broker(tmp_path):
         shutil.rmtree(run, ignore_errors=True)
     assert stats.messages == len(msgs) and stats.dropped == 0
     assert _per_stream(got) == _per_stream(_feed(StreamAssembler(), _wire(msgs)))
+
+
+def test_a_long_running_assembler_lets_go_of_ended_requests():
+    """An ended request is remembered for the analysis results that may follow it, but only among the most
+    recent ended ones: its stream (start, tokens, gaps) must become garbage after enough later requests ended.
+    Every ended stream used to stay reachable for the life of the consumer, so a monitor's memory and its full
+    garbage collections grew with every request it ever saw (seconds per collection under load)."""
+    import gc
+    import weakref
+
+    from mia_stream.consumers._assemble import _RECENT_STREAMS
+
+    asm = StreamAssembler(batches=True)
+    first = None
+    for r in range(_RECENT_STREAMS + 50):
+        rid = f"old-{r}"
+        evs = asm.feed(StreamStart(rid, "p", 1), now=0.0)
+        asm.feed(GapNotice(rid, "p", 1, [[1, 1]], "consumer_queue_full", "broker"), now=0.0)
+        asm.feed(TokenFrame(rid, "p", 1, 2, 0, [5]), now=0.0)
+        ended = asm.feed(StreamEnd(rid, "p", 1, 3, "length"), now=0.0)
+        assert [e.kind for e in ended] == ["end"]
+        if first is None:
+            first = weakref.ref(evs[0].stream)
+        del evs, ended
+    gc.collect()
+    assert first() is None, "the first request's stream is still reachable after 10,050 later requests ended"
+    # and what ended stays refused
+    assert asm.feed(TokenFrame("old-0", "p", 1, 4, 1, [6]), now=0.0) == [] and asm.counters["after_end"] == 1

@@ -962,7 +962,11 @@ class StreamAssembler:
         return out + self._emit(rs, [Event("end", rs, end=rs.end)])
 
     def _forget(self, key: tuple) -> None:
+        # the ended stream's rank entry goes too: it held the RequestStream (start, tokens, gaps) of every request
+        # that ever ended, so a long-running consumer grew without bound and its full collections with it
+        # (1.4-2.5 s each in bench_load.py's saturated `*` consumer); _done still refuses its late messages
         self._seq.pop(key, None)
+        self._ranks.pop(key, None)
         self._held.discard(key)
         self._done[key] = None
         if len(self._done) > 100_000:
