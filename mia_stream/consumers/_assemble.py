@@ -569,13 +569,8 @@ class StreamAssembler:
         key = (msg.request_id, msg.producer_id, msg.epoch)
         if kind is GapNotice:
             return self._announced_gap(key, msg.missing, msg, now)
-        if key in self._done:
-            self.counters["after_end"] += 1
-            return []
-        sq = self._seq.get(key)
-        if sq is None:
-            sq = self._seq[key] = _Sequencer(key, self.reorder_window)
-        return self._handle(key, sq.push(msg, now))
+        sq = self._open_sequencer(key)
+        return self._handle(key, sq.push(msg, now)) if sq is not None else []
 
     def _announced_gap(self, key: tuple, missing: list, source: GapNotice | GapBatch, now: float) -> list[Event]:
         """A gap announced for stream ``key`` by a GapNotice or by its part of a GapBatch (``source``): what is
@@ -586,12 +581,9 @@ class StreamAssembler:
             ready = asq._release(False, now) if asq.held else []
             return ((self._on_analysis_gap(key, _notice(key, news, source)) if news else [])
                     + self._handle_analysis(key, ready))
-        if key in self._done:
-            self.counters["after_end"] += 1
-            return []
-        sq = self._seq.get(key)
+        sq = self._open_sequencer(key)
         if sq is None:
-            sq = self._seq[key] = _Sequencer(key, self.reorder_window)
+            return []
         news = sq.gap(missing)
         ready = sq._release(False, now) if sq.held else []
         return (self._on_gap(key, _notice(key, news, source)) if news else []) + self._handle(key, ready)
@@ -632,13 +624,19 @@ class StreamAssembler:
 
     def _push(self, key: tuple, item: Any, now: float) -> list[Event]:
         """One request's share of a columnar message, through its stream's sequencer (the uncommon path)."""
+        sq = self._open_sequencer(key)
+        return self._handle(key, sq.push(item, now)) if sq is not None else []
+
+    def _open_sequencer(self, key: tuple) -> _Sequencer | None:
+        """The sequencer of request stream ``key`` (made on its first message), or None once it ended (its
+        late messages are counted as ``after_end``)."""
         if key in self._done:
             self.counters["after_end"] += 1
-            return []
+            return None
         sq = self._seq.get(key)
         if sq is None:
             sq = self._seq[key] = _Sequencer(key, self.reorder_window)
-        return self._handle(key, sq.push(item, now))
+        return sq
 
     def _expand_steps(self, b: StepBatch, now: float) -> list[Event]:
         """Per-request "frame" events from a StepBatch: each request's share is sequenced like a TensorFrame
