@@ -13,7 +13,11 @@ row gives all prompts one shared system prompt (``--shared-prefix`` tokens) that
 
 Per row: generated tokens/s of each engine and their ratio, the decode step time of the plain engine, and
 from the consumer: request-steps delivered, seqs lost (gaps + producer drops), and the latency from a frame's
-``time_ns`` (its step's forward was enqueued) to the consumer callback, p50 and p99, also in decode steps.
+``time_ns`` (its step's rows reached the host) to the consumer callback, p50 and p99, also in decode steps:
+over all frames, over decode frames (a request's first frame carries its whole prompt), and in steady decode
+(from each request's 8th frame on, past the round's prompt burst); the consumer's garbage-collector pauses in
+the row; each engine's prefix-cache hits (``num_cached_tokens`` of its outputs). ``--profile`` rows are sampled
+with py-spy in every process of the topology: the plugin's engine core, the frontend, the broker, the consumers.
 ``--consumer-api`` picks the consumers: ``events`` (``open_stream``: one event per request per step, what a
 script does), ``batches`` (``open_batches``: one event per step, what a vectorized analyzer does), or both
 (``events,batches``, the default: two consumer processes at once).
@@ -81,8 +85,21 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
     """Subscribed to ``*``: writes one JSON line per ended request (frames, lost seqs, latencies in ms)."""
     from mia_stream.consumers import open_stream
 
+    import gc
+
     per: dict[str, dict] = {}
     out = open(out_path, "a", buffering=1)
+    gc_log = open(out_path.removesuffix("-ends.jsonl") + "-gc.jsonl", "a", buffering=1)
+    gc_start = [0]
+
+    def on_gc(phase, info):  # every collection's pause, for the rows' latency tails
+        if phase == "start":
+            gc_start[0] = time.time_ns()
+        else:
+            gc_log.write(json.dumps({"t": gc_start[0], "ms": round((time.time_ns() - gc_start[0]) / 1e6, 3),
+                                     "gen": info["generation"]}) + "\n")
+
+    gc.callbacks.append(on_gc)
 
     def rec(rid):
         return per.setdefault(rid, {"frames": 0, "gap_seqs": 0, "lat": []})
@@ -123,6 +140,14 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
                 rec(ev.stream.request_id)["gap_seqs"] += ev.gap.count
             elif ev.kind == "end":
                 done(ev.stream.request_id, ev.end)
+
+
+def _read_gc(path: str, since_ns: int) -> list[dict]:
+    try:
+        with open(path) as f:
+            return [d for d in map(json.loads, f) if d["t"] >= since_ns]
+    except FileNotFoundError:
+        return []
 
 
 def _read_ends(path: str, ids: set[str]) -> list[dict]:
@@ -250,7 +275,8 @@ def summarize_pyspy(raw: str, title: str, top: int = 25) -> str:
     return "\n".join(out) + "\n"
 
 
-def run_batch(llm, prompts: list, params) -> tuple[int, float]:
+def run_batch(llm, prompts: list, params) -> tuple[int, float, int]:
+    """Generated tokens, seconds, prompt tokens served from the prefix cache."""
     from vllm import SamplingParams
 
     t0 = time.perf_counter()
@@ -258,7 +284,7 @@ def run_batch(llm, prompts: list, params) -> tuple[int, float]:
     dt = time.perf_counter() - t0
     # the worker learns of finished requests at the next step: one more tiny request ends the last streams
     llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs), dt
+    return sum(len(o.outputs[0].token_ids) for o in outs), dt, sum(o.num_cached_tokens or 0 for o in outs)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -372,17 +398,22 @@ def main(argv: list[str] | None = None) -> int:
                 ids = {f"{tag}-{i}" for i in range(len(prompts))} if spec is not None else set()
                 order = [("plugin", plugin), ("plain", plain)] if rnd % 2 == 0 else [("plain", plain), ("plugin", plugin)]
                 row = {}
+                row_t0_ns = time.time_ns()
                 for which, llm in order:
                     spies = []
                     if which == "plugin" and core_pid and name in a.profile.split(",") and rnd == a.rounds - 1:
-                        # the engine core, and this process: vLLM's frontend, which admits the requests
-                        for title, pid, children in (("plugin engine core", core_pid, True),
-                                                     ("frontend (driver process)", os.getpid(), False)):
+                        # the engine core, this process (vLLM's frontend, which admits the requests), the
+                        # broker and each consumer: every process between a step and a consumer's callback
+                        procs = [("plugin engine core", core_pid, True), ("frontend (driver process)", os.getpid(), False),
+                                 ("broker", broker.pid, False)]
+                        procs += [(f"{api} consumer", c.pid, False) for api, c in consumers.items()]
+                        for title, pid, children in procs:
                             raw = str(out / f"pyspy-{name}-{pid}.raw")
                             spies.append((title, raw, start_pyspy(a.pyspy, pid, a.pyspy_s, raw, children)))
                         time.sleep(0.3)  # attached before the batch starts
-                    gen, dt = run_batch(llm, prompts, params if which == "plugin" else SamplingParams(**base))
-                    row[which] = {"tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1)}
+                    gen, dt, cached = run_batch(llm, prompts, params if which == "plugin" else SamplingParams(**base))
+                    row[which] = {"tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1),
+                                  "cached_prompt_tokens": cached, "prompt_tokens": sum(map(len, prompts))}
                     for title, raw, spy in spies:
                         spy.wait(a.pyspy_s + 30)
                         with open(out / "pyspy.txt", "a") as f:
@@ -416,6 +447,15 @@ def main(argv: list[str] | None = None) -> int:
                         c.update(decode_p50_ms=round(float(np.percentile(dec, 50)), 2),
                                  decode_p99_ms=round(float(np.percentile(dec, 99)), 2),
                                  decode_p99_steps=round(float(np.percentile(dec, 99)) / step_ms, 2))
+                    steady = np.array([x for e in ends for x in e["lat"][8:]]) if ends else np.zeros(0)
+                    if steady.size:
+                        c.update(steady_p50_ms=round(float(np.percentile(steady, 50)), 2),
+                                 steady_p99_ms=round(float(np.percentile(steady, 99)), 2),
+                                 steady_p99_steps=round(float(np.percentile(steady, 99)) / step_ms, 2),
+                                 steady_max_ms=round(float(steady.max()), 2))
+                    pauses = _read_gc(ends_paths[api].removesuffix("-ends.jsonl") + "-gc.jsonl", row_t0_ns)
+                    c.update(gc_collections=len(pauses), gc_full=sum(p["gen"] == 2 for p in pauses),
+                             gc_max_ms=max((p["ms"] for p in pauses), default=0.0))
                     row[api] = c
                 results["rows"].setdefault(name, []).append(row)
                 print(f"[bench_engine] round {rnd} {name}: {json.dumps(row)}", flush=True)
@@ -434,22 +474,24 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(results: dict) -> None:
     apis = results["args"]["consumer_api"].split(",")
-    head = f"{'row':28s} {'ratio':>6s} {'plugin tok/s':>12s} {'plain tok/s':>11s} {'step ms':>8s}"
+    head = f"{'row':28s} {'ratio':>6s} {'plugin tok/s':>12s} {'plain tok/s':>11s} {'step ms':>8s} {'cached plugin/plain':>19s}"
     for api in apis:
-        head += (f" | {api + ': frames':>15s} {'gaps':>5s} {'drop':>5s} {'p50 ms':>7s} {'p99 ms':>7s} {'p99 st':>6s}"
-                 f" {'dec p50':>7s} {'dec p99':>7s} {'dec st':>6s}")
+        head += (f" | {api + ': frames':>15s} {'gaps':>5s} {'drop':>5s} {'p50 ms':>7s} {'p99 ms':>7s}"
+                 f" {'dec p99':>7s} {'dec st':>6s} {'stdy p99':>8s} {'stdy st':>7s} {'gc max':>6s}")
     print("\n" + head)
     nan = float("nan")
     for name, runs in results["rows"].items():
         for r in runs:
+            cached = f"{r['plugin'].get('cached_prompt_tokens', 0)}/{r['plain'].get('cached_prompt_tokens', 0)}"
             line = (f"{name:28s} {r['ratio']:6.3f} {r['plugin']['tok_s']:12.1f} {r['plain']['tok_s']:11.1f} "
-                    f"{r['plain_step_ms']:8.2f}")
+                    f"{r['plain_step_ms']:8.2f} {cached:>19s}")
             for api in apis:
                 c = r.get(api, {})
                 line += (f" | {c.get('frames', 0):15d} {c.get('gap_seqs', 0):5d} {c.get('dropped', 0):5d} "
                          f"{c.get('lat_p50_ms', nan):7.2f} {c.get('lat_p99_ms', nan):7.2f} "
-                         f"{c.get('lat_p99_steps', nan):6.2f} {c.get('decode_p50_ms', nan):7.2f} "
-                         f"{c.get('decode_p99_ms', nan):7.2f} {c.get('decode_p99_steps', nan):6.2f}")
+                         f"{c.get('decode_p99_ms', nan):7.2f} {c.get('decode_p99_steps', nan):6.2f} "
+                         f"{c.get('steady_p99_ms', nan):8.2f} {c.get('steady_p99_steps', nan):7.2f} "
+                         f"{c.get('gc_max_ms', nan):6.1f}")
             print(line)
 
 

@@ -140,6 +140,45 @@ def test_a_request_that_ends_before_the_drain_reaches_its_start_keeps_its_frames
     assert events[-1].stream.generated_token_ids == [4, 5]
 
 
+class _SlowDeviceCopy:
+    """Stands in for the CUDA event of a step's device-to-host copy (no GPU here): it lands ``delay_s`` after
+    the engine thread enqueued the step, as a forward still running on the GPU would make it."""
+
+    def __init__(self, delay_s: float):
+        self.delay_s, self.landed_ns = delay_s, None
+
+    def synchronize(self) -> None:
+        time.sleep(self.delay_s)
+        self.landed_ns = time.time_ns()
+
+
+def test_a_frame_is_stamped_when_its_rows_reach_the_host_not_when_its_forward_was_enqueued(bus):
+    pub, stream = bus
+    rt = _runtime(pub, hold=False)
+    copies, enqueued_ns = [], []
+    real_enqueue = rt._enqueue
+
+    def enqueue_with_a_device_copy(item, event=None):
+        if item[0] == "step":
+            copies.append(_SlowDeviceCopy(0.08))
+            enqueued_ns.append(time.time_ns())
+            event = copies[-1]
+        real_enqueue(item, event)
+
+    rt._enqueue = enqueue_with_a_device_copy
+    spec = parse_spec({"capture": {"hidden_states": {"layers": [0], "positions": "all"}}}, GEO)
+    rt.add_request("e1", "rt-stamp", spec, [1, 2])
+    _step(rt, 1, 0, [1, 2]); rt.on_sampled(1, ["e1"], [[3]])
+    _step(rt, 2, 2, [3]); rt.on_sampled(2, ["e1"], [[4]])
+    rt.finish_request("e1", "length", num_tokens=4)
+    frames = [e.frame for e in _events(stream) if e.kind == "frame"]
+    rt.close()
+    assert [f.step for f in frames] == [1, 2]
+    for frame, copy, enq in zip(frames, copies, enqueued_ns):
+        assert frame.time_ns >= copy.landed_ns, "stamped before its rows were on the host"
+        assert frame.time_ns - enq >= 80e6
+
+
 def test_steady_decode_steps_route_exactly_like_the_full_path(bus):
     """Steady decode replays the last step's routing (no per-request Python). Against a runtime that always takes
     the full path, on a run of decode steps broken by every event that must end the replay (a new request, a

@@ -82,7 +82,7 @@ class Segments:
 @dataclass
 class StepItem:
     step: int
-    time_ns: int  # when the step's forward was enqueued: the frames' time_ns
+    time_ns: int  # when the step's rows reached the host: the frames' time_ns
     mark: int  # host ring release mark of this step's chunk
     parts: dict  # "hs" / "q" / "k" -> (ring offset, captured layers, rows, row bytes)
     hs: Segments

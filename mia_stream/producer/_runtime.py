@@ -759,7 +759,8 @@ class ProducerRuntime:
         else:
             for dst, src in host:
                 dst.copy_(src)
-        # time_ns of the step's frames = when the step's forward was enqueued (step end on the engine thread)
+        # time_ns of the step's frames: when its rows are on the host (here on the CPU; the forwarder
+        # restamps it once a device copy has landed)
         item = StepItem(step=step, time_ns=time.time_ns(), mark=mark, parts=meta, hs=hs_seg, qk=qk_seg,
                         token_ids=token_ids)
         self._enqueue(("step", item), event)
@@ -828,6 +829,10 @@ class ProducerRuntime:
                 self._gaps_queued.discard((item[1], item[2]))
             if event is not None:
                 event.synchronize()  # releases the GIL; only this thread waits
+                if item[0] == "step":
+                    # a step ends for its frames when its rows are on the host: the engine thread stamped it
+                    # when the forward was enqueued, up to a whole forward before the GPU ran it
+                    item[1].time_ns = time.time_ns()
             try:
                 self._sink(item)
                 self._items_sent += 1
