@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     need = max(a.prompt_len, a.prefill_len, a.shared_prefix + a.prompt_len) + a.tokens + 16
     a.max_len = need
     if not cuda:  # host memory here is tight; on CUDA the default aperture holds every row of a step: a
-        # 4,096-row cap there dropped ~130 prompt frames a round (`aperture_full`) from 8,192-token prompt steps
+        # 4,096-row cap there dropped ~130 prompt frames a round from prompt steps of up to 16,384 tokens
         os.environ.setdefault("MIA_STREAM_APERTURE_ROWS", str(max(4096, need)))
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
