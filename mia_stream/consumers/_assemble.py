@@ -64,6 +64,7 @@ from mia_stream.schemas import (Analysis, AnalysisBatch, GapBatch, GapNotice, Me
 EVENT_KINDS = ("start", "frame", "tokens", "gap", "end", "analysis", "batch")
 _RECENT_STREAMS = 10_000  # ended requests remembered for the analysis results that follow their end
 _ANALYSIS_STREAMS = 100_000  # analysis streams (they never end) whose seqs are remembered, least recent dropped
+GAP_RANGES_KEPT = 16  # seq ranges a RequestStream keeps in its gap notices (its counts stay exact)
 
 
 @dataclass
@@ -185,7 +186,11 @@ class _Mark:
 
 @dataclass
 class RequestStream:
-    """Everything known about one request's stream(s); the same object in every event of the request."""
+    """Everything known about one request's stream(s); the same object in every event of the request.
+
+    ``gaps``: GapNotices of the request's "gap" events, the first ones, naming at most ``GAP_RANGES_KEPT`` seq
+    ranges in all (the first is always kept). ``gap_events`` and ``gap_seqs`` count every "gap" event of the
+    request and the seqs they named, kept or not."""
 
     request_id: str
     start: StreamStart | None = None  # TP rank 0's StreamStart
@@ -197,10 +202,23 @@ class RequestStream:
     end: StreamEnd | None = None
     ends: dict[int, StreamEnd] = field(default_factory=dict)
     frames: int = 0
+    gap_events: int = 0
+    gap_seqs: int = 0
+    _gap_ranges_kept: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def prompt_token_ids(self) -> list:
         return list(self.start.prompt_token_ids) if self.start is not None else []
+
+    def _add_gap(self, gap: GapNotice, seqs: int) -> None:
+        # Bounded: the assembler remembers 10,000 ended streams, and under sustained overload each one kept a
+        # notice per gap event (millions of objects: full collections of 1.2 s in bench_load.py's saturated `*`).
+        self.gap_events += 1
+        self.gap_seqs += seqs
+        ranges = len(gap.missing)
+        if not self.gaps or self._gap_ranges_kept + ranges <= GAP_RANGES_KEPT:
+            self.gaps.append(gap)
+            self._gap_ranges_kept += ranges
 
 
 @dataclass(slots=True)
@@ -579,14 +597,19 @@ class StreamAssembler:
         if asq is not None:  # a gap in an analyzer's results for this request
             news = asq.gap(missing)
             ready = asq._release(False, now) if asq.held else []
-            return ((self._on_analysis_gap(key, _notice(key, news, source)) if news else [])
-                    + self._handle_analysis(key, ready))
+            return (self._announce(key, news, source, True) if news else []) + self._handle_analysis(key, ready)
         sq = self._open_sequencer(key)
         if sq is None:
             return []
         news = sq.gap(missing)
         ready = sq._release(False, now) if sq.held else []
-        return (self._on_gap(key, _notice(key, news, source)) if news else []) + self._handle(key, ready)
+        return (self._announce(key, news, source, False) if news else []) + self._handle(key, ready)
+
+    def _announce(self, key: tuple, news: list, source: GapNotice | GapBatch, analysis: bool) -> list[Event]:
+        """The "gap" event of the seqs an announced gap named that are news."""
+        gap = _notice(key, news, source)
+        seqs = gap.count
+        return self._on_analysis_gap(key, gap, seqs) if analysis else self._on_gap(key, gap, seqs)
 
     def flush(self, now: float | None = None) -> list[Event]:
         """Release messages held too long behind an unexplained seq hole, and end TP requests that waited
@@ -736,15 +759,15 @@ class StreamAssembler:
         out: list[Event] = []
         for m in msgs:
             if isinstance(m, GapNotice):
-                out += self._on_analysis_gap(key, m)
+                out += self._on_analysis_gap(key, m, m.count)
             else:
                 out.append(Event("analysis", self._stream_for(key[0]), analysis=m))
         return out
 
-    def _on_analysis_gap(self, key: tuple, gap: GapNotice) -> list[Event]:
+    def _on_analysis_gap(self, key: tuple, gap: GapNotice, seqs: int) -> list[Event]:
         rs = self._stream_for(key[0])
-        rs.gaps.append(gap)
-        self.counters["gap_seqs"] += gap.count
+        rs._add_gap(gap, seqs)
+        self.counters["gap_seqs"] += seqs
         return [Event("gap", rs, gap=gap)]
 
     def _stream_for(self, rid: str) -> RequestStream:
@@ -832,7 +855,7 @@ class StreamAssembler:
             if isinstance(m, _Share):
                 out += self._on_share(key, m.step, m.segments)
             elif isinstance(m, GapNotice):
-                out += self._on_gap(key, m)
+                out += self._on_gap(key, m, m.count)
             elif isinstance(m, StreamStart):
                 out += self._on_start(key, m)
             elif isinstance(m, TensorFrame):
@@ -874,10 +897,11 @@ class StreamAssembler:
         rs.start = m
         return [Event("start", rs)] + self._early.pop(rid, [])
 
-    def _on_gap(self, key: tuple, gap: GapNotice) -> list[Event]:
+    def _on_gap(self, key: tuple, gap: GapNotice, seqs: int) -> list[Event]:
+        """The "gap" event of ``gap`` (naming ``seqs`` seqs) in request stream ``key``."""
         rs = self._rank_of(key).stream
-        rs.gaps.append(gap)
-        self.counters["gap_seqs"] += gap.count
+        rs._add_gap(gap, seqs)
+        self.counters["gap_seqs"] += seqs
         return self._emit(rs, [Event("gap", rs, gap=gap)])
 
     def _on_frame(self, key: tuple, m: TensorFrame) -> list[Event]:
@@ -905,7 +929,7 @@ class StreamAssembler:
                 gap = GapNotice(rs.request_id, s0.producer_id if s0 else "", s0.epoch if s0 else 0, [],
                                 "incomplete_shards", "consumer", time.time_ns())
                 res.step, res.missing_ranks = step, missing
-                rs.gaps.append(gap)
+                rs._add_gap(gap, 0)
                 self.counters["incomplete_steps"] += 1
                 out.append(Event("gap", rs, gap=gap, error=res))
         return self._emit(rs, out)
