@@ -33,7 +33,8 @@ per-request ``TensorFrame`` / ``TokenFrame`` of that seq (a request with segment
 into the batch, made when first read. An ``AnalysisBatch`` gives each request an "analysis" event; its
 streams (request, analyzer producer, epoch) have no start or end, start at the first seq seen and are
 delivered after the request's end too. A ``GapBatch`` (2.1) is each of its requests' GapNotice: its part of
-each request gives the "gap" event that request's GapNotice would give, in both modes.
+each request gives the "gap" event that request's GapNotice would give, in both modes (batch mode merges them,
+below).
 
 Batch mode (``StreamAssembler(batches=True)``, what ``Consumer.on_batch`` and ``open_batches`` use): a
 columnar message is not expanded; it becomes one "batch" event. Each request's seq is still checked (one dict
@@ -44,6 +45,14 @@ the delivered batch. Per-request ``TensorFrame`` / ``TokenFrame`` messages (olde
 arrive as one-request batches. TP > 1: each rank's batch is delivered as it came (per-rank batches: hidden
 states whole from rank 0, Q/K shards carrying ``Tensor.shard``); use the per-request events for merged
 heads.
+
+Announced gaps in batch mode. A consumer that falls behind is sent a GapBatch for most messages (one seq of every
+request each); one "gap" event per request per lost message cost it more than delivering. So the seqs that
+GapNotices and GapBatches announce lost join their stream's pending gap (one reason and origin), delivered as one
+"gap" event naming them all before that stream's next start, end, per-request message or consumer-found hole;
+by ``flush`` once it waited ``reorder_timeout_s``; by ``finish``; when a loss of another reason comes; or when
+it names ``GAP_RANGES_KEPT`` ranges. "batch" events do not wait for it: a batch may carry a request's seq that
+follows seqs of a gap delivered after it. Every lost seq is still named once, in its request's "gap" event.
 """
 
 from __future__ import annotations
@@ -64,6 +73,9 @@ from mia_stream.schemas import (Analysis, AnalysisBatch, GapBatch, GapNotice, Me
 EVENT_KINDS = ("start", "frame", "tokens", "gap", "end", "analysis", "batch")
 _RECENT_STREAMS = 10_000  # ended requests remembered for the analysis results that follow their end
 _ANALYSIS_STREAMS = 100_000  # analysis streams (they never end) whose seqs are remembered, least recent dropped
+# seq ranges a RequestStream keeps in its gap notices (its counts stay exact), and the most a batch-mode "gap"
+# event names (so a stream's first one is always kept whole)
+GAP_RANGES_KEPT = 16
 
 
 @dataclass
@@ -183,9 +195,33 @@ class _Mark:
         self.seq = seq
 
 
+class _PendingGap:
+    """Batch mode: a stream's announced losses of one reason not delivered yet, one "gap" event for many lost
+    messages. ``bounds``: first, last, first, last... of its seq ranges, flat (no list per range)."""
+
+    __slots__ = ("bounds", "reason", "origin", "time_ns", "since", "analysis")
+
+    def __init__(self, reason: str, origin: str, time_ns: int, since: float, analysis: bool):
+        self.bounds: list[int] = []
+        self.reason, self.origin, self.time_ns = reason, origin, time_ns
+        self.since, self.analysis = since, analysis  # since: the caller's clock; analysis: an analyzer's stream
+
+    def add(self, first: int, last: int) -> None:
+        bounds = self.bounds
+        if bounds and bounds[-1] + 1 == first:
+            bounds[-1] = last
+        else:
+            bounds.append(first)
+            bounds.append(last)
+
+
 @dataclass
 class RequestStream:
-    """Everything known about one request's stream(s); the same object in every event of the request."""
+    """Everything known about one request's stream(s); the same object in every event of the request.
+
+    ``gaps``: GapNotices of the request's "gap" events, the first ones, naming at most ``GAP_RANGES_KEPT`` seq
+    ranges in all (the first is always kept). ``gap_events`` and ``gap_seqs`` count every "gap" event of the
+    request and the seqs they named, kept or not."""
 
     request_id: str
     start: StreamStart | None = None  # TP rank 0's StreamStart
@@ -197,10 +233,23 @@ class RequestStream:
     end: StreamEnd | None = None
     ends: dict[int, StreamEnd] = field(default_factory=dict)
     frames: int = 0
+    gap_events: int = 0
+    gap_seqs: int = 0
+    _gap_ranges_kept: int = field(default=0, init=False, repr=False, compare=False)
 
     @property
     def prompt_token_ids(self) -> list:
         return list(self.start.prompt_token_ids) if self.start is not None else []
+
+    def _add_gap(self, gap: GapNotice, seqs: int) -> None:
+        # Bounded: the assembler remembers 10,000 ended streams, and under sustained overload each one kept a
+        # notice per gap event (millions of objects: full collections of 1.2 s in bench_load.py's saturated `*`).
+        self.gap_events += 1
+        self.gap_seqs += seqs
+        ranges = len(gap.missing)
+        if not self.gaps or self._gap_ranges_kept + ranges <= GAP_RANGES_KEPT:
+            self.gaps.append(gap)
+            self._gap_ranges_kept += ranges
 
 
 @dataclass(slots=True)
@@ -289,6 +338,7 @@ class _Sequencer:
             if fast is not None:
                 if fast:
                     self.known = [list(r) for r in fast]
+                    self._skip_known()  # a gap at ``expected``: the next message takes the in-order path
                 return fast or None
         new: list[list[int]] = []
         for a, b in _valid_ranges(missing):
@@ -324,6 +374,20 @@ class _Sequencer:
             if a <= b:
                 out.append([a, b])
         return out
+
+    def gap_range(self, first: int, last: int) -> int:
+        """``gap([[first, last]])`` of a valid range when nothing is held or announced (the caller checked): the
+        first seq of it that is news (news up to ``last``), or -1 when none is."""
+        expected = self.expected
+        if first < expected:
+            first = expected
+        if first > last:
+            return -1
+        if first == expected:
+            self.expected = last + 1  # explained up to there: the next message takes the in-order path
+        else:
+            self.known = [[first, last]]
+        return first
 
     def push(self, msg: Message, now: float) -> list:
         """Messages (and synthesized GapNotices) ready in order after ``msg`` arrived."""
@@ -542,12 +606,14 @@ class StreamAssembler:
         self._analysis_held: set[tuple] = set()  # those of them holding results behind a hole
         # ended requests (and requests known only from analysis results): what analysis events refer to
         self._recent: collections.OrderedDict[str, RequestStream] = collections.OrderedDict()
+        # batch mode: streams' announced losses waiting to be one "gap" event each, oldest first
+        self._pending: collections.OrderedDict[tuple, _PendingGap] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
 
     @property
     def holding(self) -> bool:
         """Something waits for time to pass (call ``flush`` periodically while this is true)."""
-        return bool(self._waiting) or bool(self._held) or bool(self._analysis_held)
+        return bool(self._waiting) or bool(self._held) or bool(self._analysis_held) or bool(self._pending)
 
     def feed(self, msg: Message, now: float | None = None) -> list[Event]:
         now = self._now = time.monotonic() if now is None else now
@@ -558,12 +624,8 @@ class StreamAssembler:
             return self._batch(msg, now) if self.batches else self._expand_tokens(msg, now)
         if kind is AnalysisBatch:
             return self._batch(msg, now) if self.batches else self._expand_analysis(msg, now)
-        if kind is GapBatch:  # each request's part exactly as its GapNotice; no notice built for old news
-            out: list[Event] = []
-            pid, epoch = msg.producer_id, msg.epoch
-            for rid, missing in zip(msg.request_ids, msg.ranges()):
-                out += self._announced_gap((rid, pid, epoch), missing, msg, now)
-            return out
+        if kind is GapBatch:
+            return self._gap_batch(msg, now)
         if not isinstance(msg, (StreamStart, TensorFrame, TokenFrame, StreamEnd, GapNotice)):
             return []
         key = (msg.request_id, msg.producer_id, msg.epoch)
@@ -579,20 +641,113 @@ class StreamAssembler:
         if asq is not None:  # a gap in an analyzer's results for this request
             news = asq.gap(missing)
             ready = asq._release(False, now) if asq.held else []
-            return ((self._on_analysis_gap(key, _notice(key, news, source)) if news else [])
-                    + self._handle_analysis(key, ready))
+            return (self._announce(key, news, source, now, True) if news else []) + self._handle_analysis(key, ready)
         sq = self._open_sequencer(key)
         if sq is None:
             return []
         news = sq.gap(missing)
         ready = sq._release(False, now) if sq.held else []
-        return (self._on_gap(key, _notice(key, news, source)) if news else []) + self._handle(key, ready)
+        return (self._announce(key, news, source, now, False) if news else []) + self._handle(key, ready)
+
+    def _announce(self, key: tuple, news: list, source: GapNotice | GapBatch, now: float,
+                  analysis: bool) -> list[Event]:
+        """The "gap" event of the seqs an announced gap named that are news: at once, or in batch mode pending
+        (module docstring)."""
+        if self.batches:
+            return self._defer_gap(key, news, source.reason, source.origin, source.time_ns, now, analysis)
+        gap = _notice(key, news, source)
+        seqs = gap.count
+        return self._on_analysis_gap(key, gap, seqs) if analysis else self._on_gap(key, gap, seqs)
+
+    def _defer_gap(self, key: tuple, news: list, reason: str, origin: str, time_ns: int, now: float,
+                   analysis: bool) -> list[Event]:
+        """Batch mode: ``news`` joins stream ``key``'s pending gap; the events of what could not wait."""
+        p = self._pending.get(key)
+        out: list[Event] = []
+        if p is not None and (p.reason != reason or p.origin != origin):
+            out, p = self._pending_gap(key), None
+        for first, last in news:
+            if p is None:
+                p = self._pending[key] = _PendingGap(reason, origin, time_ns, now, analysis)
+            p.add(first, last)
+            if len(p.bounds) >= 2 * GAP_RANGES_KEPT:
+                out += self._pending_gap(key)
+                p = None
+        return out
+
+    def _pending_gap(self, key: tuple) -> list[Event]:
+        """The "gap" event of stream ``key``'s pending gap (batch mode), which is then no longer pending."""
+        p = self._pending.pop(key)
+        b = p.bounds
+        gap = GapNotice(key[0], key[1], key[2], [[b[i], b[i + 1]] for i in range(0, len(b), 2)], p.reason,
+                        p.origin, p.time_ns)
+        seqs = sum(b[1::2]) - sum(b[::2]) + len(b) // 2
+        return self._on_analysis_gap(key, gap, seqs) if p.analysis else self._on_gap(key, gap, seqs)
+
+    def _gap_batch(self, b: GapBatch, now: float) -> list[Event]:
+        """Each request's part of a GapBatch, as its GapNotice (nothing for old news). A consumer behind its
+        producer is sent a GapBatch for most messages: the general path, per request, cost more than delivering
+        a step (54% of the saturated `*` consumer's samples in bench_load.py). The common part (one valid range,
+        its stream open with nothing held or announced) costs one sequencer update, and then in batch mode one
+        range added to the stream's pending gap, else one notice and one event."""
+        ids, firsts, lasts, counts = b.request_ids, b.firsts, b.lasts, b.counts
+        pid, epoch = b.producer_id, b.epoch
+        if not (len(counts) == len(firsts) == len(lasts) == len(ids) and (counts == 1).all()
+                and (firsts >= 0).all() and (firsts <= lasts).all()):
+            out: list[Event] = []
+            for rid, missing in zip(ids, b.ranges()):
+                out += self._announced_gap((rid, pid, epoch), missing, b, now)
+            return out
+        reason, origin, time_ns = b.reason, b.origin, b.time_ns
+        seqd, ranks, analysis = self._seq, self._ranks, self._analysis
+        batches, pending = self.batches, self._pending
+        room = 2 * GAP_RANGES_KEPT - 2  # a pending gap shorter than this takes one more range without an event
+        out = []
+        lost = 0
+        for rid, first, last in zip(ids, firsts.tolist(), lasts.tolist()):
+            key = (rid, pid, epoch)
+            asq = analysis.get(key) if analysis else None
+            sq = asq or seqd.get(key)
+            if sq is None or sq.held or sq.known:
+                out += self._announced_gap(key, [[first, last]], b, now)
+                continue
+            first = sq.gap_range(first, last)
+            if first < 0:
+                continue
+            if batches:
+                p = pending.get(key)
+                if p is not None and p.reason == reason and p.origin == origin and len(p.bounds) < room:
+                    p.add(first, last)
+                else:
+                    out += self._defer_gap(key, [[first, last]], reason, origin, time_ns, now, asq is not None)
+                continue
+            gap = GapNotice(rid, pid, epoch, [[first, last]], reason, origin, time_ns)
+            seqs = last - first + 1
+            if asq is not None:
+                out += self._on_analysis_gap(key, gap, seqs)
+                continue
+            lost += seqs  # what _on_gap does, without its calls: counted once for the batch
+            rs = (ranks.get(key) or self._rank_of(key)).stream
+            rs._add_gap(gap, seqs)
+            ev = Event("gap", rs, None, None, gap)
+            if rs.start is None and rs.starts:
+                out += self._emit(rs, [ev])
+            else:
+                out.append(ev)
+        self.counters["gap_seqs"] += lost
+        return out
 
     def flush(self, now: float | None = None) -> list[Event]:
         """Release messages held too long behind an unexplained seq hole, and end TP requests that waited
         ``rank_wait_s`` for a rank that never started (call when idle)."""
         now = self._now = time.monotonic() if now is None else now
         out = []
+        pending = self._pending
+        while pending:
+            key, p = next(iter(pending.items()))
+            if now - p.since < self.reorder_timeout_s:
+                break
+            out += self._pending_gap(key)
         for key in list(self._held):
             sq = self._seq.get(key)
             if sq is not None:
@@ -607,6 +762,8 @@ class StreamAssembler:
     def finish(self) -> list[Event]:
         """The source ended: release everything held; undecidable TP steps become incomplete."""
         out = []
+        for key in list(self._pending):
+            out += self._pending_gap(key)
         for key, sq in list(self._seq.items()):
             if sq.held:
                 out += self._handle(key, sq._release(True, self._now))
@@ -733,18 +890,18 @@ class StreamAssembler:
             self._analysis_held.add(key)
         else:
             self._analysis_held.discard(key)
-        out: list[Event] = []
+        out: list[Event] = self._pending_gap(key) if msgs and key in self._pending else []
         for m in msgs:
             if isinstance(m, GapNotice):
-                out += self._on_analysis_gap(key, m)
+                out += self._on_analysis_gap(key, m, m.count)
             else:
                 out.append(Event("analysis", self._stream_for(key[0]), analysis=m))
         return out
 
-    def _on_analysis_gap(self, key: tuple, gap: GapNotice) -> list[Event]:
+    def _on_analysis_gap(self, key: tuple, gap: GapNotice, seqs: int) -> list[Event]:
         rs = self._stream_for(key[0])
-        rs.gaps.append(gap)
-        self.counters["gap_seqs"] += gap.count
+        rs._add_gap(gap, seqs)
+        self.counters["gap_seqs"] += seqs
         return [Event("gap", rs, gap=gap)]
 
     def _stream_for(self, rid: str) -> RequestStream:
@@ -827,12 +984,12 @@ class StreamAssembler:
             self._held.add(key)
         else:
             self._held.discard(key)
-        out: list[Event] = []
+        out: list[Event] = self._pending_gap(key) if msgs and key in self._pending else []
         for m in msgs:
             if isinstance(m, _Share):
                 out += self._on_share(key, m.step, m.segments)
             elif isinstance(m, GapNotice):
-                out += self._on_gap(key, m)
+                out += self._on_gap(key, m, m.count)
             elif isinstance(m, StreamStart):
                 out += self._on_start(key, m)
             elif isinstance(m, TensorFrame):
@@ -874,10 +1031,11 @@ class StreamAssembler:
         rs.start = m
         return [Event("start", rs)] + self._early.pop(rid, [])
 
-    def _on_gap(self, key: tuple, gap: GapNotice) -> list[Event]:
+    def _on_gap(self, key: tuple, gap: GapNotice, seqs: int) -> list[Event]:
+        """The "gap" event of ``gap`` (naming ``seqs`` seqs) in request stream ``key``."""
         rs = self._rank_of(key).stream
-        rs.gaps.append(gap)
-        self.counters["gap_seqs"] += gap.count
+        rs._add_gap(gap, seqs)
+        self.counters["gap_seqs"] += seqs
         return self._emit(rs, [Event("gap", rs, gap=gap)])
 
     def _on_frame(self, key: tuple, m: TensorFrame) -> list[Event]:
@@ -905,7 +1063,7 @@ class StreamAssembler:
                 gap = GapNotice(rs.request_id, s0.producer_id if s0 else "", s0.epoch if s0 else 0, [],
                                 "incomplete_shards", "consumer", time.time_ns())
                 res.step, res.missing_ranks = step, missing
-                rs.gaps.append(gap)
+                rs._add_gap(gap, 0)
                 self.counters["incomplete_steps"] += 1
                 out.append(Event("gap", rs, gap=gap, error=res))
         return self._emit(rs, out)
