@@ -151,7 +151,9 @@ def open_batches(source: Any = None, patterns=("*",), from_start: bool = False,
     """Like ``open_stream``, but tensors, tokens and analysis results come as "batch" events, one per columnar
     message (``event.batch``: a ``StepBatch``, ``TokenBatch`` or ``AnalysisBatch`` naming the matched requests
     of one step; a per-request frame of an older producer comes as a one-request batch). "start", "gap" and
-    "end" events stay per request; seqs are checked per request, so every loss is a "gap" event. With TP > 1
+    "end" events stay per request; seqs are checked per request, so every loss is in a "gap" event (losses the
+    bus announces are merged per request: one "gap" event names them all, within ``reorder_timeout_s`` and
+    before the request's "end", possibly after a batch with a later seq of it). With TP > 1
     each rank's batch comes as it is (Q/K shards carry ``Tensor.shard``; hidden states come whole from rank 0).
     """
     return EventStream(_Source(source, patterns, from_start, batches=True, **options), timeout)
@@ -162,7 +164,8 @@ class Consumer:
 
     Override ``on_batch`` for a vectorized consumer: it then gets every columnar message whole (one call per
     step and producer) and ``on_frame``, ``on_tokens`` and ``on_analysis`` are not called; ``on_start``,
-    ``on_gap`` and ``on_end`` still are, per request."""
+    ``on_gap`` and ``on_end`` still are, per request (``on_gap`` then merges the losses the bus announced for the
+    request, possibly after a batch holding a later seq of it; see ``open_batches``)."""
 
     patterns: tuple = ("*",)
     from_start: bool = False
