@@ -89,7 +89,7 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
 
     per: dict[str, dict] = {}
     out = open(out_path, "a", buffering=1)
-    gc_log = open(out_path.removesuffix("-ends.jsonl") + "-gc.jsonl", "a", buffering=1)
+    gc_log = open(_gc_path(out_path), "a", buffering=1)
     gc_start = [0]
 
     def on_gc(phase, info):  # every collection's pause, for the rows' latency tails
@@ -140,6 +140,23 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
                 rec(ev.stream.request_id)["gap_seqs"] += ev.gap.count
             elif ev.kind == "end":
                 done(ev.stream.request_id, ev.end)
+
+
+def _gc_path(ends_path: str) -> str:
+    """The consumer's GC pause log beside its ends file."""
+    return ends_path.removesuffix("-ends.jsonl") + "-gc.jsonl"
+
+
+def _latency(prefix: str, ms: list, step_ms: float, with_max: bool = False) -> dict:
+    """p50 and p99 of ``ms`` (also in decode steps), keys prefixed; {} when there are none."""
+    if not ms:
+        return {}
+    p50, p99 = np.percentile(ms, [50, 99])
+    out = {f"{prefix}_p50_ms": round(float(p50), 2), f"{prefix}_p99_ms": round(float(p99), 2),
+           f"{prefix}_p99_steps": round(float(p99) / step_ms, 2)}
+    if with_max:
+        out[f"{prefix}_max_ms"] = round(float(max(ms)), 2)
+    return out
 
 
 def _read_gc(path: str, since_ns: int) -> list[dict]:
@@ -435,7 +452,6 @@ def main(argv: list[str] | None = None) -> int:
                     while len(ends) < len(ids) and time.monotonic() < deadline:
                         time.sleep(0.2)
                         ends = _read_ends(ends_paths[api], ids)
-                    lat = np.array([x for e in ends for x in e["lat"]]) if ends else np.zeros(0)
                     c = {"ended": len(ends), "frames": sum(e["frames"] for e in ends),
                          "gap_seqs": sum(e["gap_seqs"] for e in ends), "dropped": sum(e["dropped"] for e in ends)}
                     reasons: dict[str, int] = {}
@@ -444,24 +460,12 @@ def main(argv: list[str] | None = None) -> int:
                             reasons[why] = reasons.get(why, 0) + k
                     if reasons:
                         c["drop_reasons"] = reasons
-                    if lat.size:
-                        c.update(lat_p50_ms=round(float(np.percentile(lat, 50)), 2),
-                                 lat_p99_ms=round(float(np.percentile(lat, 99)), 2),
-                                 lat_p99_steps=round(float(np.percentile(lat, 99)) / step_ms, 2))
-                    # a request's first frame carries its whole prompt (with the batch's other prompts: the
-                    # burst of the round's first steps); the frames after it are one decode step each
-                    dec = np.array([x for e in ends for x in e["lat"][1:]]) if ends else np.zeros(0)
-                    if dec.size:
-                        c.update(decode_p50_ms=round(float(np.percentile(dec, 50)), 2),
-                                 decode_p99_ms=round(float(np.percentile(dec, 99)), 2),
-                                 decode_p99_steps=round(float(np.percentile(dec, 99)) / step_ms, 2))
-                    steady = np.array([x for e in ends for x in e["lat"][8:]]) if ends else np.zeros(0)
-                    if steady.size:
-                        c.update(steady_p50_ms=round(float(np.percentile(steady, 50)), 2),
-                                 steady_p99_ms=round(float(np.percentile(steady, 99)), 2),
-                                 steady_p99_steps=round(float(np.percentile(steady, 99)) / step_ms, 2),
-                                 steady_max_ms=round(float(steady.max()), 2))
-                    pauses = _read_gc(ends_paths[api].removesuffix("-ends.jsonl") + "-gc.jsonl", row_t0_ns)
+                    # all frames; decode frames (a request's first frame carries its whole prompt, with the
+                    # batch's other prompts: the burst of the round's first steps); steady decode (past the burst)
+                    c.update(_latency("lat", [x for e in ends for x in e["lat"]], step_ms))
+                    c.update(_latency("decode", [x for e in ends for x in e["lat"][1:]], step_ms))
+                    c.update(_latency("steady", [x for e in ends for x in e["lat"][8:]], step_ms, with_max=True))
+                    pauses = _read_gc(_gc_path(ends_paths[api]), row_t0_ns)
                     c.update(gc_collections=len(pauses), gc_full=sum(p["gen"] == 2 for p in pauses),
                              gc_max_ms=max((p["ms"] for p in pauses), default=0.0))
                     row[api] = c
