@@ -11,15 +11,15 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "model": ("mia_stream.model", "main", "build (once) the embedded default model and print its path"),
     "broker": ("mia_stream.broker", "main", "run the broker between producers and consumers"),
     "stats": ("mia_stream.broker", "stats_main", "print a running broker's statistics"),
-    "keys": ("mia_stream._transport", "keys_main", "create CURVE key pairs for tcp endpoints"),
+    "keys": ("mia_stream.bus.transport", "keys_main", "create CURVE key pairs for tcp endpoints"),
     "consume": ("mia_stream.consumers", "consume_main", "run a Consumer class (MODULE:Class) as a process"),
-    "serve": ("mia_stream.serve", "main", "serve a model over HTTP (vLLM's OpenAI server) with broker and plugin"),
+    "serve": ("mia_stream.served.serve", "main", "serve a model over HTTP (vLLM's OpenAI server) with broker and plugin"),
     "record": ("mia_stream.consumers.recorder", "main", "record streams from a broker into MCAP files"),
     "replay": ("mia_stream.consumers.replay", "main", "replay a recording into consumers or a broker"),
-    "vectors": ("mia_stream.producer.vectors", "main", "register named steering vectors"),
+    "vectors": ("mia_stream.spec.vectors", "main", "register named steering vectors"),
     "analyze": ("mia_stream.analyzers", "analyze_main", "run an analyzer on live or recorded streams (--list)"),
     "monitor": ("mia_stream.monitor", "main", "watch a broker's requests or a recording: a web page, or --terminal"),
-    "probe": ("mia_stream.analyzers._probe_cli", "main", "collect data, train and evaluate hallucination probes"),
+    "probe": ("mia_stream.lab.probe_cli", "main", "collect data, train and evaluate hallucination probes"),
 }
 
 

@@ -288,7 +288,7 @@ def bus(args) -> int:
     ``--requests`` decoding requests at ``--rate`` steps/s. Reports what the analyzer processed, what it lost,
     how long after the producer's last step it finished, and its CPU per request-step (/proc)."""
     from mia_stream.broker import fetch_stats
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
     from mia_stream.schemas import StreamEnd, TokenBatch
 
     rng = np.random.default_rng(0)

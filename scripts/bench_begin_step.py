@@ -36,7 +36,7 @@ def measure(raw, repeat: int) -> dict:
     import torch
 
     from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch
-    from mia_stream.producer.spec import ModelGeometry, parse_spec
+    from mia_stream.spec import ModelGeometry, parse_spec
 
     geo = ModelGeometry(32, 4096, 32, 8, 128)
     wire = parse_spec(raw, geo).to_wire() if raw is not None else None

@@ -118,7 +118,7 @@ def role_bus_consume(a) -> None:
 
 
 def role_bus_produce(a) -> None:
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
     from mia_stream.schemas import StreamEnd, StreamStart, Tensor, TensorFrame
 
     pub = FramePublisher(a.address, producer_id="bench")

@@ -41,8 +41,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch  # noqa: E402
-from mia_stream.producer.publisher import FramePublisher  # noqa: E402
-from mia_stream.producer.spec import ModelGeometry, parse_spec  # noqa: E402
+from mia_stream.bus.publisher import FramePublisher  # noqa: E402
+from mia_stream.spec import ModelGeometry, parse_spec  # noqa: E402
 
 GEO = ModelGeometry(32, 4096, 32, 8, 128)  # Llama-3-8B: layers, hidden, heads, kv heads, head_dim
 _STEER = [{"layer": 16, "op": "add", "vector": [0.01] * 4096, "scale": 1.0}]

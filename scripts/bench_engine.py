@@ -52,7 +52,7 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
     inline = vec.tolist()
     # Shared vectors are registered once and named, as EasySteer's benchmark loads them from files; the
     # inline row shows what 32 float lists per request cost at admission (scripts/bench_spec_admission.py).
-    from mia_stream.producer.vectors import register_vector
+    from mia_stream.spec.vectors import register_vector
 
     register_vector("bench-engine", vec)
     vec = {"name": "bench-engine"}

@@ -50,7 +50,7 @@ def _cpu_s(pid: int) -> float:
 # ---------------------------------------------------------------------------------------------- producer
 
 def produce(a: argparse.Namespace) -> None:
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
     from mia_stream.schemas import (RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, TensorFrame, TokenBatch,
                                     TokenFrame)
 

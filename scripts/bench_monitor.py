@@ -62,7 +62,7 @@ def _private_mb(pid: int) -> float:
 def analyze(a: argparse.Namespace) -> None:
     """One ``risk`` per captured row, in [0, 1) (the rows are random bits, so any formula is as good)."""
     from mia_stream.consumers import open_batches
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
     from mia_stream.schemas import AnalysisBatch
 
     pub = FramePublisher(a.address, producer_id=f"bench-risk-{os.getpid()}", shm_bytes=0)

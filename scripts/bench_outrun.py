@@ -83,7 +83,7 @@ def _consume(address: str, in_thread: bool, ready, out) -> None:
 def _produce(address: str, size: int, seconds: float, bounded: bool, out, switch_s: float | None = None) -> None:
     if switch_s:
         sys.setswitchinterval(switch_s)
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
     from mia_stream.schemas import StreamEnd, StreamStart, Tensor, TensorFrame
 
     pub = FramePublisher(address, producer_id="outrun", shm_ahead_bytes=None if bounded else 0)

@@ -23,11 +23,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from mia_stream._transport import BrokerEndpoints  # noqa: E402
+from mia_stream.bus.transport import BrokerEndpoints  # noqa: E402
 from mia_stream.broker._routing import BrokerConfig, Router  # noqa: E402
-from mia_stream.schemas import (Heartbeat, RowGroup, ShmRingReader, ShmRingWriter, StepBatch,  # noqa: E402
-                                StreamStart, Subscribe, Tensor, TensorFrame, TokenBatch, TokenFrame, encode)
-from mia_stream.schemas._shm import SHM_RING_PROOF_KEY  # noqa: E402
+from mia_stream.schemas import (Heartbeat, RowGroup, StepBatch, StreamStart, Subscribe, Tensor, TensorFrame,
+                                TokenBatch, TokenFrame, encode)
+from mia_stream.bus.shm_ring import ShmRingReader, ShmRingWriter
+from mia_stream.bus.shm_ring import SHM_RING_PROOF_KEY  # noqa: E402
 
 
 def _step_messages(columnar: bool, ids: list[str], step: int, bf16: np.ndarray, ring) -> list[list]:

@@ -217,7 +217,7 @@ def _report(results: dict, consumer: dict, args) -> str:
 
 
 def _wait_ready(proc: subprocess.Popen, log: Path, timeout: float) -> str:
-    from mia_stream.serve import READY_PREFIX
+    from mia_stream.served.serve import READY_PREFIX
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

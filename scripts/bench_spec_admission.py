@@ -34,8 +34,8 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5, help="rounds; the median per-request time is reported")
     a = ap.parse_args(argv)
     os.environ["MIA_STREAM_VECTORS"] = tempfile.mkdtemp(prefix="mia-vec-")
-    from mia_stream.producer.spec import ModelGeometry, parse_spec
-    from mia_stream.producer.vectors import register_vector
+    from mia_stream.spec import ModelGeometry, parse_spec
+    from mia_stream.spec.vectors import register_vector
 
     geo = ModelGeometry(a.layers, a.hidden, 32, 8, a.hidden // 32)
     rng = np.random.default_rng(0)

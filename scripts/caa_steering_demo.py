@@ -106,7 +106,7 @@ def _floats(s: str) -> list[float]:
 def run(args) -> int:
     from vllm import LLM, SamplingParams
 
-    from mia_stream.producer.vectors import register_vector
+    from mia_stream.spec.vectors import register_vector
 
     layers, scales = [int(x) for x in args.layer.split(",")], _floats(args.scale)
     M = args.measure_layer

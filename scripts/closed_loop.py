@@ -170,7 +170,7 @@ def _load_direction(args) -> np.ndarray:
         if p.suffix == ".npy":
             return np.load(p)
         return np.asarray(json.loads(p.read_text()), dtype=np.float32)
-    from mia_stream.producer.vectors import load_vector
+    from mia_stream.spec.vectors import load_vector
 
     try:
         return load_vector(args.vector)

@@ -4,7 +4,7 @@ without an action taken live on each alert (abort, or steer along a truthfulness
 
     python scripts/eval_acting.py [--layer 16] [--scales 2,4,8] [--train-subset 150] [--out results.json]
 
-Data: the country-capital questions of ``mia_stream.analyzers.datasets`` (countryinfo), split by country exactly
+Data: the country-capital questions of ``mia_stream.lab.datasets`` (countryinfo), split by country exactly
 as the shipped ``hnode`` probe was trained (30 % of the countries held out, seed 0), so the detector never saw a
 held-out country; answers greedy, 24 tokens, chat template, labelled automatically (the capital's words in the
 answer). Everything runs in the topology users run: a broker process, vLLM's multiprocess engine, the detector
@@ -47,7 +47,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from _procs import stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
 
-from mia_stream.analyzers import datasets  # noqa: E402
+from mia_stream.lab import datasets  # noqa: E402
 
 MAX_TOKENS = 24
 SEED = 0

@@ -116,8 +116,8 @@ def _error(res):
 def eval_injection(sllm, tok, geo, args):
     from mia_stream.analyzers import create
     from mia_stream.analyzers._attention import auroc
-    from mia_stream.analyzers._attention_data import injection_set
-    from mia_stream.analyzers._qk_runs import vllm_attention
+    from mia_stream.lab.attention_data import injection_set
+    from mia_stream.lab.qk_runs import vllm_attention
     from mia_stream.analyzers.attention_tracker import config_from_discovery, discover
     from mia_stream.spans import prompt_parts
 
@@ -176,8 +176,8 @@ def eval_rerank(sllm, tok, geo, args):
     from rank_bm25 import BM25Okapi
 
     from mia_stream.analyzers import create
-    from mia_stream.analyzers._attention_data import rerank_set
-    from mia_stream.analyzers._qk_runs import vllm_attention
+    from mia_stream.lab.attention_data import rerank_set
+    from mia_stream.lab.qk_runs import vllm_attention
     from mia_stream.analyzers.core_reranker import choose_heads, ndcg, rank, reciprocal_rank
     from mia_stream.spans import prompt_parts
 
@@ -242,8 +242,8 @@ def eval_sql(sllm, tok, geo, args):
     from rank_bm25 import BM25Okapi
 
     from mia_stream.analyzers import create
-    from mia_stream.analyzers._attention_data import sql_set
-    from mia_stream.analyzers._qk_runs import vllm_attention
+    from mia_stream.lab.attention_data import sql_set
+    from mia_stream.lab.qk_runs import vllm_attention
     from mia_stream.analyzers.attnlink import choose_head
     from mia_stream.spans import prompt_parts
 

@@ -5,7 +5,7 @@
     python scripts/train_probes.py --reuse              # train again from the cached captures (no engine)
     python scripts/train_probes.py --eval-only          # the shipped probes through the analyzers, held out
 
-1. Question sets with checkable answers from packages that ship facts (``mia_stream.analyzers.datasets``:
+1. Question sets with checkable answers from packages that ship facts (``mia_stream.lab.datasets``:
    country capitals from ``countryinfo``, element facts from ``periodictable``).
 2. Each question goes through the embedded model in a real vLLM engine (CPU, float32, greedy, chat template)
    with mia_stream capture: pass A, every layer's residual at the last prompt token; pass B (element
@@ -38,7 +38,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from mia_stream.analyzers import datasets  # noqa: E402
+from mia_stream.lab import datasets  # noqa: E402
 from mia_stream.analyzers._probe import PROBES_DIR, LinearProbe  # noqa: E402
 
 MAX_TOKENS = 24

@@ -193,7 +193,7 @@ def assert_exact(rec: dict) -> None:
 # ---------------------------------------------------------------------------------------------- CLI
 
 def _produce(args) -> int:
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
 
     pub = FramePublisher(args.address, producer_id=args.producer_id, queue_bytes=args.queue_bytes)
     time.sleep(args.delay)
@@ -271,14 +271,14 @@ class RawProducer:
     def __init__(self, address: str, identity: str):
         import zmq
 
-        from mia_stream import _transport
+        from mia_stream.bus import transport
 
         self.identity = identity
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.SNDHWM, 0)
         self.sock.setsockopt(zmq.IDENTITY, identity.encode())
-        self.sock.connect(_transport.endpoints_for(address).producers)
+        self.sock.connect(transport.endpoints_for(address).producers)
         self.received: list = []
 
     def send(self, msg, ring=None) -> list:
@@ -329,14 +329,15 @@ class RawConsumer:
         import msgpack
         import zmq
 
-        from mia_stream import _transport
-        from mia_stream.schemas import ShmRingReader, Subscribe, encode
+        from mia_stream.bus import transport
+        from mia_stream.schemas import Subscribe, encode
+        from mia_stream.bus.shm_ring import ShmRingReader
 
         self.sock = zmq.Context.instance().socket(zmq.DEALER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.RCVHWM, 0)
         self.sock.setsockopt(zmq.IDENTITY, name.encode())
-        self.sock.connect(_transport.endpoints_for(address).consumers)
+        self.sock.connect(transport.endpoints_for(address).consumers)
         self.reader = ShmRingReader()
         subscribe = encode(Subscribe(list(patterns), from_start=from_start, consumer_id=name, window_bytes=window,
                                      batch=batch, shm=shm))

@@ -127,7 +127,7 @@ def scripted_request(address: str, rid: str, tokenizer_dir: str, text: str, risk
     from tokenizers import Tokenizer
 
     from mia_stream.analyzers._actions import ACTION_ANALYZER
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
     from mia_stream.schemas import AnalysisBatch, StreamEnd, StreamStart, TokenFrame
 
     tok = Tokenizer.from_file(str(Path(tokenizer_dir) / "tokenizer.json"))

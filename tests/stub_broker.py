@@ -14,9 +14,10 @@ import time
 
 import zmq
 
-from mia_stream import _transport
-from mia_stream.schemas import Heartbeat, ShmRingReader, decode, decode_header, encode, shm_extent, split_batch
-from mia_stream.schemas._shm import SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY, remove_ring
+from mia_stream.bus import transport
+from mia_stream.schemas import Heartbeat, decode, decode_header, encode, shm_extent, split_batch
+from mia_stream.bus.shm_ring import ShmRingReader
+from mia_stream.bus.shm_ring import SHM_RING_CLOSED_KEY, SHM_RING_TAKEN_KEY, remove_ring
 
 
 class StubBroker:
@@ -31,7 +32,7 @@ class StubBroker:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
-        self._sock.bind(_transport.endpoints_for(address).producers)
+        self._sock.bind(transport.endpoints_for(address).producers)
         self._reading = threading.Event()
         self._reading.set()
         self._stop = False

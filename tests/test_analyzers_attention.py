@@ -31,7 +31,7 @@ TOL = 1e-5
 
 @pytest.fixture(scope="module")
 def hf_eager(model_dir):
-    from mia_stream.analyzers._qk_runs import load_hf_eager
+    from mia_stream.lab.qk_runs import load_hf_eager
 
     return load_hf_eager(model_dir)
 
@@ -110,7 +110,7 @@ def streams(engine, tokenizer, broker_address):
     """One generate call: injection prompts, a reranking pair, a text-to-SQL prompt, and bad requests."""
     from vllm import SamplingParams
 
-    from mia_stream.analyzers._attention_data import injection_set, rerank_set, sql_set
+    from mia_stream.lab.attention_data import injection_set, rerank_set, sql_set
     from mia_stream.spans import prompt_parts
 
     inj = injection_set("test", 3, seed=5)
@@ -377,7 +377,7 @@ def test_live_analyzer_processes_equal_replay_of_the_recording(engine, tokenizer
 
     from vllm import SamplingParams
 
-    from mia_stream.analyzers._attention_data import injection_set, rerank_set, sql_set
+    from mia_stream.lab.attention_data import injection_set, rerank_set, sql_set
     from mia_stream.broker import fetch_stats
     from mia_stream.spans import prompt_parts
 

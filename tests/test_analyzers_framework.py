@@ -334,7 +334,7 @@ def test_live_analyzer_process_equals_replay_of_the_recording(tmp_path):
     """A producer -> real broker -> {`mia-stream analyze` process, `mia-stream record` process}; then the
     recording through `mia-stream analyze` again: the same JSON lines, byte for byte."""
     from mia_stream.broker import run_broker_in_thread
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
 
     run, rec = tmp_path / "run", tmp_path / "rec"
     rng = np.random.default_rng(3)
@@ -427,7 +427,7 @@ def test_a_lagging_analyzer_shows_its_drops_in_broker_stats_and_the_producer_nev
     notified), it sees the gaps, and the producer's publishing never blocks or loses a frame for the others."""
     from mia_stream.broker import run_broker_in_thread
     from mia_stream.consumers import open_stream
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
 
     site = slow_analyzers(tmp_path)
     run = tmp_path / "run"
@@ -529,8 +529,8 @@ def test_published_results_reach_other_consumers_with_the_analyzers_producer_id(
     same requests receives them as analysis messages (needs a broker that routes them: issue 12). A bare
     `--publish` goes to the source broker, whether `--source` or `$MIA_STREAM_BROKER` names it."""
     from mia_stream.broker import run_broker_in_thread
-    from mia_stream.consumers._live import BrokerClient
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.client import BrokerClient
+    from mia_stream.bus.publisher import FramePublisher
 
     run = tmp_path / "run"
     rng = np.random.default_rng(5)

@@ -20,7 +20,7 @@ import torch
 from producer_helpers import collecting, hf_trace, rel_err
 from test_analyzers_framework import slow_analyzers
 
-from mia_stream.analyzers import datasets
+from mia_stream.lab import datasets
 
 pytestmark = pytest.mark.slow
 

@@ -15,9 +15,9 @@ import zmq
 
 from bus_helpers import (PY, REPO, account, assert_exact, events_until, processes, publish_stream, run_dir, spawn,
                          start_broker, stats, wait_for)
-from mia_stream import _transport
+from mia_stream.bus import transport
 from mia_stream.consumers import BrokerClient, open_stream
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 from mia_stream.schemas import (Heartbeat, SteeringAck, SteeringCommand, StreamEnd, StreamStart, Tensor, TensorFrame,
                                 TokenFrame, decode, encode, encode_batch, split_batch)
 
@@ -35,7 +35,7 @@ def _raw_consumer(address: str, name: str, batch: bool) -> zmq.Socket:
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.IDENTITY, name.encode())
     sock.setsockopt(zmq.RCVHWM, 0)
-    sock.connect(_transport.endpoints_for(address).consumers)
+    sock.connect(transport.endpoints_for(address).consumers)
     header = {"v": [2, 0], "kind": "subscribe", "patterns": ["*"], "from_start": False, "consumer_id": name,
               "window_bytes": 0}
     if batch:
@@ -83,7 +83,7 @@ def test_both_hops_batch_and_peers_without_batches_get_single_messages(broker_di
         pub = FramePublisher(broker_dir, producer_id="new-producer")
         old_producer = zmq.Context.instance().socket(zmq.DEALER)
         old_producer.setsockopt(zmq.LINGER, 0)
-        old_producer.connect(_transport.endpoints_for(broker_dir).producers)
+        old_producer.connect(transport.endpoints_for(broker_dir).producers)
         try:
             wait_for(lambda: pub.broker_batches)  # the broker's first heartbeat says it takes batches
             publish_stream(pub, "from-new", frames, 1024, tokens=True)
@@ -236,7 +236,7 @@ def test_malformed_batches_are_counted_and_the_good_messages_in_a_batch_still_co
         procs.append(start_broker(broker_dir))
         prod = zmq.Context.instance().socket(zmq.DEALER)
         prod.setsockopt(zmq.LINGER, 0)
-        prod.connect(_transport.endpoints_for(broker_dir).producers)
+        prod.connect(transport.endpoints_for(broker_dir).producers)
         try:
             with open_stream(broker_dir, patterns=("mixed",), timeout=10) as events:
                 time.sleep(0.3)
@@ -268,7 +268,7 @@ def test_steering_ack_inside_a_batch_and_the_rest_of_the_batch_stay_in_order():
     """The client waits for an ack that arrives behind other messages in one batch: it returns the ack, and
     recv() then yields the messages before and after it in their order."""
     with run_dir() as d:
-        eps = _transport.endpoints_for(d)
+        eps = transport.endpoints_for(d)
         router = zmq.Context.instance().socket(zmq.ROUTER)
         router.setsockopt(zmq.LINGER, 0)
         router.bind(eps.consumers)

@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 
 from bus_helpers import RawConsumer, RawProducer, processes, run_dir, start_broker, stats, wait_for
-from mia_stream.schemas import (GapBatch, GapNotice, RowGroup, ShmRingWriter, StepBatch, StreamEnd, StreamStart, Tensor,
-                                TokenBatch, decode_header, shm_available)
+from mia_stream.schemas import (GapBatch, GapNotice, RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, TokenBatch,
+                                decode_header)
+from mia_stream.bus.shm_ring import ShmRingWriter, shm_available
 
 HIDDEN = 1024  # floats per row: 4 KiB, ring payloads of one step are 4 KiB x rows
 
@@ -245,7 +246,7 @@ def test_a_publishers_dropped_step_batches_reach_consumers_as_gap_batches_old_an
     announced as one GapBatch naming every request (not a GapNotice per request), which the broker buffers and
     routes like each request's GapNotice: whole to a consumer of all, a selection to a subset, GapNotices to a
     schema 2.0 consumer, and all of it again to a consumer that joins after the streams ended."""
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
 
     ids = [f"req-{i}" for i in range(8)]
     mine = ids[:3]

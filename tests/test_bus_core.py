@@ -10,7 +10,7 @@ import pytest
 from bus_helpers import (account, assert_exact, events_until, kill, processes, publish_stream, run_dir, spawn,
                          start_broker, stats, wait_for)
 from mia_stream.consumers import open_stream
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 
 
 @pytest.fixture

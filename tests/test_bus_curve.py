@@ -9,11 +9,12 @@ import pytest
 import zmq
 
 from bus_helpers import events_until, processes, publish_stream, start_broker, wait_for
-from mia_stream import _transport
+from mia_stream.bus import transport
 from mia_stream.consumers import BrokerClient, open_stream
 from mia_stream.errors import TransportError
-from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import ShmRingWriter, SteeringCommand, Subscribe, encode
+from mia_stream.bus.publisher import FramePublisher
+from mia_stream.schemas import SteeringCommand, Subscribe, encode
+from mia_stream.bus.shm_ring import ShmRingWriter
 
 
 def _free_base_port() -> int:
@@ -46,24 +47,24 @@ def test_tcp_requires_curve():
 
 def test_curve_tcp_only_authorised_peers_receive(tmp_path):
     keys = tmp_path / "keys"
-    assert _transport.keys_main([str(keys), "--clients", "producer,consumer,watcher", "--steer", "consumer"]) == 0
+    assert transport.keys_main([str(keys), "--clients", "producer,consumer,watcher", "--steer", "consumer"]) == 0
     stranger = tmp_path / "stranger"  # a valid key pair the broker never heard of
-    _transport.create_keys(stranger, clients=("consumer",), steer=())
+    transport.create_keys(stranger, clients=("consumer",), steer=())
     address = f"tcp://127.0.0.1:{_free_base_port()}"
     with processes() as procs:
         procs.append(start_broker(address, "--keys", str(keys)))
-        pub = FramePublisher(address, producer_id="secure", keys=_transport.load_client_keys(keys, "producer"))
-        good = open_stream(address, patterns=("*",), timeout=5, keys=_transport.load_client_keys(keys, "consumer"))
+        pub = FramePublisher(address, producer_id="secure", keys=transport.load_client_keys(keys, "producer"))
+        good = open_stream(address, patterns=("*",), timeout=5, keys=transport.load_client_keys(keys, "consumer"))
         # wrong keys: a client pair not in authorized/, even with the right server key
-        wrong = _transport.load_client_keys(stranger, "consumer")
-        wrong = _transport.ClientKeys(wrong.public, wrong.secret, _transport.load_client_keys(keys).server_public)
+        wrong = transport.load_client_keys(stranger, "consumer")
+        wrong = transport.ClientKeys(wrong.public, wrong.secret, transport.load_client_keys(keys).server_public)
         bad = BrokerClient(address, keys=wrong)
         bad.subscribe(["*"])
         # no CURVE at all: a plain zmq socket on the tcp port
         ctx = zmq.Context.instance()
         plain = ctx.socket(zmq.DEALER)
         plain.setsockopt(zmq.LINGER, 0)
-        plain.connect(_transport.endpoints_for(address).consumers)
+        plain.connect(transport.endpoints_for(address).consumers)
         plain.send_multipart(encode(Subscribe(["*"])))
         try:
             time.sleep(0.5)
@@ -73,7 +74,7 @@ def test_curve_tcp_only_authorised_peers_receive(tmp_path):
             assert bad.recv(timeout=1.0) is None
             assert not plain.poll(500)
             # the watcher key may connect but is not in steer/: its commands are refused
-            watcher = BrokerClient(address, keys=_transport.load_client_keys(keys, "watcher"))
+            watcher = BrokerClient(address, keys=transport.load_client_keys(keys, "watcher"))
             ack = watcher.send_steering(SteeringCommand("w1", "secret", "clear"), timeout=5)
             assert not ack.ok and ack.error.startswith("not_authorised")
             watcher.close()

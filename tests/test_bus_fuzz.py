@@ -15,10 +15,10 @@ import numpy as np
 import spec_decoder
 from bus_helpers import (account, assert_exact, events_until, processes, publish_stream, run_dir, start_broker, stats,
                          wait_for)
-from mia_stream import _transport
+from mia_stream.bus import transport
 from mia_stream.consumers import open_stream
 from mia_stream.errors import WireError
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 from mia_stream.schemas import (AnalysisBatch, ErrorNotice, Heartbeat, RowGroup, StepBatch, StreamStart, Subscribe,
                                 Tensor, TensorFrame, TokenBatch, decode, decode_header, encode, encode_batch,
                                 split_batch)
@@ -78,7 +78,7 @@ _SOCKETS: dict[str, tuple] = {}
 
 def _fuzz_sockets(address: str) -> tuple:
     if address not in _SOCKETS:
-        eps = _transport.endpoints_for(address)
+        eps = transport.endpoints_for(address)
         _SOCKETS.clear()
         _SOCKETS[address] = (_dealer(eps.producers), _dealer(eps.consumers))
     return _SOCKETS[address]
@@ -154,7 +154,7 @@ def test_after_fuzzing_batches_the_broker_counts_them_and_still_serves(broker_di
 
 
 def test_wrong_schema_version_and_oversized_are_counted_and_reported(broker_dir):
-    eps = _transport.endpoints_for(broker_dir)
+    eps = transport.endpoints_for(broker_dir)
     before = stats(broker_dir)["totals"]
     prod = _dealer(eps.producers)
     try:
@@ -263,7 +263,7 @@ def _mutate_columnar(frames: list[bytes], data) -> list[bytes]:
 def watchers(broker_dir):
     """Two raw consumers (DEALERs, no SDK): one takes everything, one only some requests (so the broker sends it
     selections of columnar messages); one takes batches, one does not; neither reads rings."""
-    eps = _transport.endpoints_for(broker_dir)
+    eps = transport.endpoints_for(broker_dir)
     socks = []
     for patterns, batch in ((["*"], False), (["fz-1-*", "fz-3-0", "honest-*"], True)):
         s = _dealer(eps.consumers)
@@ -352,7 +352,7 @@ def test_every_refusal_of_the_spec_is_made_by_the_broker_and_nothing_refused_is_
     ring names, columnar columns and groups) sent to either endpoint is counted malformed once, and none
     reaches a consumer."""
     cases = {**_PER_REQUEST, **_COLUMNAR}
-    eps = _transport.endpoints_for(broker_dir)
+    eps = transport.endpoints_for(broker_dir)
     _drain(watchers)
     before = _settled_totals(broker_dir)
     socks = [_dealer(eps.producers), _dealer(eps.consumers)]
@@ -377,13 +377,14 @@ def test_a_ring_payload_that_cannot_be_read_is_a_gap_whose_origin_is_the_reader(
     origin "consumer", and the broker, which must put the payload inline for a consumer that does not read
     rings, as one with origin "broker"; both name exactly the message's seq, and the stream goes on around it.
     (The producer proved it owns the ring first: the broker takes ring references only from a ring's owner.)"""
-    from mia_stream.consumers._live import BrokerClient
-    from mia_stream.schemas import GapNotice, ShmRingWriter, StreamEnd
+    from mia_stream.bus.client import BrokerClient
+    from mia_stream.schemas import GapNotice, StreamEnd
+    from mia_stream.bus.shm_ring import ShmRingWriter
 
     rid = "ring-origin"
     readers = {"consumer": BrokerClient(broker_dir, consumer_id="reads-rings", shm=True),
                "broker": BrokerClient(broker_dir, consumer_id="inline-only", shm=False)}
-    prod = _dealer(_transport.endpoints_for(broker_dir).producers)
+    prod = _dealer(transport.endpoints_for(broker_dir).producers)
     ring = ShmRingWriter(size=1 << 20)
     try:
         for c in readers.values():

@@ -18,11 +18,11 @@ import zmq
 
 from bus_helpers import (RawConsumer, RawProducer, account, assert_exact, events_until, processes, publish_stream,
                          run_dir, start_broker, stats, wait_for)
-from mia_stream import _transport
+from mia_stream.bus import transport
 from mia_stream.consumers import open_stream
-from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import (ErrorNotice, StreamEnd, StreamStart, Tensor, TensorFrame, decode, encode,
-                                shm_available)
+from mia_stream.bus.publisher import FramePublisher
+from mia_stream.schemas import ErrorNotice, StreamEnd, StreamStart, Tensor, TensorFrame, decode, encode
+from mia_stream.bus.shm_ring import shm_available
 
 TESTS = str(Path(__file__).resolve().parent)
 
@@ -103,7 +103,7 @@ def test_error_notices_to_a_peer_that_never_subscribed_are_rate_limited():
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         sock.setsockopt(zmq.SNDHWM, 0)
-        sock.connect(_transport.endpoints_for(d).consumers)
+        sock.connect(transport.endpoints_for(d).consumers)
         try:
             t0 = time.monotonic()
             for i in range(1000):

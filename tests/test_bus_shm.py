@@ -20,9 +20,9 @@ from bus_helpers import (account, assert_exact, events_until, kill, payload, pro
                          start_broker, stats, wait_for)
 from mia_stream.consumers import open_stream
 from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
-from mia_stream.producer.publisher import FramePublisher
-from mia_stream.schemas import (ShmRingReader, ShmRingWriter, Tensor, TensorFrame, decode, decode_header,
-                                encode, inline_shm, shm_available, shm_extent, sweep_stale_rings)
+from mia_stream.bus.publisher import FramePublisher
+from mia_stream.schemas import Tensor, TensorFrame, decode, decode_header, encode, inline_shm, shm_extent
+from mia_stream.bus.shm_ring import ShmRingReader, ShmRingWriter, shm_available, sweep_stale_rings
 
 def _shm_free_bytes() -> int:
     try:
@@ -110,7 +110,7 @@ def test_overwritten_bytes_are_refused_never_returned_torn():
 
 
 def test_the_ring_of_a_killed_producer_is_swept_and_a_live_one_is_not():
-    child = subprocess.Popen([sys.executable, "-c", "from mia_stream.schemas import ShmRingWriter\n"
+    child = subprocess.Popen([sys.executable, "-c", "from mia_stream.bus.shm_ring import ShmRingWriter\n"
                               "r = ShmRingWriter(size=1 << 20)\nprint(r.path, flush=True)\n"
                               "import time; time.sleep(60)"], stdout=subprocess.PIPE, text=True)
     live = ShmRingWriter(size=1 << 20)
@@ -332,7 +332,7 @@ def test_the_broker_removes_only_rings_their_own_producer_handed_over():
     # A producer that names another process's ring as its own closing ring: refused, counted, file untouched;
     # and a publisher whose offer is refused removes its own ring at close.
     from mia_stream.schemas import Heartbeat
-    from mia_stream.schemas._shm import SHM_RING_CLOSED_KEY
+    from mia_stream.bus.shm_ring import SHM_RING_CLOSED_KEY
 
     victim = ShmRingWriter(1 << 20)
     try:
@@ -362,7 +362,7 @@ def test_the_broker_removes_only_rings_their_own_producer_handed_over():
 
 
 def test_a_sweep_keeps_a_handed_over_ring_of_an_exited_producer_and_removes_an_abandoned_one():
-    make = ("import sys; from mia_stream.schemas import ShmRingWriter; w = ShmRingWriter(1 << 20); "
+    make = ("import sys; from mia_stream.bus.shm_ring import ShmRingWriter; w = ShmRingWriter(1 << 20); "
             "w.mark_handed_over() if sys.argv[1] == 'handed' else None; w.close(unlink=False); print(w.path)")
     paths = {kind: subprocess.run([sys.executable, "-c", make, kind], capture_output=True, text=True,
                                   check=True).stdout.strip() for kind in ("handed", "abandoned")}

@@ -7,7 +7,7 @@ import zmq
 from bus_helpers import run_dir, wait_for
 from mia_stream.broker import run_broker_in_thread
 from mia_stream.consumers import BrokerClient
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 
 
 def test_no_zmtp_heartbeats_on_any_bus_socket_and_tcp_keepalive_on(monkeypatch):
@@ -44,7 +44,7 @@ _TAIL_PRODUCER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from bus_helpers import publish_stream
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 pub = FramePublisher(sys.argv[1], producer_id="tail")
 deadline = time.monotonic() + 20
 while not pub.broker_batches and time.monotonic() < deadline:  # handshaken, and the broker's heartbeat is in
@@ -110,7 +110,7 @@ _FLOOD_PRODUCER = """
 import sys, time
 sys.path.insert(0, sys.argv[2])
 from bus_helpers import payload
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 from mia_stream.schemas import StreamEnd, StreamStart, Tensor, TensorFrame
 pub = FramePublisher(sys.argv[1], producer_id="flood", shm_bytes=0)  # every byte through the socket
 deadline = time.monotonic() + 20

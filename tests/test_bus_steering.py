@@ -9,7 +9,7 @@ import pytest
 from bus_helpers import processes, run_dir, start_broker, stats, wait_for
 from mia_stream.consumers import BrokerClient, Consumer
 from mia_stream.errors import SteeringCommandError
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 from mia_stream.schemas import SteeringAck, SteeringCommand, StreamStart
 
 

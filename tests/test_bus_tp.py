@@ -10,7 +10,7 @@ import pytest
 from bus_helpers import processes, run_dir, start_broker, stats, wait_for
 from mia_stream.consumers import StreamAssembler, open_stream
 from mia_stream.errors import IncompleteShardError
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 from mia_stream.schemas import Shard, StreamEnd, StreamStart, Tensor, TensorFrame, TokenFrame, decode, encode
 
 L, T, HEADS, KV, D, H = 2, 3, 4, 2, 8, 16

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from mia_stream.client import StreamClient
+from mia_stream.served.client import StreamClient
 from mia_stream.errors import BrokerTimeoutError
-from mia_stream.producer.publisher import FramePublisher
+from mia_stream.bus.publisher import FramePublisher
 from mia_stream.schemas import AnalysisBatch, StreamEnd, StreamStart, TokenFrame
 
 

@@ -15,14 +15,15 @@ import pytest
 from mia_stream.consumers import (Consumer, StreamAssembler, open_batches, open_stream, run_consumer,
                                   subset_batch)
 from mia_stream.consumers import recording as recording_module
-from mia_stream.consumers._live import BrokerClient
+from mia_stream.bus.client import BrokerClient
 from mia_stream.consumers.recorder import Recorder
 from mia_stream.consumers.recording import INDEX_ATTACHMENT, Recording, iter_recording
 from mia_stream.consumers.replay import replay
 from mia_stream.errors import IncompleteShardError
-from mia_stream.schemas import (AnalysisBatch, GapBatch, GapNotice, RowGroup, Shard, ShmRingReader, ShmRingWriter, StepBatch, StreamEnd,
+from mia_stream.schemas import (AnalysisBatch, GapBatch, GapNotice, RowGroup, Shard, StepBatch, StreamEnd,
                                 StreamStart, Tensor, TensorFrame, TokenBatch, TokenFrame, decode, encode,
                                 select_requests, shm_extent)
+from mia_stream.bus.shm_ring import ShmRingReader, ShmRingWriter
 from mia_stream.schemas._codec import decode_header
 
 H = 16  # hidden size of the synthetic model
@@ -897,7 +898,7 @@ def test_columnar_messages_through_a_real_broker_reach_sdk_consumers_as_assemble
     import time
 
     from mia_stream.broker import run_broker_in_thread
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
 
     run = tempfile.mkdtemp(prefix="mia-h12c-", dir="/tmp")
     try:

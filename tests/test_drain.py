@@ -21,8 +21,8 @@ import torch
 
 from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch as EngineStep
-from mia_stream.producer.publisher import FramePublisher
-from mia_stream.producer.spec import ModelGeometry, parse_spec
+from mia_stream.bus.publisher import FramePublisher
+from mia_stream.spec import ModelGeometry, parse_spec
 from mia_stream.schemas import GapNotice, StepBatch, StreamEnd, StreamStart, TensorFrame, TokenBatch, TokenFrame
 from stub_broker import StubBroker
 

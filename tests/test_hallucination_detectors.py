@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from mia_stream.analyzers import Results, create
-from mia_stream.analyzers import hallucination_data as hd
+from mia_stream.lab import hallucination_data as hd
 from mia_stream.analyzers._probe import PROBES_DIR, LinearProbe, sigmoid
 from mia_stream.analyzers.lookback_ratio import lookback_ratios, window_means
 from mia_stream.schemas import RowGroup, StepBatch, StreamEnd, StreamStart, Tensor

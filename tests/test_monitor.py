@@ -481,7 +481,7 @@ def _synthetic_load(address: str, model_dir: str, n: int, steps: int) -> dict:
     never started. Returns what was sent."""
     from tokenizers import Tokenizer
 
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
     from mia_stream.schemas import (AnalysisBatch, GapNotice, RowGroup, StepBatch, StreamEnd, StreamStart, Tensor,
                                     TokenBatch)
 

@@ -162,7 +162,7 @@ def test_bad_policy_configs_are_one_line_errors_naming_the_key(raw, message, tmp
 
 def test_actions_become_steering_commands(tmp_path, monkeypatch):
     monkeypatch.setenv("MIA_STREAM_VECTORS", str(tmp_path))
-    from mia_stream.producer.vectors import register_vector
+    from mia_stream.spec.vectors import register_vector
 
     register_vector("truth", np.ones(8, np.float32))
     abort = AlertAction.parse("abort")

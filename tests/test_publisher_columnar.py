@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 import torch
 
-from mia_stream.producer.publisher import FramePublisher
-from mia_stream.producer.spec import ModelGeometry
-from mia_stream.schemas import (GapBatch, GapNotice, RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, TokenBatch,
-                                shm_available)
+from mia_stream.bus.publisher import FramePublisher
+from mia_stream.spec import ModelGeometry
+from mia_stream.schemas import GapBatch, GapNotice, RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, TokenBatch
+from mia_stream.bus.shm_ring import shm_available
 from stub_broker import StubBroker
 from test_drain import Engine, check_rows, ended, per_request, runtimes, seqs_exact
 

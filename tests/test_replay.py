@@ -122,7 +122,7 @@ def test_live_through_a_real_broker_equals_replay_of_its_recording(tmp_path):
     """Producer (FramePublisher) -> broker -> {a live consumer, `mia-stream record` process}; then the
     recording is replayed into a fresh consumer (same output) and into a second broker (same messages)."""
     from mia_stream.broker import run_broker_in_thread
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
 
     run, run2, rec_dir = tmp_path / "run", tmp_path / "run2", tmp_path / "rec"
     with run_broker_in_thread(address=str(run)) as broker:

@@ -10,13 +10,14 @@ import msgpack
 import numpy as np
 import pytest
 
-from mia_stream._transport import BrokerEndpoints
+from mia_stream.bus.transport import BrokerEndpoints
 from mia_stream.broker._routing import PRODUCERS, BrokerConfig, Router
-from mia_stream.schemas import (AnalysisBatch, Credit, ErrorNotice, GapBatch, GapNotice, Heartbeat, RowGroup, ShmRingReader,
-                                ShmRingWriter, SteeringAck, SteeringCommand, StepBatch, StreamEnd, StreamStart,
-                                Subscribe, Tensor, TensorFrame, TokenBatch, TokenFrame, Unsubscribe, decode,
-                                decode_header, encode, encode_batch)
-from mia_stream.schemas._shm import SHM_RING_CLOSED_KEY, SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY
+from mia_stream.schemas import (AnalysisBatch, Credit, ErrorNotice, GapBatch, GapNotice, Heartbeat, RowGroup,
+                                SteeringAck, SteeringCommand, StepBatch, StreamEnd, StreamStart, Subscribe, Tensor,
+                                TensorFrame, TokenBatch, TokenFrame, Unsubscribe, decode, decode_header, encode,
+                                encode_batch)
+from mia_stream.bus.shm_ring import ShmRingReader, ShmRingWriter
+from mia_stream.bus.shm_ring import SHM_RING_CLOSED_KEY, SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY
 
 EPS = BrokerEndpoints("ipc:///nonexistent/producers.sock", "ipc:///nonexistent/consumers.sock",
                       "ipc:///nonexistent/stats.sock")

@@ -15,7 +15,7 @@ import torch
 
 from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch
-from mia_stream.producer.spec import ModelGeometry, parse_spec
+from mia_stream.spec import ModelGeometry, parse_spec
 
 GEO = ModelGeometry(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=2, head_dim=4)
 
@@ -24,7 +24,7 @@ GEO = ModelGeometry(num_layers=2, hidden_size=8, num_heads=2, num_kv_heads=2, he
 def bus():
     from mia_stream.broker import run_broker_in_thread
     from mia_stream.consumers import open_stream
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
 
     run_dir = tempfile.mkdtemp(prefix="mia-rt-", dir="/tmp")
     try:

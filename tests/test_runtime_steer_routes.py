@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch
-from mia_stream.producer.spec import ModelGeometry, parse_spec
+from mia_stream.spec import ModelGeometry, parse_spec
 
 GEO = ModelGeometry(num_layers=4, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4)
 

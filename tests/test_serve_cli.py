@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from mia_stream.serve import parse_args
+from mia_stream.served.serve import parse_args
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from mia_stream.serve import READY_PREFIX, parse_args, vllm_console_script_works, vllm_server_command
+from mia_stream.served.serve import READY_PREFIX, parse_args, vllm_console_script_works, vllm_server_command
 
 pytestmark = pytest.mark.slow
 
@@ -254,7 +254,7 @@ def concurrent_run(servers, tokenizer):
     """The five requests sent at once through StreamClient (one thread each), with the analyzer process running
     on the live broker (it analyzes request A, "ana-*"); their ServedRequests and events. The analyzer's printed
     results, stderr and exit status go to ``servers.live_analysis``."""
-    from mia_stream.client import StreamClient
+    from mia_stream.served.client import StreamClient
 
     config = servers.tmp / "analyzer.json"
     config.write_text(json.dumps(ANALYZER_CONFIG))
@@ -355,7 +355,7 @@ def test_captured_tensors_match_hugging_face(concurrent_run, hf_model):
 def _recorded(servers, live) -> tuple:
     """``live``'s request replayed from the recording once it holds its end and as many analysis results
     (the recorder writes a chunk at least every second)."""
-    from mia_stream.client import StreamClient
+    from mia_stream.served.client import StreamClient
 
     rec = StreamClient.recording(servers.recording)
     deadline = time.monotonic() + 30
@@ -433,7 +433,7 @@ def test_an_analyzer_process_gives_the_same_results_live_and_on_the_recording(co
 
 # ------------------------------------------------------------------------------------------ more clients
 def test_async_client_streams_concurrent_requests(servers, concurrent_run):
-    from mia_stream.client import AsyncStreamClient
+    from mia_stream.served.client import AsyncStreamClient
 
     reqs, _ = concurrent_run
 
@@ -502,7 +502,7 @@ def test_vllm_console_script_on_the_cpu_build():
 
 def test_abandoned_streamed_request_is_aborted(servers):
     """Closing a StreamClient request mid-way closes its HTTP stream: vLLM aborts it and the stream ends."""
-    from mia_stream.client import StreamClient
+    from mia_stream.served.client import StreamClient
 
     client = StreamClient(servers.url, broker=servers.address, max_retries=0, idle_timeout=3)
     req = client.chat(PROMPT_C, capture={"hidden_states": {"layers": [4], "positions": "generated"}},

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from mia_stream.errors import SteeringSpecError
-from mia_stream.producer.spec import ModelGeometry, parse_spec
-from mia_stream.producer.vectors import register_vector
+from mia_stream.spec import ModelGeometry, parse_spec
+from mia_stream.spec.vectors import register_vector
 
 GEO = ModelGeometry(num_layers=4, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4)
 

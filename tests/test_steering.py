@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mia_stream.producer.vectors import register_vector, vector_by_digest, vector_digest
+from mia_stream.spec.vectors import register_vector, vector_by_digest, vector_digest
 from producer_helpers import collecting, hf_trace, rel_err
 
 TOL = 1e-4

@@ -20,12 +20,12 @@ from hypothesis import strategies as st
 import spec_decoder
 from mia_stream.errors import (ChecksumError, MalformedFrameError, OversizedMessageError, SchemaVersionError,
                                SharedBufferError, ShmOverrunError, ShmUnavailableError, WireError)
-from mia_stream.schemas import (MESSAGE_TYPES, SCHEMA_VERSION, WIRE_DTYPES, AnalysisBatch, ErrorNotice, GapBatch, GapNotice,
-                                Heartbeat, RowGroup, Shard, ShmRingReader, ShmRingWriter, SteeringAck,
-                                SteeringCommand, StepBatch, StreamEnd, StreamStart, Subscribe, Tensor, TensorFrame,
-                                TokenBatch, TokenFrame, Unsubscribe, compact, decode, decode_header, encode,
-                                encode_batch, select_requests, shm_extent, shm_loss_gaps, split_batch,
-                                sweep_stale_rings)
+from mia_stream.schemas import (MESSAGE_TYPES, SCHEMA_VERSION, WIRE_DTYPES, AnalysisBatch, ErrorNotice, GapBatch,
+                                GapNotice, Heartbeat, RowGroup, Shard, SteeringAck, SteeringCommand, StepBatch,
+                                StreamEnd, StreamStart, Subscribe, Tensor, TensorFrame, TokenBatch, TokenFrame,
+                                Unsubscribe, compact, decode, decode_header, encode, encode_batch, select_requests,
+                                shm_extent, shm_loss_gaps, split_batch)
+from mia_stream.bus.shm_ring import ShmRingReader, ShmRingWriter, sweep_stale_rings
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "wire-format.md"
 _I64 = np.dtype("<i8")
@@ -1156,7 +1156,7 @@ def test_a_file_that_is_not_a_ring_is_unavailable(ring, tmp_path):
 def test_ring_name_grammar_is_the_same_for_readers_and_sweeps(tmp_path):
     """Section 9's grammar: ASCII decimal pid without leading zero, 12 lowercase hex digits. A sweep skips a
     name whose pid no process can have instead of crashing (os.kill overflowed: every ShmRingWriter sweeps)."""
-    from mia_stream.schemas._shm import is_ring_name
+    from mia_stream.bus.shm_ring import is_ring_name
 
     good = ["mia-stream-ring-1-0123456789ab", "mia-stream-ring-4194304-abcdefabcdef"]
     bad = ["mia-stream-ring-01-0123456789ab", "mia-stream-ring-1-0123456789AB", "mia-stream-ring--1-0123456789ab",

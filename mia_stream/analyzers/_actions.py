@@ -96,14 +96,14 @@ class AlertAction:
 
 
 def _check_op(op: Any, where: str) -> None:
-    from mia_stream.producer.spec import ModelGeometry, parse_steer_ops
+    from mia_stream.spec import ModelGeometry, parse_steer_ops
 
     if not isinstance(op, dict):
         raise AnalyzerConfigError(f"{where} must be a steering op object, got {op!r}")
     vec = op.get("vector")
     try:
         if isinstance(vec, dict) and set(vec) == {"name"} and isinstance(vec["name"], str):
-            from mia_stream.producer.vectors import load_vector
+            from mia_stream.spec.vectors import load_vector
 
             size = len(load_vector(vec["name"]))
         else:
@@ -237,7 +237,7 @@ class AlertActor:
             client = BrokerClient(self.address, consumer_id=f"actor:{os.getpid()}", keys=self.keys)
             publisher = None
             if self._publish:
-                from mia_stream.producer.publisher import FramePublisher
+                from mia_stream.bus.publisher import FramePublisher
 
                 publisher = FramePublisher(self.address, producer_id=f"actor/{socket.gethostname()}:{os.getpid()}",
                                            keys=self.keys)

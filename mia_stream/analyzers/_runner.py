@@ -29,6 +29,7 @@ from mia_stream.analyzers._registry import analyzer_class, available, create, lo
 from mia_stream.consumers import _is_recording
 from mia_stream.errors import AnalyzerError, AnalyzerInputError, MiaStreamError
 from mia_stream.schemas import AnalysisBatch, GapNotice, RowGroup, StepBatch, StreamStart, TokenBatch
+from mia_stream.schemas import seqranges
 
 log = logging.getLogger("mia_stream.analyzers")
 
@@ -217,7 +218,7 @@ class AnalysisPublisher:
     named, sent before that request's next analysis message (or at ``close``)."""
 
     def __init__(self, address: str | None, producer_id: str, keys: Any = None):
-        from mia_stream.producer.publisher import FramePublisher
+        from mia_stream.bus.publisher import FramePublisher
 
         self.publisher = FramePublisher(address, producer_id=producer_id, keys=keys)
         self.producer_id, self.epoch = self.publisher.producer_id, self.publisher.epoch
@@ -232,11 +233,7 @@ class AnalysisPublisher:
             return
         self.counters["dropped"] += 1
         for rid, seq in zip(batch.request_ids, batch.seqs.tolist()):
-            ranges = self._lost.setdefault(rid, [])
-            if ranges and ranges[-1][1] == seq - 1:
-                ranges[-1][1] = seq
-            else:
-                ranges.append([seq, seq])
+            seqranges.add_seq(self._lost.setdefault(rid, []), seq)
 
     def _announce(self, rids: Iterable[str]) -> None:
         for rid in rids:
@@ -354,9 +351,10 @@ def _terminate(*_: Any) -> None:
 
 
 def _default_broker() -> str:
-    from mia_stream import _transport, settings
+    from mia_stream import settings
+    from mia_stream.bus import transport
 
-    return settings.get_address(_transport.ENV_BROKER) or str(_transport.default_run_dir())
+    return settings.get_address(transport.ENV_BROKER) or str(transport.default_run_dir())
 
 
 def _list() -> str:

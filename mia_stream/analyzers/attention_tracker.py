@@ -144,7 +144,7 @@ def all_head_ratios(attend, tokenizer, examples: Sequence, num_layers: int) -> n
 
 def discover(tokenizer, attend, num_layers: int, num: int = 25, k: float = DEFAULT_K) -> dict:
     """Run the discovery set through ``attend`` (``_qk_runs``) and return ``discover_heads``' result."""
-    from mia_stream.analyzers._attention_data import injection_set
+    from mia_stream.lab.attention_data import injection_set
 
     examples = injection_set("discovery", num)
     ratios = all_head_ratios(attend, tokenizer, examples, num_layers)
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig
 
-    from mia_stream.analyzers._qk_runs import attention_backend
+    from mia_stream.lab.qk_runs import attention_backend
 
     with attention_backend(args.model, args.backend) as (tok, attend):
         L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers

@@ -163,7 +163,7 @@ class AttnLink(SpanAttentionAnalyzer):
 def choose_head(tokenizer, attend, num_layers: int, num: int = 21, seed: int = 1, top_p: float = 0.9,
                 temperature: float = 1.0, anchor: str = "last_prompt") -> dict:
     """Run labelled questions (``sql_set(num, seed)``) through ``attend``; the config of the best head."""
-    from mia_stream.analyzers._attention_data import sql_set
+    from mia_stream.lab.attention_data import sql_set
     from mia_stream.spans import prompt_parts
 
     examples = sql_set(num, seed=seed)
@@ -198,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig
 
-    from mia_stream.analyzers._qk_runs import attention_backend
+    from mia_stream.lab.qk_runs import attention_backend
 
     with attention_backend(args.model, args.backend) as (tok, attend):
         L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers

@@ -217,7 +217,7 @@ def choose_heads(tokenizer, attend, num_layers: int, num_heads: int, num: int = 
                  seed: int = 1) -> dict:
     """Run a detection set (``rerank_set(num, seed)``) through ``attend`` and return the config of the ``top``
     heads by MRR."""
-    from mia_stream.analyzers._attention_data import rerank_set
+    from mia_stream.lab.attention_data import rerank_set
     from mia_stream.spans import prompt_parts
 
     examples = rerank_set(num, seed=seed)
@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoConfig
 
-    from mia_stream.analyzers._qk_runs import attention_backend
+    from mia_stream.lab.qk_runs import attention_backend
 
     with attention_backend(args.model, args.backend) as (tok, attend):
         cfg = AutoConfig.from_pretrained(tok.name_or_path)

@@ -16,7 +16,7 @@ import time
 import msgpack
 import zmq
 
-from mia_stream import _transport
+from mia_stream.bus import transport
 from mia_stream.broker._broker import GC_FREEZE_S, Broker, run_broker_in_thread
 from mia_stream.broker._routing import (DEFAULT_CONSUMER_QUEUE_BYTES, DEFAULT_CONSUMER_TIMEOUT_S,
                                         DEFAULT_LATE_JOIN_BYTES, DEFAULT_LATE_JOIN_LINGER_S,
@@ -28,15 +28,15 @@ from mia_stream.schemas import DEFAULT_MAX_MESSAGE_BYTES
 __all__ = ["Broker", "BrokerConfig", "Router", "run_broker_in_thread", "main", "stats_main", "fetch_stats"]
 
 
-def _endpoints_from_args(args) -> _transport.BrokerEndpoints:
-    eps = _transport.endpoints_for(args.address)
-    return _transport.BrokerEndpoints(args.producers or eps.producers, args.consumers or eps.consumers,
+def _endpoints_from_args(args) -> transport.BrokerEndpoints:
+    eps = transport.endpoints_for(args.address)
+    return transport.BrokerEndpoints(args.producers or eps.producers, args.consumers or eps.consumers,
                                       args.stats or eps.stats)
 
 
 def _add_address_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--address", help="broker address: a run dir, ipc://DIR/producers.sock or tcp://HOST:PORT "
-                                      f"(default ${_transport.ENV_BROKER} or the default run dir)")
+                                      f"(default ${transport.ENV_BROKER} or the default run dir)")
     ap.add_argument("--producers", help="producers endpoint (overrides --address)")
     ap.add_argument("--consumers", help="consumers endpoint (overrides --address)")
     ap.add_argument("--stats", help="stats endpoint (overrides --address)")
@@ -58,7 +58,7 @@ def main(argv: list[str]) -> int:
                     help="seconds without a message before a producer's open streams end as producer_lost")
     ap.add_argument("--consumer-timeout", type=float, default=DEFAULT_CONSUMER_TIMEOUT_S)
     ap.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
-    ap.add_argument("--heartbeat", type=float, default=_transport.HEARTBEAT_S)
+    ap.add_argument("--heartbeat", type=float, default=transport.HEARTBEAT_S)
     ap.add_argument("--no-steering", action="store_true", help="refuse every steering command")
     ap.add_argument("--no-batch", action="store_true",
                     help="neither accept nor send batch messages (behave as a schema 1.1 broker)")
@@ -73,7 +73,7 @@ def main(argv: list[str]) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING)
     try:
         eps = _endpoints_from_args(args)
-        keys = _transport.load_server_keys(args.keys) if args.keys else None
+        keys = transport.load_server_keys(args.keys) if args.keys else None
         config = BrokerConfig(eps, keys, args.consumer_queue_bytes, args.late_join_bytes,
                               args.late_join_total_bytes, args.late_join_linger, args.producer_timeout,
                               args.consumer_timeout, max_message_bytes=args.max_message_bytes,
@@ -96,13 +96,13 @@ def main(argv: list[str]) -> int:
 
 def fetch_stats(address=None, *, stats_endpoint: str | None = None, keys=None, timeout: float = 2.0) -> dict:
     """Ask a running broker for its stats dict (see ``Broker.stats``)."""
-    endpoint = stats_endpoint or _transport.endpoints_for(address).stats
-    client_keys = _transport.resolve_client_keys(keys, "consumer")
+    endpoint = stats_endpoint or transport.endpoints_for(address).stats
+    client_keys = transport.resolve_client_keys(keys, "consumer")
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.REQ)
     try:
-        _transport.configure(sock)
-        _transport.connect(sock, endpoint, client_keys)
+        transport.configure(sock)
+        transport.connect(sock, endpoint, client_keys)
         sock.send(b"msgpack")
         if not sock.poll(int(timeout * 1000)):
             raise BrokerTimeoutError(f"no stats reply from {endpoint} within {timeout:g} s")

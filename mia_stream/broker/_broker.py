@@ -21,9 +21,9 @@ from typing import Any, Iterable
 import msgpack
 import zmq
 
-from mia_stream import _transport
+from mia_stream.bus import transport
 from mia_stream.broker._routing import CONSUMERS, PRODUCERS, BrokerConfig, Router
-from mia_stream.schemas import ShmRingReader
+from mia_stream.bus.shm_ring import ShmRingReader
 from mia_stream.schemas._codec import batch_header
 
 log = logging.getLogger("mia_stream.broker")
@@ -37,8 +37,8 @@ _TICK_S = 0.05  # the router's housekeeping interval
 # sight once a second (gc.freeze); collections then walk at most a second of allocations.
 GC_FREEZE_S = 1.0
 
-_send_parts, _recv_parts = _transport.send_parts, _transport.recv_parts
-_send_frame_lists = _transport.send_frame_lists
+_send_parts, _recv_parts = transport.send_parts, transport.recv_parts
+_send_frame_lists = transport.send_frame_lists
 
 
 class Broker:
@@ -62,7 +62,7 @@ class Broker:
         self._started = time.monotonic()
         eps, keys = config.endpoints, config.keys
         if keys is not None:
-            self._auth = _transport.start_authenticator(self._ctx, keys)
+            self._auth = transport.start_authenticator(self._ctx, keys)
         big = config.max_message_bytes
         try:
             self._prod = self._ctx.socket(zmq.ROUTER)
@@ -70,18 +70,18 @@ class Broker:
                 self._prod.setsockopt(zmq.AFFINITY, 1)
             # A batch (up to 1 MiB) is one zmq message: 256 bound what waits in zmq here; beyond that the
             # producers' byte budgets hold the backlog (and count what they drop).
-            _transport.configure(self._prod, sndhwm=1000, rcvhwm=256, max_message_bytes=big,
+            transport.configure(self._prod, sndhwm=1000, rcvhwm=256, max_message_bytes=big,
                                  router_mandatory=True)
             self._cons = self._ctx.socket(zmq.ROUTER)
             if split_io:
                 self._cons.setsockopt(zmq.AFFINITY, 2)
-            _transport.configure(self._cons, sndhwm=4096, rcvhwm=1000, max_message_bytes=16 << 20,
+            transport.configure(self._cons, sndhwm=4096, rcvhwm=1000, max_message_bytes=16 << 20,
                                  router_mandatory=True)
             self._stats_sock = self._ctx.socket(zmq.REP)
-            _transport.configure(self._stats_sock, max_message_bytes=1 << 16)
-            _transport.bind(self._prod, eps.producers, keys)
-            _transport.bind(self._cons, eps.consumers, keys)
-            _transport.bind(self._stats_sock, eps.stats, keys)
+            transport.configure(self._stats_sock, max_message_bytes=1 << 16)
+            transport.bind(self._prod, eps.producers, keys)
+            transport.bind(self._cons, eps.consumers, keys)
+            transport.bind(self._stats_sock, eps.stats, keys)
         except Exception:
             self._close_sockets()
             raise
@@ -244,7 +244,7 @@ class run_broker_in_thread:
     def __init__(self, config: BrokerConfig | None = None, **options: Any):
         if config is None:
             address = options.pop("address", None)
-            config = BrokerConfig(_transport.endpoints_for(address), **options)
+            config = BrokerConfig(transport.endpoints_for(address), **options)
         self.broker = Broker(config)
         self._thread = threading.Thread(target=self.broker.run, name="mia-stream-broker", daemon=True)
 

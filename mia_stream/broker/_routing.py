@@ -44,16 +44,17 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mia_stream import _transport
-from mia_stream._transport import BrokerEndpoints, ServerKeys
+from mia_stream.bus import transport
+from mia_stream.bus.transport import BrokerEndpoints, ServerKeys
 from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
-from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat,
-                                SteeringAck, SteeringCommand, StreamEnd, Subscribe, Unsubscribe, columnar_requests,
-                                compact, decode, decode_header, encode, has_partial_inline_rows, inline_shm,
-                                select_requests, shm_extent, shm_loss_reason, split_batch, sweep_stale_rings)
+from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice,
+                                Heartbeat, SteeringAck, SteeringCommand, StreamEnd, Subscribe, Unsubscribe,
+                                columnar_requests, compact, decode, decode_header, encode, has_partial_inline_rows,
+                                inline_shm, select_requests, shm_extent, shm_loss_reason, split_batch)
+from mia_stream.bus.shm_ring import sweep_stale_rings
 from mia_stream.schemas._codec import SHM_RING_KEY
 from mia_stream.schemas._messages import Credit
-from mia_stream.schemas._shm import (SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY, SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY,
+from mia_stream.bus.shm_ring import (SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY, SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY,
                                      ShmRingReader, remove_ring)
 
 log = logging.getLogger("mia_stream.broker")
@@ -107,7 +108,7 @@ class BrokerConfig:
     consumer_timeout_s: float = DEFAULT_CONSUMER_TIMEOUT_S
     steer_timeout_s: float = DEFAULT_STEER_TIMEOUT_S
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    heartbeat_s: float = _transport.HEARTBEAT_S
+    heartbeat_s: float = transport.HEARTBEAT_S
     steering: bool = True
     batch: bool = True  # accept and send batches (off: behaves as a 1.1 broker, for comparisons and fallback)
     shm: bool = True  # tell producers to put large tensors in shared memory (off: every byte through the broker)
@@ -415,7 +416,7 @@ class Router:
         q, window = c.queue, c.window
         if window and c.in_flight >= window:
             return None
-        count, nbytes = _transport.batch_span(q, _transport.BATCH_MESSAGES if c.batch else 1,
+        count, nbytes = transport.batch_span(q, transport.BATCH_MESSAGES if c.batch else 1,
                                               window - c.in_flight if window else None)
         return [q[i][0] for i in range(count)], nbytes
 

@@ -32,7 +32,7 @@ from typing import Any, Iterator
 from mia_stream.consumers._assemble import (EVENT_KINDS, Event, RequestStream, StepFrame, StreamAssembler,
                                             merge_shards)
 from mia_stream.consumers._batch_ops import subset_batch
-from mia_stream.consumers._live import BrokerClient
+from mia_stream.bus.client import BrokerClient
 from mia_stream.errors import MiaStreamError, SteeringCommandError
 from mia_stream.schemas import SteeringAck, SteeringCommand
 

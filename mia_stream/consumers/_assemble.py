@@ -67,6 +67,7 @@ import numpy as np
 
 from mia_stream.consumers._batch_ops import frame_batch, subset_batch, tokens_batch
 from mia_stream.errors import IncompleteShardError
+from mia_stream.schemas import seqranges
 from mia_stream.schemas import (Analysis, AnalysisBatch, GapBatch, GapNotice, Message, RowGroup, StepBatch,
                                 StreamEnd, StreamStart, Tensor, TensorFrame, TokenBatch, TokenFrame)
 
@@ -269,51 +270,13 @@ class Event:
         return self.stream.start
 
 
-# ---------------------------------------------------------------------------------------------- ranges
-
-def _subtract(ranges: list[list[int]], lo: int, hi: int) -> list[list[int]]:
-    """Parts of [lo, hi] not covered by ``ranges`` (sorted, disjoint)."""
-    out, cur = [], lo
-    for a, b in ranges:
-        if b < cur:
-            continue
-        if a > hi:
-            break
-        if a > cur:
-            out.append([cur, a - 1])
-        cur = max(cur, b + 1)
-        if cur > hi:
-            break
-    if cur <= hi:
-        out.append([cur, hi])
-    return out
-
-
-def _union(ranges: list[list[int]], add: list[list[int]]) -> list[list[int]]:
-    merged: list[list[int]] = []
-    for a, b in sorted([list(r) for r in ranges] + [list(r) for r in add]):
-        if merged and a <= merged[-1][1] + 1:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
-    return merged
-
+# ---------------------------------------------------------------------------------------------- gaps
 
 def _notice(key: tuple, news: list[list[int]], source: GapNotice | GapBatch) -> GapNotice:
     """The GapNotice of a gap event: ``source`` itself when it is one naming exactly ``news``."""
     if type(source) is GapNotice and news == source.missing:
         return source
     return GapNotice(key[0], key[1], key[2], news, source.reason, source.origin, source.time_ns)
-
-
-def _valid_ranges(missing: Any) -> list[list[int]]:
-    out = []
-    if isinstance(missing, list):
-        for r in missing:
-            if (isinstance(r, (list, tuple)) and len(r) == 2 and all(isinstance(x, int) for x in r)
-                    and 0 <= r[0] <= r[1]):
-                out.append([r[0], r[1]])
-    return _union([], out)
 
 
 class _Sequencer:
@@ -333,7 +296,7 @@ class _Sequencer:
     def gap(self, missing: list) -> list[list[int]] | None:
         """Record an announced gap (``missing``: its seq ranges); the ranges that are news (not delivered, not
         already announced), or None."""
-        if not self.known and not self.held:  # the common case: what _valid_ranges and _subtract would give
+        if not self.known and not self.held:  # the common case: what seqranges.lenient and subtract would give
             fast = self._gap_fast(missing)
             if fast is not None:
                 if fast:
@@ -341,16 +304,16 @@ class _Sequencer:
                     self._skip_known()  # a gap at ``expected``: the next message takes the in-order path
                 return fast or None
         new: list[list[int]] = []
-        for a, b in _valid_ranges(missing):
+        for a, b in seqranges.lenient(missing):
             a = max(a, self.expected)
             if a <= b:
-                new.extend(_subtract(self.known, a, b))
+                new.extend(seqranges.subtract(self.known, a, b))
         for s in self.held:  # a seq that did arrive is not missing, whatever the notice says
             new = [part for a, b in new for part in ([[a, b]] if not a <= s <= b else
                                                        [x for x in ([a, s - 1], [s + 1, b]) if x[0] <= x[1]])]
         if not new:
             return None
-        self.known = _union(self.known, new)
+        self.known = seqranges.union(self.known, new)
         return new
 
     def _gap_fast(self, missing: list) -> list[list[int]] | None:
@@ -420,9 +383,9 @@ class _Sequencer:
                 self.expected += 1
                 continue
             first = min(self.held)
-            if not force and _subtract(self.known, self.expected, first - 1):
+            if not force and seqranges.subtract(self.known, self.expected, first - 1):
                 break
-            unexplained = _subtract(self.known, self.expected, first - 1)
+            unexplained = seqranges.subtract(self.known, self.expected, first - 1)
             if unexplained:
                 rid, pid, epoch = self.key
                 out.append(GapNotice(rid, pid, epoch, unexplained, "seq_jump", "consumer", time.time_ns()))

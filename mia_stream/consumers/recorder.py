@@ -37,8 +37,8 @@ from mia_stream.consumers.recording import (BUS_TOPIC, INDEX_ATTACHMENT, INDEX_M
                                             METADATA_NAME, PART_GLOB, PRODUCER_TOPIC_PREFIX, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
 from mia_stream.errors import WireError
-from mia_stream.schemas import (MESSAGE_TYPES, MULTI_REQUEST_KINDS, SCHEMA_VERSION, ShmRingReader, encode,
-                                inline_shm, shm_loss_gaps)
+from mia_stream.schemas import MESSAGE_TYPES, MULTI_REQUEST_KINDS, SCHEMA_VERSION, encode, inline_shm, shm_loss_gaps
+from mia_stream.bus.shm_ring import ShmRingReader
 from mia_stream.schemas._codec import SHM_RING_KEY
 
 log = logging.getLogger(__name__)
@@ -367,21 +367,22 @@ class _BrokerSource:
                  consumer_id: str = "recorder"):
         import zmq
 
-        from mia_stream import _transport
-        from mia_stream.schemas import Subscribe, encode, shm_reachable, split_batch
+        from mia_stream.bus import transport
+        from mia_stream.schemas import Subscribe, encode, split_batch
+        from mia_stream.bus.shm_ring import shm_reachable
 
-        self._zmq, self._transport, self._consumer_id = zmq, _transport, consumer_id
+        self._zmq, self._transport, self._consumer_id = zmq, transport, consumer_id
         self._split_batch = split_batch
-        endpoint = _transport.endpoints_for(broker).consumers
+        endpoint = transport.endpoints_for(broker).consumers
         # on the broker's host the recorder copies producers' shared-memory tensors itself (Recorder.write)
         self._subscribe = encode(Subscribe(list(patterns), from_start=True, consumer_id=consumer_id, batch=True,
                                            shm=shm_reachable(endpoint)))
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.DEALER)
         # Unbounded receive queue: the broker, not ZeroMQ, decides what is dropped (and says so).
-        _transport.configure(self._sock, sndhwm=1000, rcvhwm=0)
-        _transport.connect(self._sock, endpoint,
-                           _transport.resolve_client_keys(keys, "consumer"))
+        transport.configure(self._sock, sndhwm=1000, rcvhwm=0)
+        transport.connect(self._sock, endpoint,
+                           transport.resolve_client_keys(keys, "consumer"))
         self._broker_instance: int | None = None
         self._last_heartbeat = 0.0
         self._send(self._subscribe)

@@ -104,7 +104,7 @@ def _replay_into_sdk_consumer(path, consumer, pace, patterns, stats: ReplayStats
 
 
 def _replay_into_broker(path, address: str, pace, patterns, stats: ReplayStats, publisher_options: dict) -> None:
-    from mia_stream.producer.publisher import FramePublisher
+    from mia_stream.bus.publisher import FramePublisher
 
     with FramePublisher(address, producer_id=publisher_options.pop("producer_id", "replay"),
                         **publisher_options) as pub:

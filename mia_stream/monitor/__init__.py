@@ -82,13 +82,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                  "(default 2)")
     ap.add_argument("--log-level", default="warning")
     ap.add_argument("--terminal", action="store_true", help="a live view in this terminal instead of the web page "
-                                                            "(mia_stream.terminal_monitor)")
-    from mia_stream import terminal_monitor
+                                                            "(mia_stream.monitor.terminal)")
+    from mia_stream.monitor import terminal
 
-    terminal_monitor.add_arguments(ap)
+    terminal.add_arguments(ap)
     args = ap.parse_args(argv)
     if args.terminal:
-        return terminal_monitor.run_args(args)
+        return terminal.run_args(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     source = args.source or settings.raw("MIA_STREAM_BROKER")
     if source and "://" not in source and not os.path.exists(source):

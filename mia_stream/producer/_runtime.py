@@ -28,7 +28,7 @@ from mia_stream.producer._drain import DrainConfig, Segments, StepDrain, StepIte
 from mia_stream.producer._host_ring import HostRing
 from mia_stream.producer._sidecar import DrainSidecar, SidecarError
 from mia_stream.errors import CaptureSpecError, SteeringSpecError
-from mia_stream.producer.spec import SPEC_KEY, ModelGeometry, RequestSpec, SteerOp
+from mia_stream.spec import SPEC_KEY, ModelGeometry, RequestSpec, SteerOp
 from mia_stream.schemas import StreamStart
 
 logger = logging.getLogger("mia_stream.producer")

@@ -99,7 +99,7 @@ class DrainSidecar:
 # ------------------------------------------------------------------------------------------ the process
 def _serve(conn: Connection, ring, parent: int) -> None:
     from mia_stream.producer._drain import StepDrain
-    from mia_stream.producer.plugin import make_publisher
+    from mia_stream.bus.publisher import make_publisher
 
     kind, config, producer_id = pickle.loads(conn.recv_bytes())
     if kind != "init":

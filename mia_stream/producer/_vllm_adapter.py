@@ -34,7 +34,7 @@ import numpy as np
 
 from mia_stream import settings
 from mia_stream.errors import SpecError, UnsupportedVLLMError
-from mia_stream.producer.spec import SPEC_KEY, ModelGeometry, parse_spec, parse_steer_ops
+from mia_stream.spec import SPEC_KEY, ModelGeometry, parse_spec, parse_steer_ops
 
 logger = logging.getLogger("mia_stream.producer")
 
@@ -282,7 +282,7 @@ class _EngineControl:
     """Engine-core side of live steering: receives commands from the broker, applies them at step boundaries."""
 
     def __init__(self, scheduler):
-        from mia_stream.producer.plugin import make_publisher
+        from mia_stream.bus.publisher import make_publisher
 
         self.geo = geometry_of(scheduler.vllm_config.model_config)
         self.control_id = f"{socket.gethostname()}:{os.getpid()}:engine"

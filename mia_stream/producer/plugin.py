@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 
 from mia_stream import settings
-
-BROKER_ENV = "MIA_STREAM_BROKER"
+from mia_stream.bus.transport import ENV_BROKER as BROKER_ENV
 
 
 def active() -> bool:
@@ -27,10 +26,3 @@ def register() -> None:
 
     _vllm_adapter.install()
 
-
-def make_publisher(producer_id: str, on_command=None, **publisher_options):
-    """The bus client of one producer (worker rank or engine-core control), connected to the broker."""
-    from mia_stream.producer.publisher import FramePublisher
-
-    return FramePublisher(settings.get_address(BROKER_ENV), producer_id=producer_id, on_steering=on_command,
-                          **publisher_options)

@@ -9,7 +9,7 @@ from mia_stream.schemas._codec import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES
                                       columnar_requests, compact, decode, decode_header, encode, encode_batch,
                                       has_partial_inline_rows, inline_shm, references_shm, select_requests, shm_extent, shm_loss_gap, shm_loss_gaps,
                                       shm_loss_reason, split_batch)
-from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter, shm_available, shm_reachable, sweep_stale_rings
+from mia_stream.schemas._oob import BufferSink, BufferSource, is_ring_name
 from mia_stream.schemas._messages import (FINISH_REASONS, MESSAGE_TYPES, SCHEMA_VERSION, Credit, ErrorNotice,
                                           GapNotice, Heartbeat, Message, SteeringAck, SteeringCommand,
                                           StreamEnd, StreamStart, Subscribe, TensorFrame, TokenFrame,
@@ -22,8 +22,7 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES", "FINISH_REASONS", "MESSAGE_TYPES", "SCHEMA_VERSION", "WIRE_DTYPES",
     "Credit", "ErrorNotice", "GapNotice", "Heartbeat", "Message", "Shard", "SteeringAck", "SteeringCommand",
     "StreamEnd", "StreamStart", "Subscribe", "Tensor", "TensorFrame", "TokenFrame", "Unsubscribe",
-    "ShmRingReader", "ShmRingWriter", "decode", "decode_header", "encode", "encode_batch", "inline_shm",
-    "references_shm", "request_topic", "shm_available", "shm_extent", "shm_loss_gap", "shm_loss_reason",
-    "shm_reachable", "split_batch", "stream_key",
-    "sweep_stale_rings",
+    "BufferSink", "BufferSource", "is_ring_name", "decode", "decode_header", "encode", "encode_batch", "inline_shm",
+    "references_shm", "request_topic", "shm_extent", "shm_loss_gap", "shm_loss_reason",
+    "split_batch", "stream_key",
 ]

@@ -19,7 +19,8 @@ from mia_stream.errors import (MalformedFrameError, OversizedMessageError, Schem
 from mia_stream.schemas._batches import (BATCH_MESSAGE_TYPES, VALUE_WIRE_DTYPES, AnalysisBatch, GapBatch, RowGroup,
                                          StepBatch, TokenBatch)
 from mia_stream.schemas._messages import MESSAGE_TYPES, SCHEMA_VERSION, GapNotice, Message, TensorFrame
-from mia_stream.schemas._shm import ShmRingReader, ShmRingWriter, is_ring_name
+from mia_stream.schemas import seqranges
+from mia_stream.schemas._oob import BufferSink, BufferSource, is_ring_name
 from mia_stream.schemas._tensors import (COMPRESSIONS, WIRE_DTYPES, Shard, Tensor, byte_view, compress, crc32,
                                         decompress, verify_crc32)
 
@@ -69,7 +70,7 @@ def _frame_sizes(frames: Sequence[Any]) -> list[int]:
 # ---------------------------------------------------------------------------------------------- encode
 
 def encode(msg: Message, *, compression: str = "none", checksum: bool = False,
-           shm: ShmRingWriter | None = None) -> list[Any]:
+           shm: BufferSink | None = None) -> list[Any]:
     """Frames for ``socket.send_multipart(frames, copy=False)``: tensor buffers are not copied.
 
     ``compression`` ("none" | "lz4") and ``checksum`` (crc32 of the raw bytes) apply to every tensor
@@ -99,7 +100,7 @@ def encode(msg: Message, *, compression: str = "none", checksum: bool = False,
     return [msg.topic(), packed, *buffers]
 
 
-def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list, shm: ShmRingWriter | None) -> dict:
+def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list, shm: BufferSink | None) -> dict:
     method = t.meta.get("compression", compression)
     raw = t.buffer()
     entry: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
@@ -131,7 +132,7 @@ def _col(values: Any) -> bytes:
 
 
 def _encode_columnar(msg: Message, header: dict, buffers: list, compression: str, checksum: bool,
-                     shm: ShmRingWriter | None) -> None:
+                     shm: BufferSink | None) -> None:
     header.update(producer_id=msg.producer_id, epoch=msg.epoch, request_ids=list(msg.request_ids),
                   seqs=_col(msg.seqs), time_ns=msg.time_ns)
     if isinstance(msg, StepBatch):
@@ -249,9 +250,9 @@ def _check_fields(kind: str, header: dict) -> None:
         if header.get(name, 0) < 0:
             raise MalformedFrameError(f"{kind}.{name} must be >= 0, got {header[name]}")
     if kind == "gap":
-        _check_gap_ranges(header.get("missing", ()), "gap.missing")
+        seqranges.check(header.get("missing", ()), "gap.missing")
     elif kind == "end":
-        _check_gap_ranges(header.get("uncaptured_positions", ()), "end.uncaptured_positions")
+        seqranges.check(header.get("uncaptured_positions", ()), "end.uncaptured_positions")
         for reason, count in header.get("drops", _NO_META).items():
             if type(reason) is not str or type(count) is not int:
                 raise MalformedFrameError(f"end.drops must map str to int, got {reason!r}: {count!r}")
@@ -266,15 +267,6 @@ def _check_fields(kind: str, header: dict) -> None:
     if SHM_RING_KEY in header and not is_ring_name(header[SHM_RING_KEY]):  # nil and "" too (spec 9)
         raise MalformedFrameError(f"header field {SHM_RING_KEY!r} must be a ring name "
                                   f"mia-stream-ring-<pid>-<12 hex digits>, got {header[SHM_RING_KEY]!r}")
-
-
-def _check_gap_ranges(missing: Any, name: str = "gap.missing") -> None:
-    """Inclusive ``[first, last]`` int ranges (``gap.missing``, ``end.uncaptured_positions``)."""
-    for r in missing:
-        if (type(r) is not list or len(r) != 2 or type(r[0]) is not int or type(r[1]) is not int
-                or r[0] < 0 or r[0] > r[1]):
-            raise MalformedFrameError(f"{name} must hold [first, last] int ranges with 0 <= first <= last, "
-                                      f"got {r!r}")
 
 
 def _entry_field(e: dict, key: str, kind: type, default: Any = dataclasses.MISSING) -> Any:
@@ -610,7 +602,7 @@ def _check_columnar(kind: str, header: dict, sizes: list[int], max_message_bytes
 # ---------------------------------------------------------------------------------------------- decode
 
 def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-           verify: bool = True, shm: ShmRingReader | None = None, legacy: bool = False) -> Message:
+           verify: bool = True, shm: BufferSource | None = None, legacy: bool = False) -> Message:
     """Decode ``[topic, header, *buffers]``; tensors view the received buffers without copying.
 
     Tensors carried in a producer's shared-memory ring are copied out of it through ``shm``. ``legacy``:
@@ -658,7 +650,7 @@ def decode(frames: Sequence[Any], *, max_message_bytes: int = DEFAULT_MAX_MESSAG
         raise MalformedFrameError(f"{kind} header: {e}") from None
 
 
-def _ring_of(header: dict, shm: ShmRingReader | None):
+def _ring_of(header: dict, shm: BufferSource | None):
     """``(reader or None, ring name)`` for a header that names a ring, else None."""
     if SHM_RING_KEY not in header:
         return None
@@ -679,7 +671,7 @@ def _decode_tensors(entries: list, buffers: list, verify: bool, ring: tuple | No
                 raise MalformedFrameError(f"tensor {p.name!r}: 'shm' without the header's {SHM_RING_KEY!r}")
             if ring[0] is None:  # only an entry that uses the ring needs a reader
                 raise ShmUnavailableError(f"this message's tensors are in the shared-memory ring {ring[1]!r}; "
-                                          "decode it with shm=ShmRingReader() on the producer's host")
+                                          "decode it with shm=ShmRingReader() (mia_stream.bus) on the producer's host")
             if take is not None and p.method == "none" and len(p.shape) >= 2:
                 # only this reader's rows leave the ring
                 row_bytes = WIRE_DTYPES[p.dtype][1]
@@ -729,7 +721,7 @@ def _take_rows(p: _Entry, data: Any, take: tuple) -> np.ndarray:
 
 
 def _decode_columnar(kind: str, header: dict, buffers: list, verify: bool, max_message_bytes: int,
-                     shm: ShmRingReader | None) -> Message:
+                     shm: BufferSource | None) -> Message:
     plans = _check_columnar(kind, header, _frame_sizes(buffers) if buffers else [], max_message_bytes)
     ids, seqs = _request_columns(kind, header)
     common = {"producer_id": header["producer_id"], "epoch": header["epoch"], "request_ids": ids, "seqs": seqs,
@@ -946,7 +938,7 @@ def has_partial_inline_rows(header: dict) -> bool:
                for g in header.get("groups", ()))
 
 
-def compact(frames: Sequence[Any], shm: ShmRingReader | None = None) -> list[Any]:
+def compact(frames: Sequence[Any], shm: BufferSource | None = None) -> list[Any]:
     """The same message with every tensor payload inline and holding exactly its wanted rows (no ``row0``):
     what a consumer that cannot read the producer's ring, or that matches a few requests of a step, is sent.
     Raises ``SharedBufferError`` when the ring cannot give the bytes."""
@@ -1029,7 +1021,7 @@ def shm_loss_gap(header: dict, error: Exception, origin: str) -> GapNotice:
     return shm_loss_gaps(header, error, origin)[0]
 
 
-def inline_shm(frames: Sequence[Any], shm: ShmRingReader) -> list[Any]:
+def inline_shm(frames: Sequence[Any], shm: BufferSource) -> list[Any]:
     """The same message with its ring-held buffers copied in as frames (for a recorder, a peer on another
     host, anything that keeps the bytes). Raises ``SharedBufferError`` when the ring cannot give them."""
     head = frames[1]

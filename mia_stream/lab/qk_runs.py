@@ -111,7 +111,7 @@ def attention_backend(model: str | None = None, backend: str = "vllm", chunk: in
     elif backend == "vllm":
         import os
 
-        from mia_stream import StreamLLM
+        from mia_stream.served.offline import StreamLLM
 
         # all-layer Q/K at every prompt position: ~92 KB per token on the embedded model; a producer ring of 4x
         # a step's bytes keeps the source bound from dropping frames (scripts/eval_analyzers.py)

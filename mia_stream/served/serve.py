@@ -28,7 +28,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mia_stream import _transport
+from mia_stream.bus import transport
 from mia_stream.errors import BrokerTimeoutError, MiaStreamError
 
 __all__ = ["ServeConfig", "main", "vllm_server_command", "vllm_console_script_works"]
@@ -83,7 +83,7 @@ class ServeConfig:
 
     @property
     def broker_address(self) -> str:
-        return self.broker or self.address or str(_transport.default_run_dir())
+        return self.broker or self.address or str(transport.default_run_dir())
 
     @property
     def http_url(self) -> str:
@@ -218,7 +218,7 @@ def serve(config: ServeConfig, stop: list[bool] | None = None) -> int:
         cmd = vllm_server_command(config.model, ["--host", config.host, "--port", str(config.port),
                                                  *config.vllm_args])
         print(f"mia-stream serve: starting {' '.join(cmd)}", flush=True)
-        children.start("vllm", cmd, env=dict(env, **{_transport.ENV_BROKER: address}))
+        children.start("vllm", cmd, env=dict(env, **{transport.ENV_BROKER: address}))
         base = config.http_url.removesuffix("/v1")
         _wait(f"vLLM answers at {base}/health", lambda: _http_ready(base + "/health"), children,
               config.ready_timeout, stop)
@@ -253,7 +253,7 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--host", default="127.0.0.1", help="HTTP host (default 127.0.0.1; 0.0.0.0 for other hosts)")
     ap.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     ap.add_argument("--address", help="run dir (or ipc:// endpoint) of the broker this command starts "
-                                      f"(default ${_transport.ENV_RUN_DIR} or /tmp/mia_stream-$UID)")
+                                      f"(default ${transport.ENV_RUN_DIR} or /tmp/mia_stream-$UID)")
     ap.add_argument("--broker", help="use this running broker instead of starting one")
     ap.add_argument("--record", metavar="DIR", help="also record every stream into DIR (MCAP)")
     ap.add_argument("--ready-timeout", type=float, default=900.0,

@@ -19,7 +19,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from mia_stream.producer.plugin import BROKER_ENV
+from mia_stream.bus.transport import ENV_BROKER as BROKER_ENV
 
 
 @dataclass

@@ -30,7 +30,6 @@ import hashlib
 import hmac
 import mmap
 import os
-import re
 import secrets
 import struct
 import time
@@ -40,6 +39,7 @@ import weakref
 import numpy as np
 
 from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
+from mia_stream.schemas._oob import RING_NAME, is_ring_name
 
 SHM_DIR = "/dev/shm"
 DEFAULT_RING_BYTES = 256 << 20
@@ -60,14 +60,6 @@ _HANDED_OVER_AT = 32  # u64 CLOCK_REALTIME ns; 0 while its producer has it
 _RECEIVED_AT = 40  # u64: the end of the newest payload the broker has received (the broker writes it)
 _OWNER_AT, _OWNER_LEN = 48, 32  # SHA-256 of the writer's secret: what its ownership proof must hash to
 HANDOVER_KEEP_S = 60.0  # a handed-over ring outlives its writer's pid this long before a sweep may remove it
-# spec 9: the writer's pid in ASCII decimal without leading zeros, then 12 lowercase hex digits (``\d`` would also
-# match non-ASCII digits)
-_NAME = re.compile(r"mia-stream-ring-([1-9][0-9]*)-[0-9a-f]{12}")
-
-
-def is_ring_name(name: object) -> bool:
-    """Whether ``name`` is a ring file name of the spec's grammar (section 9); any other is malformed."""
-    return type(name) is str and _NAME.fullmatch(name) is not None
 _U64 = struct.Struct("<Q")
 # Page tables filled at map time: touching a fresh page of a mapping otherwise costs a fault per 4 KiB, which
 # on the first pass over a ring made the reader fall behind the writer (measured: docs/benchmarks.md)
@@ -286,7 +278,7 @@ class ShmRingReader:
         """Whether ``proof`` (a writer's ``ownership_proof()["secret"]``, hex) hashes to ring ``name``'s ``owner``
         field: only the process that made the ring knows it. False for a ring that cannot be read. Reads the
         header alone (no mapping: mapping a ring populates its page tables, tens of ms for 256 MiB)."""
-        if type(proof) is not str or len(proof) != 32 or type(name) is not str or not _NAME.fullmatch(name):
+        if type(proof) is not str or len(proof) != 32 or type(name) is not str or not RING_NAME.fullmatch(name):
             return False
         try:
             secret = bytes.fromhex(proof)
@@ -391,7 +383,7 @@ def sweep_stale_rings(directory: str = SHM_DIR) -> int:
     except OSError:
         return 0
     for name in names:
-        m = _NAME.fullmatch(name)
+        m = RING_NAME.fullmatch(name)
         if m is None:
             continue
         try:

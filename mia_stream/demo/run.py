@@ -97,7 +97,7 @@ def run_demo(config: DemoConfig) -> DemoResult:
     import tempfile
     from pathlib import Path
 
-    from mia_stream import _demo_pipeline as pipeline
+    from mia_stream.demo import pipeline
 
     result = DemoResult()
     with contextlib.ExitStack() as stack:

@@ -59,12 +59,14 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from mia_stream import _transport, settings
+from mia_stream import settings
+from mia_stream.bus import transport as _transport
 from mia_stream.errors import WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat, Message,
                                 SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
 from mia_stream.schemas._codec import batch_header
-from mia_stream.schemas._shm import (DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY,
+from mia_stream.schemas import seqranges
+from mia_stream.bus.shm_ring import (DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY,
                                      SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY, ShmRingWriter, shm_reachable)
 
 log = logging.getLogger("mia_stream.publisher")
@@ -431,13 +433,7 @@ class FramePublisher:
                 st.next_seq = seq + 1
             st.drops[reason] += 1
             pending.add(rid)
-            ranges = st.pending.get(reason)
-            if ranges is None:
-                st.pending[reason] = [[seq, seq]]
-            elif ranges[-1][1] == seq - 1:
-                ranges[-1][1] = seq
-            else:
-                ranges.append([seq, seq])
+            seqranges.add_seq(st.pending.setdefault(reason, []), seq)
         return False
 
     def _announce_gaps(self, rids) -> None:
@@ -678,3 +674,10 @@ class FramePublisher:
             for msg in reversed(out):
                 frames = encode(msg, **self._encode_opts)
                 self._append(frames, _transport.frames_nbytes(frames), front=True)
+
+
+def make_publisher(producer_id: str, on_command=None, **publisher_options) -> FramePublisher:
+    """The bus client of one producer (worker rank or engine-core control), connected to the broker that
+    ``MIA_STREAM_BROKER`` names."""
+    return FramePublisher(settings.get_address(_transport.ENV_BROKER), producer_id=producer_id,
+                          on_steering=on_command, **publisher_options)

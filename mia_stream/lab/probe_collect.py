@@ -33,8 +33,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mia_stream.analyzers import datasets
-from mia_stream.analyzers import hallucination_data as hd
+from mia_stream.lab import datasets
+from mia_stream.lab import hallucination_data as hd
 
 LABELS_FORMAT = "mia_stream.probe-labels/1"
 LOGPROBS = 20

@@ -31,7 +31,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-log = logging.getLogger("mia_stream.terminal_monitor")
+log = logging.getLogger("mia_stream.monitor.terminal")
 
 # value names that look like a risk score, preferred in this order when --score is not given
 _RISK_HINTS = ("risk", "p_", "prob", "score")

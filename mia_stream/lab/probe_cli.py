@@ -47,7 +47,7 @@ def _log(msg: str) -> None:
 
 
 def _dataset(args):
-    from mia_stream.analyzers import _probe_train as pt
+    from mia_stream.lab import probe_train as pt
 
     rec, labels_path = _paths(args)
     labels = pt.load_labels(labels_path)
@@ -58,7 +58,7 @@ def _dataset(args):
 # ------------------------------------------------------------------------------------------------ collect
 
 def _capture(hs: str, qk: str, model: str | None) -> dict:
-    from mia_stream.analyzers._probe_collect import default_capture
+    from mia_stream.lab.probe_collect import default_capture
     from mia_stream.model import resolve_model
 
     n = int(json.loads((Path(resolve_model(model)) / "config.json").read_text())["num_hidden_layers"])
@@ -83,8 +83,8 @@ def _capture(hs: str, qk: str, model: str | None) -> dict:
 
 
 def _collect(argv) -> int:
-    from mia_stream.analyzers import hallucination_data as hd
-    from mia_stream.analyzers._probe_collect import collect
+    from mia_stream.lab import hallucination_data as hd
+    from mia_stream.lab.probe_collect import collect
 
     ap = argparse.ArgumentParser(prog=f"{PROG} collect", description=(
         "Ask the model generated questions with checkable answers through a real vLLM engine with capture; "
@@ -119,7 +119,7 @@ def _collect(argv) -> int:
 # ------------------------------------------------------------------------------------------------ train
 
 def _train(argv) -> int:
-    from mia_stream.analyzers import _probe_train as pt
+    from mia_stream.lab import probe_train as pt
 
     ap = argparse.ArgumentParser(prog=f"{PROG} train", description=(
         "Train one detector's probe on the training requests of a collect run and write the probe file "
@@ -174,7 +174,7 @@ def _fmt(v) -> str:
 
 
 def _eval(argv) -> int:
-    from mia_stream.analyzers import _probe_train as pt
+    from mia_stream.lab import probe_train as pt
 
     ap = argparse.ArgumentParser(prog=f"{PROG} eval", description=(
         "Held-out AUROC of each detector per layer (trained here on the training requests, C by grouped CV) "
@@ -246,7 +246,7 @@ def _eval(argv) -> int:
     print(f"{'semantic entropy (' + str(se['samples']) + ' samples)':>26} {'':>7} {'':>17} {_fmt(se['answer_auc']):>12}")
     _log(f"eval fits took {time.time() - t0:.0f} s")
     if args.analyzers is not None:
-        from mia_stream.analyzers._probe_replay import replay_scores
+        from mia_stream.lab.probe_replay import replay_scores
 
         probes = args.analyzers or [str(pt.shipped_probe_path(d)) for d in args.detectors]
         print("\nthe probe files through their analyzers (replay of the recording's held-out requests):")

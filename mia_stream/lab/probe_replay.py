@@ -42,7 +42,7 @@ def analyzer_results(recording: str | Path, probe_path: str | Path, request_ids:
 def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
     """Held-out AUROC of what the analyzer publishes: ``token_auc`` over the answer-span tokens (its per-token
     ``risk``), ``answer_auc`` over the requests (its end row's ``answer_risk``)."""
-    from mia_stream.analyzers._probe_train import _auc
+    from mia_stream.lab.probe_train import _auc
 
     test = ds.requests("test").tolist()
     rids = [ds.records[r]["request_id"] for r in test]

@@ -19,12 +19,12 @@ from typing import Any
 
 import zmq
 
-from mia_stream import _transport
+from mia_stream.bus import transport as _transport
 from mia_stream.errors import BrokerTimeoutError, SharedBufferError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat, Message,
-                                ShmRingReader, SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode,
-                                decode_header, encode, references_shm, shm_extent, shm_loss_gaps, shm_loss_reason,
-                                shm_reachable, split_batch)
+                                SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode, decode_header, encode,
+                                references_shm, shm_extent, shm_loss_gaps, shm_loss_reason, split_batch)
+from mia_stream.bus.shm_ring import ShmRingReader, shm_reachable
 from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.consumers")

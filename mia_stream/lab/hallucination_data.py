@@ -32,7 +32,7 @@ import re
 import unicodedata
 from typing import Iterable, Sequence
 
-from mia_stream.analyzers import datasets
+from mia_stream.lab import datasets
 
 SETS = ("arithmetic", "capitals", "elements", "populations")
 POPULATION_TOLERANCE = 0.3  # relative

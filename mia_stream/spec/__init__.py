@@ -292,7 +292,7 @@ def _op_cache_key(op: Any, geo: ModelGeometry, resolve_vector, versions: dict) -
         if name in versions:
             version = versions[name]
         else:
-            from mia_stream.producer.vectors import vector_version
+            from mia_stream.spec.vectors import vector_version
 
             version = versions[name] = vector_version(name)
         if version is None:
@@ -331,12 +331,12 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> Ste
         name = vec["name"]
         try:
             if "digest" in vec:  # the normalized form: exactly the content the frontend checked
-                from mia_stream.producer.vectors import vector_by_digest
+                from mia_stream.spec.vectors import vector_by_digest
 
                 arr = np.asarray(vector_by_digest(vec["digest"]), dtype=np.float64)
                 ref = (name, vec["digest"])
             elif resolve_vector is None:
-                from mia_stream.producer.vectors import named_vector
+                from mia_stream.spec.vectors import named_vector
 
                 loaded, digest = named_vector(name)
                 arr, ref = np.asarray(loaded, dtype=np.float64), (name, digest)
