@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
@@ -264,13 +265,29 @@ def bind(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None) -> None:
     if path is not None:
         ensure_run_dir(path.parent)
         if path.exists() or path.is_symlink():
-            path.unlink()  # a stale socket of a dead broker (a live one would still hold the file)
+            if _listening(path):  # unlinking a live broker's socket would split the bus silently
+                raise TransportError(f"cannot bind {endpoint}: address in use (a live broker listens there; "
+                                     "stop it first or choose another run dir)")
+            path.unlink()  # a stale socket of a dead broker
     try:
         sock.bind(endpoint)
     except zmq.ZMQError as e:
         raise TransportError(f"cannot bind {endpoint}: {e}") from None
     if path is not None:
         os.chmod(path, 0o600)
+
+
+def _listening(path: Path) -> bool:
+    """Whether a process accepts connections on the unix socket ``path`` (ECONNREFUSED: a stale file)."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    probe.settimeout(1.0)
+    try:
+        probe.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        probe.close()
 
 
 def connect(sock: zmq.Socket, endpoint: str, keys: ClientKeys | None) -> None:
