@@ -1,9 +1,9 @@
-"""Write the README's table of ``MIA_STREAM_*`` settings from ``mia_stream.settings.SETTINGS``.
+"""Write docs/settings.md's table of ``MIA_STREAM_*`` settings from ``mia_stream.settings.SETTINGS``.
 
-    python scripts/settings_table.py            # rewrite the table in README.md
-    python scripts/settings_table.py --check    # exit 1 if README.md's table is not what SETTINGS says
+    python scripts/settings_table.py            # rewrite the table in docs/settings.md
+    python scripts/settings_table.py --check    # exit 1 if docs/settings.md's table is not what SETTINGS says
 
-The table sits between the two marker lines below; everything else in the README is left alone.
+The table sits between the two marker lines below; everything else in the file is left alone.
 tests/test_settings.py runs the check.
 """
 
@@ -26,13 +26,13 @@ def render(readme: str) -> str:
     """``readme`` with the text between the markers replaced by the table."""
     head, sep, rest = readme.partition(BEGIN + "\n")
     if not sep or END not in rest:
-        raise SystemExit(f"README has no settings table markers ({BEGIN!r} ... {END!r})")
+        raise SystemExit(f"no settings table markers ({BEGIN!r} ... {END!r})")
     return head + BEGIN + "\n" + markdown_table() + END + rest.split(END, 1)[1]
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("readme", nargs="?", default=str(REPO / "README.md"))
+    ap.add_argument("readme", nargs="?", default=str(REPO / "docs" / "settings.md"))
     ap.add_argument("--check", action="store_true", help="only check that the table is current")
     args = ap.parse_args(argv)
     path = Path(args.readme)

@@ -24,7 +24,7 @@ from mia_stream.schemas import (AnalysisBatch, RowGroup, StepBatch, StreamEnd, S
 ROOT = Path(__file__).resolve().parents[1]
 L, H = 4, 16
 
-# The README's custom analyzer, verbatim (tests register it through the entry point group).
+# docs/analyzers.md's custom analyzer, verbatim (tests register it through the entry point group).
 TOKEN_NORM = textwrap.dedent('''
     import numpy as np
     from mia_stream.analyzers import Analyzer, Needs
@@ -246,7 +246,7 @@ def _cli(*args, env=None, timeout=60):
 
 
 def _third_party(tmp_path: Path) -> Path:
-    """A third-party package with the README's analyzer, registered through the entry point group."""
+    """A third-party package with docs/analyzers.md's analyzer, registered through the entry point group."""
     pkg = tmp_path / "site"
     pkg.mkdir()
     (pkg / "my_analyzers.py").write_text(TOKEN_NORM)
@@ -267,7 +267,7 @@ def test_a_third_party_analyzer_registers_through_the_entry_point_group(tmp_path
     spec = _cli("token_norm", "--print-spec", env={"PYTHONPATH": str(site)})
     assert json.loads(spec.stdout) == {"capture": {"hidden_states": {"layers": [15], "positions": "generated"}}}
     assert _cli("--list").stdout.count("token_norm") == 0  # not installed: not listed
-    assert TOKEN_NORM.strip() in (ROOT / "README.md").read_text()  # the README shows this very analyzer
+    assert TOKEN_NORM.strip() in (ROOT / "docs" / "analyzers.md").read_text()  # the docs show this very analyzer
 
 
 @pytest.mark.slow  # subprocesses
@@ -494,10 +494,10 @@ def test_an_analyzer_reads_only_its_positions_of_a_stream_that_captures_more():
 
 
 def test_the_readme_analyzer_scores_generated_rows_only_as_numpy_does():
-    """The README's TokenNorm, as written there, on streams that capture every position (more than it needs):
+    """docs/analyzers.md's TokenNorm, as written there, on streams that capture every position (more than it needs):
     one norm per generated row, equal to numpy's, alerts above its threshold; the same from step batches."""
     ns: dict = {}
-    exec(compile(TOKEN_NORM, "README.md", "exec"), ns)
+    exec(compile(TOKEN_NORM, "docs/analyzers.md", "exec"), ns)
     rng = np.random.default_rng(5)
     msgs, ref = _synthetic_streams(rng, n_requests=3, steps=4, prompt=5)
     threshold = 4.0  # about the median norm of 16 standard normal values: both verdicts occur

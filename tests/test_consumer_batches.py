@@ -843,17 +843,17 @@ def test_live_equals_replay_on_a_real_engine_capture(engine, broker_address, tmp
 
 
 def test_the_readme_vectorized_consumer_computes_each_requests_mean_norm(tmp_path, capsys):
-    """The README's batch-API example, run as written on a recording, against the per-request events."""
+    """docs/consumers.md's batch-API example, run as written on a recording, against the per-request events."""
     import re
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[1] / "docs" / "consumers.md").read_text()
     code = re.search(r"```python\n(import numpy as np\nfrom mia_stream.consumers import Consumer, run_consumer\n.*?)```",
                      readme, re.S).group(1)
     code = code.replace('"/tmp/mia-run"', repr(str(tmp_path / "rec")))
     msgs = _run()
     _record(tmp_path / "rec", msgs)
-    exec(compile(code, "README.md", "exec"), {"__name__": "__main__"})
+    exec(compile(code, "docs/consumers.md", "exec"), {"__name__": "__main__"})
     printed = [eval(line.split(" ", 1)[1]) | {"step": int(line.split(" ", 1)[0])}
                for line in capsys.readouterr().out.splitlines()]
     want: dict[tuple, float] = {}
