@@ -4,7 +4,8 @@ Producers, the broker and consumers all speak through this package and nothing e
 ``mia_stream.errors`` only; shared-memory rings reach the codec through the ``_oob`` hook.
 
 Modules, each importing only those listed before it: ``_tensors`` (tensors on the wire), ``_messages``
-(per-request kinds), ``_batches`` (columnar kinds), ``_kinds`` (the registry of every kind), ``_framing``, ``_validate``, ``_entries``, ``_columnar``, ``_codec`` (encode/decode),
+(per-request kinds), ``_batches`` (columnar kinds), ``_kinds`` (the registry of every kind), ``_steering`` (op names,
+actions and codes), ``_framing``, ``_validate``, ``_entries``, ``_columnar``, ``_codec`` (encode/decode),
 ``_rings`` (ring references); ``seqranges`` and ``_oob`` stand alone.
 """
 
@@ -20,6 +21,7 @@ from mia_stream.schemas._messages import (FINISH_REASONS, SCHEMA_VERSION, Credit
 from mia_stream.schemas._oob import BufferSink, BufferSource, is_ring_name
 from mia_stream.schemas._rings import (inline_shm, references_shm, shm_extent, shm_loss_gap, shm_loss_gaps,
                                        shm_loss_reason)
+from mia_stream.schemas._steering import (OP_ABLATE, OP_ADD, OP_CAP, OP_CODES, OP_NONE, STEER_ACTIONS, STEER_OPS)
 from mia_stream.schemas._tensors import WIRE_DTYPES, Shard, Tensor
 
 __all__ = [
@@ -32,4 +34,5 @@ __all__ = [
     "references_shm", "request_topic", "shm_extent", "shm_loss_gap", "shm_loss_reason",
     "split_batch", "stream_key",
     "BATCH_KIND", "SHM_RING_KEY", "batch_header",
+    "OP_ABLATE", "OP_ADD", "OP_CAP", "OP_CODES", "OP_NONE", "STEER_ACTIONS", "STEER_OPS",
 ]

@@ -159,7 +159,7 @@ class SteeringCommand(Message):
     KIND: ClassVar[str] = "steer"
     command_id: str
     request_id: str
-    action: str  # "replace" | "add" | "remove" | "clear" | "abort"
+    action: str  # one of STEER_ACTIONS (_steering): "replace" | "add" | "remove" | "clear" | "abort"
     ops: list = field(default_factory=list)
     layers: list = field(default_factory=list)  # for "remove": the layers whose ops are removed
     sender: str = ""  # set by the broker: the authenticated identity that sent it
