@@ -62,8 +62,9 @@ import zmq
 from mia_stream import settings
 from mia_stream.bus import transport as _transport
 from mia_stream.errors import WireError
-from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat, Message,
-                                SteeringAck, SteeringCommand, StreamEnd, StreamStart, batch_header, decode, encode)
+from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice,
+                                Heartbeat, Message, SteeringAck, SteeringCommand, StreamEnd, StreamStart,
+                                batch_header, decode, encode)
 from mia_stream.schemas import seqranges
 from mia_stream.bus.session import BrokerSession, Capabilities
 from mia_stream.bus.shm_ring import DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, ShmRingWriter, shm_reachable
@@ -85,7 +86,7 @@ _RING_HANDOVER_WAIT_S = 2.0  # close() waits this long at most for the broker to
 _RING_AHEAD_STALL_S = 3.0
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
-_COLUMNAR_KINDS = frozenset(("step_batch", "token_batch", "analysis"))  # one seq of each request they name
+_COLUMNAR_KINDS = COLUMNAR_KINDS  # one seq of each request they name
 _BULK_KINDS = frozenset(("tensors", "step_batch"))  # dropped first; their payloads may go into the ring
 
 
