@@ -21,11 +21,11 @@ import zmq
 
 from mia_stream.bus import transport as _transport
 from mia_stream.errors import BrokerTimeoutError, SharedBufferError, WireError
-from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat, Message,
-                                SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode, decode_header, encode,
-                                references_shm, shm_extent, shm_loss_gaps, shm_loss_reason, split_batch)
+from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, Credit, ErrorNotice, GapBatch, GapNotice, Heartbeat,
+                                Message, SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode, decode_header,
+                                encode, references_shm, shm_extent, shm_loss_gaps, shm_loss_reason, split_batch)
+from mia_stream.bus.session import BrokerSession
 from mia_stream.bus.shm_ring import ShmRingReader, shm_reachable
-from mia_stream.schemas._messages import Credit
 
 log = logging.getLogger("mia_stream.consumers")
 
@@ -57,7 +57,7 @@ class BrokerClient:
         self.heartbeat_s = heartbeat_s
         self.max_message_bytes = max_message_bytes
         self.instance = random.getrandbits(63)
-        self.broker_instance: int | None = None
+        self.broker = BrokerSession(announce_on_first=False)  # what the broker's heartbeats said
         self.counters: collections.Counter[str] = collections.Counter()
         self.errors: collections.deque[ErrorNotice] = collections.deque(maxlen=100)
         self._patterns: list[str] = []
@@ -277,13 +277,16 @@ class BrokerClient:
         self._shm.prune()  # rings of producers gone for a while
         self._send(Heartbeat(self.consumer_id, "consumer", self.instance, time.time_ns()))
 
+    @property
+    def broker_instance(self) -> int | None:
+        """The broker instance last heard (None until a broker has answered)."""
+        return self.broker.instance
+
     def _on_heartbeat(self, hb: Heartbeat) -> None:
-        previous, self.broker_instance = self.broker_instance, hb.instance
-        known = hb.stats.get("known", True) if isinstance(hb.stats, dict) else True
-        restarted = previous is not None and previous != hb.instance
-        if restarted:
+        news = self.broker.on_heartbeat(hb)
+        if news.restarted:
             self.counters["broker_restarts_seen"] += 1
-        if restarted or not known:
+        if news.reannounce:
             # A broker that does not know us: subscribe again, from the start of what it holds, so frames
             # that reached it before we did are not lost (duplicates are dropped by seq).
             self._unacked = 0

@@ -40,8 +40,8 @@ read before it is overwritten, instead of most of it arriving already lost.
 
 Steering commands from consumers arrive through the broker: pass ``on_steering=callback`` (called in the
 sender thread; keep it quick) or call ``poll_steering()``; answer each with ``ack(SteeringAck(...))``.
-After a broker restart (a new broker instance in its heartbeats) the publisher re-sends the StreamStart of
-every live stream with ``resent=True`` so the new broker knows them.
+After a broker restart (a new broker instance in its heartbeats; ``bus.session.BrokerSession`` says so) the
+publisher re-sends the StreamStart of every live stream with ``resent=True`` so the new broker knows them.
 """
 
 from __future__ import annotations
@@ -62,12 +62,12 @@ import zmq
 from mia_stream import settings
 from mia_stream.bus import transport as _transport
 from mia_stream.errors import WireError
-from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice, Heartbeat, Message,
-                                SteeringAck, SteeringCommand, StreamEnd, StreamStart, decode, encode)
-from mia_stream.schemas._codec import batch_header
+from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice,
+                                Heartbeat, Message, SteeringAck, SteeringCommand, StreamEnd, StreamStart,
+                                batch_header, decode, encode)
 from mia_stream.schemas import seqranges
-from mia_stream.bus.shm_ring import (DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY,
-                                     SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY, ShmRingWriter, shm_reachable)
+from mia_stream.bus.session import BrokerSession, Capabilities
+from mia_stream.bus.shm_ring import DEFAULT_MIN_BYTES, DEFAULT_RING_BYTES, ShmRingWriter, shm_reachable
 
 log = logging.getLogger("mia_stream.publisher")
 
@@ -86,7 +86,7 @@ _RING_HANDOVER_WAIT_S = 2.0  # close() waits this long at most for the broker to
 _RING_AHEAD_STALL_S = 3.0
 _REANNOUNCE_ENDED_S = 30.0  # ended streams re-announced (start + end) to a broker that restarted
 _STREAM_KINDS = frozenset(("start", "tensors", "tokens", "end"))
-_COLUMNAR_KINDS = frozenset(("step_batch", "token_batch", "analysis"))  # one seq of each request they name
+_COLUMNAR_KINDS = COLUMNAR_KINDS  # one seq of each request they name
 _BULK_KINDS = frozenset(("tensors", "step_batch"))  # dropped first; their payloads may go into the ring
 
 
@@ -166,7 +166,8 @@ class FramePublisher:
         self._ended: collections.OrderedDict[str, _PubStream] = collections.OrderedDict()
         self._steering: collections.deque[SteeringCommand] = collections.deque(maxlen=10_000)
         self.counters: collections.Counter[str] = collections.Counter()
-        self.broker_instance: int | None = None
+        self.broker = BrokerSession(announce_on_first=True)  # what the broker's heartbeats said (sender thread)
+        # its capabilities as this publisher acts on them (attributes: publish() reads them for every message)
         self.broker_batches = False  # the broker's heartbeats say it accepts batches (sender thread only)
         self.broker_shm = False  # ... and that it takes tensors by shared-memory ring position (schema 1.3)
         self.broker_shm_received = False  # ... and that it records in the ring how far it has received
@@ -384,7 +385,7 @@ class FramePublisher:
         with self._ring_lock:
             ring.mark_handed_over()
         hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(),
-                       {**self.stats(), SHM_RING_CLOSED_KEY: ring.name})
+                       {**self.stats(), **Capabilities(ring_closed=ring.name).to_stats()})
         frames = encode(hb)
         with self._lock:
             self._append(frames, _transport.frames_nbytes(frames))
@@ -603,7 +604,7 @@ class FramePublisher:
     def _send_heartbeat(self, sock: zmq.Socket) -> None:
         stats = self.stats()
         if self.shm_ring is not None:  # the broker takes this ring's references only from its proven owner
-            stats[SHM_RING_PROOF_KEY] = self.shm_ring.ownership_proof()
+            stats.update(Capabilities(ring_proof=self.shm_ring.ownership_proof()).to_stats())
         hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(), stats)
         try:
             sock.send_multipart(encode(hb), zmq.NOBLOCK)
@@ -640,24 +641,28 @@ class FramePublisher:
             else:
                 self.counters["unexpected_from_broker"] += 1
 
+    @property
+    def broker_instance(self) -> int | None:
+        """The broker instance last heard (None until a broker has answered)."""
+        return self.broker.instance
+
     def _on_broker_heartbeat(self, hb: Heartbeat) -> None:
-        if (self.shm_ring is not None and isinstance(hb.stats, dict)
-                and hb.stats.get(SHM_RING_TAKEN_KEY) == self.shm_ring.name):
+        news = self.broker.on_heartbeat(hb)
+        caps = self.broker.capabilities
+        if self.shm_ring is not None and caps.ring_taken == self.shm_ring.name:
             self._ring_taken.set()
-        previous, self.broker_instance = self.broker_instance, hb.instance
-        known = hb.stats.get("known", True) if isinstance(hb.stats, dict) else True
-        self.broker_batches = isinstance(hb.stats, dict) and hb.stats.get("batch") is True
-        self.broker_shm = isinstance(hb.stats, dict) and hb.stats.get("shm") is True
-        self.broker_shm_received = self.broker_shm and hb.stats.get(SHM_RECEIVED_KEY) is True
-        self.broker_gap_batch = isinstance(hb.stats, dict) and hb.stats.get("gap_batch") is True
-        if previous != hb.instance:  # a new broker has received nothing that was on its way to the old one
+        self.broker_batches = caps.batch is True
+        self.broker_shm = caps.shm is True
+        self.broker_shm_received = self.broker_shm and caps.shm_received is True
+        self.broker_gap_batch = caps.gap_batch is True
+        if news.first or news.restarted:  # a new broker has received nothing that was on its way to the old one
             self._ring_baseline = self._ring_sent_end
-        if previous == hb.instance and known:
+        if not news.reannounce:
             return
         # A broker that may not know our streams (a restart; the first heartbeat of a broker that may have
         # missed the original starts; or one that got frames of a stream it has no start for): re-announce.
         # A broker that knew them ignores the copies (counted as duplicate_starts / after_end).
-        if previous is not None and previous != hb.instance:
+        if news.restarted:
             self.counters["broker_restarts_seen"] += 1
         self.counters["reannounced"] += 1
         now = time.monotonic()

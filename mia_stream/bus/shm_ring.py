@@ -39,20 +39,14 @@ import weakref
 import numpy as np
 
 from mia_stream.errors import MalformedFrameError, ShmOverrunError, ShmUnavailableError
+# the heartbeat keys of the ring handshake (spec section 9), defined in bus.session; the broker imports them here
+from mia_stream.bus.session import (SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY, SHM_RING_PROOF_KEY,  # noqa: F401
+                                    SHM_RING_TAKEN_KEY)
 from mia_stream.schemas._oob import RING_NAME, is_ring_name
 
 SHM_DIR = "/dev/shm"
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_MIN_BYTES = 16 << 10  # smaller buffers stay inline (16 KiB frames: ring vs inline in docs/benchmarks.md)
-# A closing producer's last heartbeat offers its ring under this stats key; the broker's reply names the ring
-# under the second when it took it, and removes it after its grace (spec section 9)
-SHM_RING_CLOSED_KEY = "shm_ring_closed"
-SHM_RING_TAKEN_KEY = "shm_ring_taken"
-# A broker's heartbeats carry this stats key, true, when it keeps each ring's ``received`` field (spec section 9)
-SHM_RECEIVED_KEY = "shm_received"
-# A producer's heartbeats carry this stats key: {"ring": name, "secret": hex}, the secret whose SHA-256 is the ring's
-# ``owner`` field; the broker accepts that ring's references only from the peer that presented it (spec section 9)
-SHM_RING_PROOF_KEY = "shm_ring_proof"
 _MAGIC = b"MIASHM01"
 _HEADER = 4096
 _RESERVED_AT = 16

@@ -359,8 +359,9 @@ class _BrokerSource:
     """A raw subscription to the broker: a DEALER on its consumers endpoint, subscribed ``from_start``.
 
     It keeps the raw frames (the recorder must not re-encode), heartbeats the broker and re-subscribes when
-    the broker restarts (a new ``instance`` or ``known: false`` in its heartbeat). Losses are the broker's to
-    report: its GapNotices arrive here like any message and are recorded on their request's channel.
+    its ``BrokerSession`` says so (the first broker heartbeat, a new ``instance``, or ``known: false``). Losses
+    are the broker's to report: its GapNotices arrive here like any message and are recorded on their
+    request's channel.
     """
 
     def __init__(self, broker: str | None, patterns: Sequence[str], keys: Any = None,
@@ -368,6 +369,7 @@ class _BrokerSource:
         import zmq
 
         from mia_stream.bus import transport
+        from mia_stream.bus.session import BrokerSession
         from mia_stream.schemas import Subscribe, encode, split_batch
         from mia_stream.bus.shm_ring import shm_reachable
 
@@ -383,7 +385,7 @@ class _BrokerSource:
         transport.configure(self._sock, sndhwm=1000, rcvhwm=0)
         transport.connect(self._sock, endpoint,
                            transport.resolve_client_keys(keys, "consumer"))
-        self._broker_instance: int | None = None
+        self._broker = BrokerSession(announce_on_first=True)  # its first subscription may not have gone out
         self._last_heartbeat = 0.0
         self._send(self._subscribe)
 
@@ -401,13 +403,20 @@ class _BrokerSource:
             self._last_heartbeat = now
             self._send(encode(Heartbeat(self._consumer_id, "consumer", os.getpid(), time.time_ns())))
 
-    def _on_broker_heartbeat(self, header: dict) -> None:
-        instance = header.get("instance")
-        stats = header.get("stats") if isinstance(header.get("stats"), dict) else {}
-        if instance != self._broker_instance or stats.get("known") is False:
-            if self._broker_instance is not None:
-                log.warning("recorder: broker restarted (instance %r); subscribing again", instance)
-            self._broker_instance = instance
+    def _on_broker_heartbeat(self, frames: list) -> None:
+        from mia_stream.schemas import Heartbeat, decode
+
+        try:
+            hb = decode(frames)
+        except WireError as e:
+            log.warning("recorder: malformed broker heartbeat: %s", e)
+            return
+        if not isinstance(hb, Heartbeat):
+            return
+        news = self._broker.on_heartbeat(hb)
+        if news.reannounce:
+            if not news.first:
+                log.warning("recorder: broker restarted or lost us (instance %r); subscribing again", hb.instance)
             self._send(self._subscribe)
 
     def recv_frames(self, timeout_s: float) -> list[list[Any]]:
@@ -431,7 +440,7 @@ class _BrokerSource:
                 if len(frames) >= 2 and len(frames[0]) == 0 and len(frames[1]) < 4096:  # maybe a heartbeat
                     header = Recorder._header_of(frames)
                     if header is not None and header.get("kind") == "heartbeat" and header.get("role") == "broker":
-                        self._on_broker_heartbeat(header)
+                        self._on_broker_heartbeat(frames)
                 out.append(frames)
         return out
 

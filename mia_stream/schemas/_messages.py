@@ -3,7 +3,8 @@
 Every message is one ZeroMQ multipart message ``[topic, header, *buffers]``. Each class here is one
 ``kind`` of header. Fields with defaults are optional on the wire; unknown fields are ignored (minor
 versions add optional fields, and new kinds sent only to peers that advertised them). A ``batch`` (1.2) is
-not a message but an envelope of several: see ``_codec.encode_batch``.
+not a message but an envelope of several: see ``_framing.encode_batch``. The columnar kinds (2.0) build on
+these in ``_batches``; ``_kinds`` registers both (this module imports neither).
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ class SteeringCommand(Message):
     KIND: ClassVar[str] = "steer"
     command_id: str
     request_id: str
-    action: str  # "replace" | "add" | "remove" | "clear" | "abort"
+    action: str  # one of STEER_ACTIONS (_steering): "replace" | "add" | "remove" | "clear" | "abort"
     ops: list = field(default_factory=list)
     layers: list = field(default_factory=list)  # for "remove": the layers whose ops are removed
     sender: str = ""  # set by the broker: the authenticated identity that sent it
@@ -224,17 +225,6 @@ class ErrorNotice(Message):
     message: str
     request_id: str | None = None
     time_ns: int = 0
-
-
-# The columnar kinds (2.0) live in _batches, which builds on the classes above (hence imported here, last).
-from mia_stream.schemas._batches import BATCH_MESSAGE_TYPES, GapBatch  # noqa: E402
-
-MESSAGE_TYPES: dict[str, type[Message]] = {
-    cls.KIND: cls
-    for cls in (StreamStart, TensorFrame, TokenFrame, StreamEnd, GapNotice, Heartbeat,
-                SteeringCommand, SteeringAck, Subscribe, Unsubscribe, Credit, ErrorNotice, *BATCH_MESSAGE_TYPES,
-                GapBatch)
-}
 
 
 def stream_key(msg: Any) -> tuple[str, str, int]:

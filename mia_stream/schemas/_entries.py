@@ -1,0 +1,113 @@
+"""Tensor entries (spec section 4): a ``Tensor`` to a header entry and its buffers, and validated entries back.
+
+A payload goes inline as a buffer frame, or into the producer's ring through the out-of-band hook (``_oob``),
+the entry then naming its position (spec section 9). Decoding reads only entries ``_validate`` has checked.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from mia_stream.errors import MalformedFrameError, ShmUnavailableError
+from mia_stream.schemas._framing import SHM_RING_KEY, _len
+from mia_stream.schemas._oob import BufferSink, BufferSource
+from mia_stream.schemas._tensors import WIRE_DTYPES, Tensor, byte_view, compress, crc32, decompress, verify_crc32
+from mia_stream.schemas._validate import _Entry
+
+
+def _encode_tensor(t: Tensor, compression: str, checksum: bool, buffers: list, shm: BufferSink | None) -> dict:
+    method = t.meta.get("compression", compression)
+    raw = t.buffer()
+    entry: dict[str, Any] = {"name": t.name, "dtype": t.dtype, "shape": list(t.shape),
+                             "layers": list(t.layers), "raw_nbytes": t.nbytes}
+    if t.meta.get("checksum", checksum):
+        entry["crc32"] = crc32(raw)
+    payload = compress(raw, method)
+    entry["compression"] = method
+    entry["nbytes"] = len(payload)
+    if t.shard is not None:
+        entry["shard"] = t.shard.to_wire()
+    pos = shm.put(payload) if shm is not None else None
+    if pos is None:
+        buffers.append(payload)
+    else:
+        entry["shm"] = pos
+    if t.scale is not None:
+        entry["scale"] = {"dtype": "float32", "shape": list(t.scale.shape)}
+        buffers.append(byte_view(np.ascontiguousarray(t.scale, dtype="<f4")))
+    extra = {k: v for k, v in t.meta.items() if k not in ("compression", "checksum")}
+    if extra:
+        entry["meta"] = extra
+    return entry
+
+
+def _ring_of(header: dict, shm: BufferSource | None):
+    """``(reader or None, ring name)`` for a header that names a ring, else None."""
+    if SHM_RING_KEY not in header:
+        return None
+    return shm, header[SHM_RING_KEY]
+
+
+def _decode_tensors(entries: list, buffers: list, verify: bool, ring: tuple | None = None,
+                    take: tuple | None = None) -> list[Tensor]:
+    """The tensors of ``entries`` (validated by ``_check_tensor_entries``, which gave each its buffer indices).
+
+    ``take = (stored_rows, rows)``: each stored tensor has ``stored_rows`` along dim 1, of which only ``rows``
+    (an index array) are wanted (a consumer given some requests of a step batch)."""
+    out = []
+    for p in entries:
+        gathered = False
+        if p.shm is not None:
+            if ring is None:
+                raise MalformedFrameError(f"tensor {p.name!r}: 'shm' without the header's {SHM_RING_KEY!r}")
+            if ring[0] is None:  # only an entry that uses the ring needs a reader
+                raise ShmUnavailableError(f"this message's tensors are in the shared-memory ring {ring[1]!r}; "
+                                          "decode it with shm=ShmRingReader() (mia_stream.bus) on the producer's host")
+            if take is not None and p.method == "none" and len(p.shape) >= 2:
+                # only this reader's rows leave the ring
+                row_bytes = WIRE_DTYPES[p.dtype][1]
+                for d in p.shape[2:]:
+                    row_bytes *= d
+                data = ring[0].gather(ring[1], p.shm, p.nbytes, p.shape[0], take[0], row_bytes, take[1])
+                gathered = True
+            else:
+                payload = ring[0].read(ring[1], p.shm, p.nbytes)
+                if _len(payload) != p.nbytes:
+                    raise MalformedFrameError(f"tensor {p.name!r}: ring gave {_len(payload)} bytes, header says "
+                                              f"{p.nbytes}")
+        else:
+            payload = buffers[p.buf]
+        if not gathered:
+            data = decompress(payload, p.method, p.raw_nbytes)
+            if verify and p.crc is not None:
+                verify_crc32(p.name, data, p.crc)
+        scale = None
+        if p.scale is not None:
+            scale = np.frombuffer(buffers[p.scale_buf], dtype="<f4").reshape(p.scale)
+        shape = p.shape
+        if take is not None:
+            shape = (shape[0], len(take[1]), *shape[2:])
+            if not gathered:
+                data = _take_rows(p, data, take)
+            if scale is not None and scale.shape[1] == take[0] and take[0] != 1:  # per row: its rows too
+                scale = scale[:, take[1]]
+        have = data.nbytes if type(data) is memoryview or isinstance(data, np.ndarray) else _len(data)
+        want = WIRE_DTYPES[p.dtype][1]
+        for d in shape:
+            want *= d
+        if have != want:
+            raise MalformedFrameError(f"tensor {p.name!r}: {have} bytes for shape {shape} {p.dtype} (want {want})")
+        out.append(Tensor(p.name, p.dtype, shape, data, p.layers, p.shard, scale,
+                          dict(p.meta) if p.meta else {}))
+    return out
+
+
+def _take_rows(p: _Entry, data: Any, take: tuple) -> np.ndarray:
+    """Rows ``take[1]`` (dim 1) of a stored tensor's bytes, as a new ``[L, rows, ...]`` uint8 array."""
+    row_bytes = WIRE_DTYPES[p.dtype][1]
+    for d in p.shape[2:]:
+        row_bytes *= d
+    arr = np.frombuffer(data, np.uint8).reshape(p.shape[0], take[0], row_bytes)
+    return np.ascontiguousarray(arr[:, take[1]])
