@@ -113,6 +113,9 @@ class Delivery:
     # ------------------------------------------------------------------------------------------ the shell's side
 
     def pending_send(self, identity: bytes) -> tuple[list[list], int] | None:
+        """The messages to hand to consumer ``identity``'s socket now, as one zmq message (several make a
+        batch), and their bytes; None when its queue is empty or its credit window is full. A message may go
+        while less than the window is in flight (a batch's earlier messages count as in flight)."""
         c = self.consumers.get(identity)
         if c is None or not c.queue:
             self.ready.discard(identity)
@@ -128,6 +131,7 @@ class Delivery:
         return [q[i][0] for i in range(count)], nbytes
 
     def sent(self, identity: bytes, count: int, nbytes: int) -> None:
+        """The first ``count`` messages of ``pending_send`` went (``nbytes`` in all)."""
         c = self.consumers.get(identity)
         if c is None:
             return

@@ -77,9 +77,16 @@ class Router:
         self.started = now
         self.ctx = ctx = Context(config, instance, self.accept_shm, now, wall_ns)
         self.counters = ctx.counters
+        # (PRODUCERS | CONSUMERS, identity, frames, steering command id or None): messages the shell sends
+        # directly; the same list as ``ctx.outbox`` (a plain attribute: the shell looks at it after each message)
+        self.outbox = ctx.outbox
         self.messages_in = self.bytes_in = 0  # producers' messages (folded into the totals by ``stats``)
         self.delivery = Delivery(ctx, shm, flush)
         self.ready = self.delivery.ready  # consumers with queued messages (the shell drains them)
+        # The shell's calls per message sent go straight to Delivery (one Python frame less each):
+        # pending_send(identity) -> (messages, bytes) or None, then sent(identity, count, bytes)
+        self.pending_send = self.delivery.pending_send
+        self.sent = self.delivery.sent
         self.peers = Peers(ctx, shm, self.delivery, self._handle_producer)
         self.streams = Streams(ctx, self.peers, self.delivery)
         self.late_join = LateJoin(ctx, self.streams, self.delivery)
@@ -91,12 +98,6 @@ class Router:
     def now(self) -> float:
         return self.ctx.now
 
-    @property
-    def outbox(self) -> list[tuple[str, bytes, list, str | None]]:
-        """(PRODUCERS | CONSUMERS, identity, frames, steering command id or None): messages the shell sends
-        directly."""
-        return self.ctx.outbox
-
     # ------------------------------------------------------------------------------------------ inputs
 
     def producer_message(self, identity: bytes, body: list, now: float) -> None:
@@ -105,7 +106,9 @@ class Router:
         ctx = self.ctx
         ctx.now = now
         try:
-            p = self.peers.producer(identity)
+            p = self.peers.producers.get(identity)
+            if p is None:
+                p = self.peers.producer(identity)
             p.last_seen = now
             if self.config.batch:
                 try:
@@ -155,16 +158,6 @@ class Router:
 
     # ------------------------------------------------------------------------------------------ consumer flow
 
-    def pending_send(self, identity: bytes) -> tuple[list[list], int] | None:
-        """The messages to hand to consumer ``identity``'s socket now, as one zmq message (several make a
-        batch), and their bytes; None when its queue is empty or its credit window is full. A message may go
-        while less than the window is in flight (a batch's earlier messages count as in flight)."""
-        return self.delivery.pending_send(identity)
-
-    def sent(self, identity: bytes, count: int, nbytes: int) -> None:
-        """The first ``count`` messages of ``pending_send`` went (``nbytes`` in all)."""
-        self.delivery.sent(identity, count, nbytes)
-
     def blocked(self, identity: bytes) -> None:
         """zmq refused a send to ``identity`` (its pipe is full): try again soon."""
         c = self.delivery.consumers.get(identity)
@@ -186,7 +179,8 @@ class Router:
         self.steering.producer_unreachable(identity, command_id)
 
     def take_outbox(self) -> list[tuple[str, bytes, list, str | None]]:
-        out, self.ctx.outbox = self.ctx.outbox, []
+        out = self.ctx.outbox
+        self.ctx.outbox = self.outbox = []
         return out
 
     def close(self) -> None:

@@ -139,19 +139,18 @@ class Streams:
         key = (h["request_id"], h["producer_id"], h["epoch"])
         seq = h.get("seq", 0)
         s = self.by_key.get(key)
-        k = self.ctx.counters
         if s is None:
             if key in self.closed:
-                k.after_end += 1
+                self.ctx.counters.after_end += 1
                 return
             s = self._new_stream(key, p)
             if kind != "start":  # frames of a stream whose start it has not seen: ask it to re-announce
                 self.peers.heartbeat_to(PRODUCERS, p.identity, known=False)
         elif s.ended:
-            k.after_end += 1
+            self.ctx.counters.after_end += 1
             return
         elif s.analysis:
-            k.unexpected_kind += 1
+            self.ctx.counters.unexpected_kind += 1
             return
         s.messages += 1
         s.bytes += nbytes
@@ -161,7 +160,7 @@ class Streams:
         part = (entry.order, seq, kind, entry, -1, nbytes)
         if kind == "start":
             if s.start is not None:
-                k.duplicate_starts += 1  # a re-announce to a broker that already knew it
+                self.ctx.counters.duplicate_starts += 1  # a re-announce to a broker that already knew it
                 return
             s.start = part
             s.started = True
@@ -180,7 +179,11 @@ class Streams:
         self._buffer(s, part)
         if not s.started:  # held until the (re-announced) start arrives; see _late_join.replay
             return
-        self._deliver(s, part)
+        consumers = self.delivery.consumers  # (_deliver, inline: this is the per-message path)
+        for ident in list(s.subscribers):
+            c = consumers.get(ident)
+            if c is not None:
+                self.delivery.deliver_part(c, part)
         if kind == "end":
             self._end_stream(s)
 
