@@ -3,10 +3,10 @@ of producers' gaps merged into GapBatches.
 
 Rule: ``Delivery`` owns the consumer registry (``consumers``: identity -> ``_Consumer``), ``ready`` (consumers
 with queued messages) and ``gap_runs`` (consumers with a gap run to queue before the input returns). A
-consumer is added only by ``consumer()`` and removed only by ``forget()``; its queue, budget, window, drops
-and gap run change only here. Other parts read the registry, and change a consumer's subscription only
-(``patterns``, ``match_cache`` and its options in ``_late_join``'s subscribe; ``last_seen`` in ``_routing``);
-``_streams`` drops a forgotten stream's pending drops through ``forget_stream``.
+consumer is added only by ``consumer()`` and removed only by ``forget()``; its queue, in-flight bytes, drops
+and gap run change only here. Other parts read the registry and queue through this class; they change only a
+consumer's subscription (``_late_join``: its patterns and options (name, window, batch, shm, gap_batch), and on
+an unsubscribe the drops of the requests it no longer wants) and ``last_seen`` (``_routing``, on each message).
 """
 
 from __future__ import annotations
@@ -149,6 +149,15 @@ class Delivery:
             k.batched_messages_out += count
         if not q:
             self.ready.discard(identity)
+
+    def blocked(self, identity: bytes) -> None:
+        c = self.consumers.get(identity)
+        if c is not None:
+            c.blocked = True
+
+    def any_blocked(self) -> bool:
+        consumers = self.consumers
+        return any(c.blocked for c in map(consumers.get, self.ready) if c is not None)
 
     def credit(self, c: _Consumer, nbytes: int) -> None:
         c.in_flight = max(0, c.in_flight - nbytes)

@@ -4,8 +4,9 @@ rings, heartbeats, and the checks and error replies of what peers send.
 Rule: ``Peers`` owns the producer registry (``producers``: identity -> ``_Producer``), ring ownership
 (``ring_owners``, ``closing_rings``) and the error-reply budget (``errors``). A producer is added by
 ``producer()`` and removed by ``forget_producer()``; ring ownership and a producer's held messages, proofs and
-refused rings change only here. ``_streams`` keeps each producer's open streams (``_Producer.streams``); the
-router's dispatch counts each producer's messages and bytes and ``last_seen``; ``_upkeep`` its rates.
+refused rings change only here. ``_streams`` keeps each producer's open streams (``_Producer.streams``) and
+the seqs it reported lost (``gaps_reported``); the router's dispatch its messages, bytes, batches and
+``last_seen``; ``_upkeep`` its rates.
 """
 
 from __future__ import annotations

@@ -160,13 +160,10 @@ class Router:
 
     def blocked(self, identity: bytes) -> None:
         """zmq refused a send to ``identity`` (its pipe is full): try again soon."""
-        c = self.delivery.consumers.get(identity)
-        if c is not None:
-            c.blocked = True
+        self.delivery.blocked(identity)
 
     def any_blocked(self) -> bool:
-        consumers = self.delivery.consumers
-        return any(c.blocked for c in map(consumers.get, self.ready) if c is not None)
+        return self.delivery.any_blocked()
 
     def consumer_unreachable(self, identity: bytes) -> None:
         """A send to ``identity`` found its socket gone (EHOSTUNREACH): a dead or closed consumer."""
