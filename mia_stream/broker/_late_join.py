@@ -1,9 +1,10 @@
 """Late join: what a consumer gets of the streams it subscribes to, and replaying a stream from its start out of
 its late-join buffer (``Subscribe(from_start=True)``, or a start that came after the stream's first parts).
 
-Rule: owns no state. It changes only subscriptions: each matching stream's ``subscribers`` and the
-subscribing consumer's patterns and options (``Subscribe``/``Unsubscribe``, and its pending drops of requests
-it no longer wants). What it sends goes through ``Delivery``; the buffers it replays are ``_streams``'.
+Rule: owns no state (``replay`` is a plain function: ``_streams`` calls it too). It changes only
+subscriptions: each matching stream's ``subscribers`` and the subscribing consumer's patterns and options
+(``Subscribe``/``Unsubscribe``, and its pending drops of requests it no longer wants). What it sends goes
+through ``Delivery``; the buffers it replays are ``_streams``'.
 """
 
 from __future__ import annotations
@@ -37,21 +38,21 @@ class LateJoin:
         c.shm = ctx.accept_shm and msg.shm is True
         c.patterns = sorted(set(c.patterns) | set(msg.patterns))
         c.match_cache.clear()
-        replay = []
+        from_start = []
         for s in self.streams.by_key.values():
             if not s.started or identity in s.subscribers or not c.matches(s.request_id):
                 continue
             if msg.from_start:
                 s.subscribers.add(identity)
-                replay.append(s)
+                from_start.append(s)
             elif not s.ended:
                 s.subscribers.add(identity)
                 if s.start is not None:  # (an analysis stream has none: it is delivered from its next message)
                     self.delivery.deliver_part(c, s.start)
                     if s.next_seq > 1:
                         self.delivery.enqueue_gap(c, s.key, [[1, s.next_seq - 1]], "joined_late")
-        if replay:
-            self.replay(c, replay)
+        if from_start:
+            replay(self.delivery, c, from_start)
 
     def unsubscribe(self, c: _Consumer, msg: Unsubscribe) -> None:
         drop = set(msg.patterns)
@@ -63,32 +64,32 @@ class LateJoin:
         # drops of requests it no longer wants are not announced (all pending drops go at its next message)
         c.drops = {key: ranges for key, ranges in c.drops.items() if c.matches(key[0])}
 
-    def replay(self, c: _Consumer, streams: list[_Stream]) -> None:
-        """Give ``c`` these streams from their start: each start, what was evicted (as a gap), then the buffered
-        parts in arrival order. Parts of one columnar message go as one selection naming these streams' requests
-        in it (for one stream: that request alone)."""
-        d = self.delivery
-        for s in streams:
-            if s.start is not None:
-                d.deliver_part(c, s.start)
-            if s.evicted:
-                d.enqueue_gap(c, s.key, [list(r) for r in s.evicted], "evicted_from_late_join_buffer")
-        queues = [q for s in streams for q in (s.data, s.ctl) if q]
-        if not queues:
-            return
-        parts = queues[0] if len(queues) == 1 else heapq.merge(*queues, key=_order_of)
-        entry, idx = None, []
-        for part in parts:
-            i = part[4]
-            if i >= 0 and part[3] is entry:
-                idx.append(i)
-                continue
-            if entry is not None:
-                d.deliver_columnar(c, entry, sorted(idx), None)
-                entry = None
-            if i >= 0:
-                entry, idx = part[3], [i]
-            else:
-                d.deliver_part(c, part)
+
+def replay(d: Delivery, c: _Consumer, streams: list[_Stream]) -> None:
+    """Give ``c`` these streams from their start (through ``d``): each start, what was evicted (as a gap), then the
+    buffered parts in arrival order. Parts of one columnar message go as one selection naming these streams'
+    requests in it (for one stream: that request alone)."""
+    for s in streams:
+        if s.start is not None:
+            d.deliver_part(c, s.start)
+        if s.evicted:
+            d.enqueue_gap(c, s.key, [list(r) for r in s.evicted], "evicted_from_late_join_buffer")
+    queues = [q for s in streams for q in (s.data, s.ctl) if q]
+    if not queues:
+        return
+    parts = queues[0] if len(queues) == 1 else heapq.merge(*queues, key=_order_of)
+    entry, idx = None, []
+    for part in parts:
+        i = part[4]
+        if i >= 0 and part[3] is entry:
+            idx.append(i)
+            continue
         if entry is not None:
             d.deliver_columnar(c, entry, sorted(idx), None)
+            entry = None
+        if i >= 0:
+            entry, idx = part[3], [i]
+        else:
+            d.deliver_part(c, part)
+    if entry is not None:
+        d.deliver_columnar(c, entry, sorted(idx), None)

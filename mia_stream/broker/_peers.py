@@ -12,6 +12,7 @@ the seqs it reported lost (``gaps_reported``); the router's dispatch its message
 from __future__ import annotations
 
 import collections
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from mia_stream.broker._config import CONSUMERS, PRODUCERS
@@ -63,7 +64,7 @@ class Peers:
         self.ctx = ctx
         self.shm = shm
         self.delivery = delivery
-        self.route = route
+        self._route = weakref.WeakMethod(route)  # (the router holds this: no reference cycle to keep it alive)
         self.producers: dict[bytes, _Producer] = {}
         self.ring_owners: dict[str, bytes] = {}  # ring -> the producer that proved it owns it
         self.closing_rings: dict[str, float] = {}  # rings handed over by their closed producers -> removal time
@@ -178,9 +179,10 @@ class Peers:
         """Route what waited for a proof, in order; a reference to a ring still not proven is refused."""
         held, p.held, p.held_bytes = p.held, None, 0
         p.releasing = True
+        route = self._route()
         try:
             for body, nbytes in held:
-                self.ctx.safely(self.route, p, body, nbytes)
+                self.ctx.safely(route, p, body, nbytes)
         finally:
             p.releasing = False
 

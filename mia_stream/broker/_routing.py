@@ -90,7 +90,6 @@ class Router:
         self.peers = Peers(ctx, shm, self.delivery, self._handle_producer)
         self.streams = Streams(ctx, self.peers, self.delivery)
         self.late_join = LateJoin(ctx, self.streams, self.delivery)
-        self.streams.replay = self.late_join.replay
         self.steering = Steering(ctx, self.streams, self.peers, self.delivery, steer_ids)
         self.upkeep = Upkeep(ctx, shm, self.peers, self.streams, self.delivery, self.steering)
 

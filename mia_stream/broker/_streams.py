@@ -18,17 +18,18 @@ forgotten and they have been quiet as long as an ended stream lingers.
 from __future__ import annotations
 
 import collections
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from mia_stream.broker._config import PRODUCERS
 from mia_stream.broker._entry import _EVICT_FIRST, _I64, _PART_KIND, _Entry, _shares
+from mia_stream.broker._late_join import replay
 from mia_stream.broker._shared import Context, _add_seq, _frames_nbytes
 from mia_stream.schemas import StreamEnd, columnar_requests, encode
 
 if TYPE_CHECKING:
-    from mia_stream.broker._delivery import Delivery, _Consumer
+    from mia_stream.broker._delivery import Delivery
     from mia_stream.broker._peers import Peers, _Producer
 
 _CLOSED_MEMORY = 100_000
@@ -58,14 +59,10 @@ class _Stream:
 
 
 class Streams:
-    """``replay(consumer, streams)``: ``_late_join``'s, for the subscribers of a stream whose start came after
-    its first parts."""
-
     def __init__(self, ctx: Context, peers: Peers, delivery: Delivery):
         self.ctx = ctx
         self.peers = peers
         self.delivery = delivery
-        self.replay: Callable[[_Consumer, list[_Stream]], None] | None = None
         self.by_key: dict[tuple, _Stream] = {}
         self.by_request: dict[str, set[tuple]] = {}
         self.closed: collections.OrderedDict[tuple, None] = collections.OrderedDict()
@@ -170,7 +167,7 @@ class Streams:
             for ident in list(s.subscribers):
                 c = self.delivery.consumers.get(ident)
                 if c is not None:
-                    self.replay(c, [s])  # the start plus anything held before it came
+                    replay(self.delivery, c, [s])  # the start plus anything held before it came
             if any(pt[2] == "end" for pt in s.ctl):
                 self._end_stream(s)
             return
