@@ -23,7 +23,7 @@ from mia_stream.schemas import (GapBatch, GapNotice, compact, encode, has_partia
                                 select_requests, shm_extent, shm_loss_reason)
 
 if TYPE_CHECKING:
-    from mia_stream.schemas import ShmRingReader
+    from mia_stream.schemas._shm import ShmRingReader
 
 # ring sizes: a queued frame further behind its ring's writer is dropped, not sent. Half a ring, not more:
 # a consumer that cannot keep up is always sent the oldest frame still allowed, and it must stay readable

@@ -2,11 +2,12 @@
 rings, heartbeats, and the checks and error replies of what peers send.
 
 Rule: ``Peers`` owns the producer registry (``producers``: identity -> ``_Producer``), ring ownership
-(``ring_owners``, ``closing_rings``) and the error-reply budget (``errors``). A producer is added by
-``producer()`` and removed by ``forget_producer()``; ring ownership and a producer's held messages, proofs and
-refused rings change only here. ``_streams`` keeps each producer's open streams (``_Producer.streams``) and
-the seqs it reported lost (``gaps_reported``); the router's dispatch its messages, bytes, batches and
-``last_seen``; ``_upkeep`` its rates.
+(``ring_owners``, ``closing_rings``, the rings' upkeep timers) and the error-reply budget (``errors``). A
+producer is added by ``producer()`` and removed by ``forget_producer()``; ring ownership and a producer's held
+messages, proofs and refused rings change only here. ``_streams`` keeps each producer's open streams
+(``_Producer.streams``) and the seqs it reported lost (``gaps_reported``); the router's dispatch its messages,
+bytes, batches and ``last_seen``; ``_upkeep`` its rates. The only module of the router that reads rings'
+shared-memory keys and removes rings (``schemas._shm``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from mia_stream.broker._config import CONSUMERS, PRODUCERS
 from mia_stream.broker._shared import Context
 from mia_stream.errors import MalformedFrameError, OversizedMessageError, SchemaVersionError, WireError
-from mia_stream.schemas import ErrorNotice, Heartbeat, decode, decode_header, encode
+from mia_stream.schemas import ErrorNotice, Heartbeat, decode, decode_header, encode, sweep_stale_rings
 from mia_stream.schemas._shm import (SHM_RECEIVED_KEY, SHM_RING_CLOSED_KEY, SHM_RING_PROOF_KEY, SHM_RING_TAKEN_KEY,
                                      ShmRingReader, remove_ring)
 
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 _PROOF_WAIT_S = 2.0
 _PROOF_HOLD_BYTES = 64 << 20  # ... and at most this much of that producer's traffic is held meanwhile
 _ERRORS_PER_PEER_PER_S = 20  # error replies per peer (either side, known or not): garbage cannot amplify
+_RING_SWEEP_S = 30.0
 
 
 class _Producer:
@@ -70,6 +72,7 @@ class Peers:
         self.closing_rings: dict[str, float] = {}  # rings handed over by their closed producers -> removal time
         self.errors: dict[tuple[str, bytes], int] = {}  # error replies per peer in the current second
         self.errors_since = ctx.now
+        self.last_ring_sweep = self.last_ring_prune = -1e18
 
     # ------------------------------------------------------------------------------------------ registry
 
@@ -201,6 +204,20 @@ class Peers:
         self.closing_rings[name] = self.ctx.now + self.ctx.config.ring_grace_s
         self.ctx.counters.shm_rings_handed_over += 1
         return True
+
+    def ring_upkeep(self, now: float) -> None:
+        """Housekeeping of rings: stale mappings pruned, handed-over rings removed after their grace, rings of
+        producers that died without closing swept."""
+        if self.shm is None:
+            return
+        if now - self.last_ring_prune >= 1.0:
+            self.last_ring_prune = now
+            self.shm.prune()  # mappings of rings whose producer is gone would keep their memory alive
+        if self.closing_rings:
+            self.remove_closing_rings(now)
+        if now - self.last_ring_sweep >= _RING_SWEEP_S:  # rings of producers that died without closing
+            self.last_ring_sweep = now
+            self.ctx.counters.shm_rings_swept += sweep_stale_rings(self.shm.directory)
 
     def remove_closing_rings(self, now: float | None) -> None:
         """Remove the handed-over rings whose grace has passed (all of them when ``now`` is None)."""

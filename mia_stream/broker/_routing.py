@@ -37,7 +37,7 @@ totals (``messages_in``, ``bytes_in``), and no other state.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from mia_stream.broker._config import CONSUMERS, PRODUCERS, BrokerConfig  # (tests and scripts import them here)
 from mia_stream.broker._delivery import Delivery
@@ -49,10 +49,12 @@ from mia_stream.broker._steering import Steering
 from mia_stream.broker._streams import Streams
 from mia_stream.broker._upkeep import Upkeep
 from mia_stream.errors import MalformedFrameError
-from mia_stream.schemas import (COLUMNAR_KINDS, ShmRingReader, SteeringCommand, Subscribe, Unsubscribe, shm_extent,
-                                split_batch)
+from mia_stream.schemas import COLUMNAR_KINDS, SteeringCommand, Subscribe, Unsubscribe, shm_extent, split_batch
 from mia_stream.schemas._codec import SHM_RING_KEY
 from mia_stream.schemas._messages import Credit
+
+if TYPE_CHECKING:
+    from mia_stream.schemas._shm import ShmRingReader
 
 _GAP_BATCH_MINOR = 1  # a consumer whose subscribe is of schema 2.1 or later decodes gap_batch (spec 3.16)
 
@@ -91,7 +93,7 @@ class Router:
         self.streams = Streams(ctx, self.peers, self.delivery)
         self.late_join = LateJoin(ctx, self.streams, self.delivery)
         self.steering = Steering(ctx, self.streams, self.peers, self.delivery, steer_ids)
-        self.upkeep = Upkeep(ctx, shm, self.peers, self.streams, self.delivery, self.steering)
+        self.upkeep = Upkeep(ctx, self.peers, self.streams, self.delivery, self.steering)
 
     @property
     def now(self) -> float:

@@ -1,8 +1,8 @@
 """Upkeep (``Router.tick``, every 50 ms): heartbeats and producers' rates, timeouts of peers and of what waits
 for a ring proof, lingering and orphan streams, quiet analysis streams, expired steering commands, rings.
 
-Rule: ``Upkeep`` owns only its timers (``last_heartbeat``, ``last_ring_sweep``, ``last_ring_prune``) and each
-producer's ``rate``/``snap``. Everything else it changes through the part that owns it.
+Rule: ``Upkeep`` owns only its heartbeat timer (``last_heartbeat``) and each producer's ``rate``/``snap``.
+Everything else it changes through the part that owns it (rings: ``Peers.ring_upkeep``).
 """
 
 from __future__ import annotations
@@ -11,41 +11,27 @@ from typing import TYPE_CHECKING
 
 from mia_stream.broker._config import CONSUMERS, PRODUCERS
 from mia_stream.broker._shared import Context, log
-from mia_stream.schemas import sweep_stale_rings
 
 if TYPE_CHECKING:
     from mia_stream.broker._delivery import Delivery
     from mia_stream.broker._peers import Peers, _Producer
     from mia_stream.broker._steering import Steering
     from mia_stream.broker._streams import Streams
-    from mia_stream.schemas import ShmRingReader
-
-_RING_SWEEP_S = 30.0
 
 
 class Upkeep:
-    def __init__(self, ctx: Context, shm: ShmRingReader | None, peers: Peers, streams: Streams, delivery: Delivery,
-                 steering: Steering):
+    def __init__(self, ctx: Context, peers: Peers, streams: Streams, delivery: Delivery, steering: Steering):
         self.ctx = ctx
-        self.shm = shm
         self.peers = peers
         self.streams = streams
         self.delivery = delivery
         self.steering = steering
-        self.last_heartbeat = self.last_ring_sweep = self.last_ring_prune = -1e18
+        self.last_heartbeat = -1e18
 
     def tick(self, now: float) -> None:
         ctx, cfg, peers, streams = self.ctx, self.ctx.config, self.peers, self.streams
         streams.prune_evictable()
-        if self.shm is not None:
-            if now - self.last_ring_prune >= 1.0:
-                self.last_ring_prune = now
-                self.shm.prune()  # mappings of rings whose producer is gone would keep their memory alive
-            if peers.closing_rings:
-                peers.remove_closing_rings(now)
-            if now - self.last_ring_sweep >= _RING_SWEEP_S:  # rings of producers that died without closing
-                self.last_ring_sweep = now
-                ctx.counters.shm_rings_swept += sweep_stale_rings(self.shm.directory)
+        peers.ring_upkeep(now)
         peers.new_error_second(now)
         if now - self.last_heartbeat >= cfg.heartbeat_s:
             self.last_heartbeat = now
