@@ -804,14 +804,14 @@ def test_the_late_join_total_evicts_the_oldest_tensor_parts_of_all_streams_at_a_
         bus.produce(start(rid))
     router = bus.router
     calls = []
-    orig = router._evict_one
-    router._evict_one = lambda st: calls.append(st.key[0]) or orig(st)
+    orig = router.streams.evict_one
+    router.streams.evict_one = lambda st: calls.append(st.key[0]) or orig(st)
     for step in range(1, 40):
         calls.clear()
         bus.produce(step_batch(step, {rid: step for rid in live}, nbytes_per_row=1024))
         assert router.buffered_bytes <= 64 * 1024 + 2 * 1024
         assert len(calls) <= 4, f"step {step}: {len(calls)} evictions tried for 2 new parts"
-    assert all(not router._streams[(rid, "prod", 1)].data for rid in old)  # the oldest went first
+    assert all(not router.streams.by_key[(rid, "prod", 1)].data for rid in old)  # the oldest went first
     bus.subscribe(b"late", "x", from_start=True)
     events = per_request(bus.receive(b"late"))["x"]
     evicted = events[1][2] if events[1][:2] == ("gap", "evicted_from_late_join_buffer") else []

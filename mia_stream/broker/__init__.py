@@ -2,7 +2,8 @@
 
 ``mia-stream broker`` runs one (``main``); ``mia-stream stats`` prints a running one's counters
 (``stats_main``); ``run_broker_in_thread`` runs one inside this process. Every routing rule is in
-``_routing.Router`` (no I/O); ``_broker.Broker`` is its socket loop. Protocol: docs/bus.md.
+``_routing.Router`` (no I/O; one module per concern beside it); ``_broker.Broker`` is its socket loop.
+Protocol: docs/bus.md.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import zmq
 
 from mia_stream.bus import transport
 from mia_stream.broker._broker import GC_FREEZE_S, Broker, run_broker_in_thread
-from mia_stream.broker._routing import (DEFAULT_CONSUMER_QUEUE_BYTES, DEFAULT_CONSUMER_TIMEOUT_S,
-                                        DEFAULT_LATE_JOIN_BYTES, DEFAULT_LATE_JOIN_LINGER_S,
-                                        DEFAULT_LATE_JOIN_TOTAL_BYTES, DEFAULT_PRODUCER_TIMEOUT_S,
-                                        DEFAULT_RING_GRACE_S, BrokerConfig, Router)
+from mia_stream.broker._config import (DEFAULT_CONSUMER_QUEUE_BYTES, DEFAULT_CONSUMER_TIMEOUT_S,
+                                       DEFAULT_LATE_JOIN_BYTES, DEFAULT_LATE_JOIN_LINGER_S,
+                                       DEFAULT_LATE_JOIN_TOTAL_BYTES, DEFAULT_PRODUCER_TIMEOUT_S,
+                                       DEFAULT_RING_GRACE_S, BrokerConfig)
+from mia_stream.broker._routing import Router
 from mia_stream.errors import BrokerTimeoutError, MiaStreamError
 from mia_stream.schemas import DEFAULT_MAX_MESSAGE_BYTES
 

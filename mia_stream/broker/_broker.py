@@ -22,9 +22,10 @@ import msgpack
 import zmq
 
 from mia_stream.bus import transport
-from mia_stream.broker._routing import CONSUMERS, PRODUCERS, BrokerConfig, Router
+from mia_stream.broker._config import CONSUMERS, PRODUCERS, BrokerConfig
+from mia_stream.broker._routing import Router
 from mia_stream.bus.shm_ring import ShmRingReader
-from mia_stream.schemas._codec import batch_header
+from mia_stream.schemas import batch_header
 
 log = logging.getLogger("mia_stream.broker")
 
@@ -235,7 +236,7 @@ class Broker:
         try:
             self._stats_sock.send(reply, zmq.NOBLOCK)
         except zmq.ZMQError:
-            self.router.counters["stats_reply_failed"] += 1
+            self.router.counters.stats_reply_failed += 1
 
 
 class run_broker_in_thread:
