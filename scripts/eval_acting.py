@@ -63,7 +63,8 @@ def _log(*a):
 def watch(broker: str, pattern: str, action_json: str, out: str, expected: str = "0") -> int:
     """Act on the detector's alerts until the detector has scored ``expected`` requests (or SIGTERM); write the
     alerts seen, the requests scored and the actions taken as JSON."""
-    from mia_stream.analyzers._actions import AlertAction, AlertActor, AlertWatcher
+    from mia_stream.analyzers._actions import AlertActor, AlertWatcher
+    from mia_stream.analyzers._alerts import AlertAction
     from mia_stream.consumers import open_batches
 
     action = AlertAction.parse(json.loads(action_json), "eval_acting")

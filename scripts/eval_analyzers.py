@@ -118,7 +118,7 @@ def eval_injection(sllm, tok, geo, args):
     from mia_stream.analyzers._attention import auroc
     from mia_stream.lab.attention_data import injection_set
     from mia_stream.lab.qk_runs import vllm_attention
-    from mia_stream.analyzers.attention_tracker import config_from_discovery, discover
+    from mia_stream.lab.head_discovery import config_from_discovery, discover
     from mia_stream.spans import prompt_parts
 
     t0 = time.time()
@@ -178,7 +178,8 @@ def eval_rerank(sllm, tok, geo, args):
     from mia_stream.analyzers import create
     from mia_stream.lab.attention_data import rerank_set
     from mia_stream.lab.qk_runs import vllm_attention
-    from mia_stream.analyzers.core_reranker import choose_heads, ndcg, rank, reciprocal_rank
+    from mia_stream.analyzers.core_reranker import ndcg, rank, reciprocal_rank
+    from mia_stream.lab.head_discovery import choose_heads
     from mia_stream.spans import prompt_parts
 
     t0 = time.time()
@@ -244,7 +245,7 @@ def eval_sql(sllm, tok, geo, args):
     from mia_stream.analyzers import create
     from mia_stream.lab.attention_data import sql_set
     from mia_stream.lab.qk_runs import vllm_attention
-    from mia_stream.analyzers.attnlink import choose_head
+    from mia_stream.lab.head_discovery import choose_head
     from mia_stream.spans import prompt_parts
 
     attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=4)  # noqa: E731

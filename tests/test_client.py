@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mia_stream.served.client import StreamClient
-from mia_stream.errors import BrokerTimeoutError
+from mia_stream.errors import BrokerTimeoutError, MiaStreamError
 from mia_stream.bus.publisher import FramePublisher
 from mia_stream.schemas import AnalysisBatch, StreamEnd, StreamStart, TokenFrame
 
@@ -97,3 +97,47 @@ def test_an_analyzer_that_sends_no_final_result_is_a_timeout_naming_it(broker_ad
     with pytest.raises(BrokerTimeoutError, match=r"before the final result of analyzer\(s\) \['absent'\]"):
         _follow(broker_address, "cl-absent", None, 0.0, analyzers="absent", idle_timeout=3)
     assert time.monotonic() - t0 < 30
+
+
+def test_the_request_machine_alone_sans_io():
+    """The sync and async clients' one protocol, fed by hand: streamed chunks become text events (a chunk
+    without text is kept, no event), a whole response becomes text then response, the request is over only
+    once the response, the stream's end and the awaited final result came, and the end deadline runs from the
+    response."""
+    from types import SimpleNamespace as NS
+
+    from mia_stream.served._protocol import RequestMachine
+
+    def chunk(text):
+        return NS(choices=[NS(delta=NS(content=text))])
+
+    def bus(kind, **kw):
+        return NS(kind=kind, stream=NS(request_id="r", end=None), **kw)
+
+    m = RequestMachine("r", chat=True, keep_frames=False, analyzers=frozenset({"late"}), end_timeout=5.0)
+    assert m.wait_time(0.0) is None  # no response yet: no deadline
+    m.receive("bus", bus("start"))
+    m.receive("chunk", chunk("Hel"))
+    m.receive("chunk", chunk(None))
+    m.receive("chunk", chunk("lo"))
+    m.receive("response", "last")
+    kinds = []
+    while (ev := m.next_event()) is not None:
+        kinds.append((ev.kind, ev.text))
+    assert kinds == [("start", None), ("text", "Hel"), ("text", "lo"), ("response", None)]
+    assert "".join(m.state.text_parts) == "Hello" and len(m.state.chunks) == 3 and not m.finished
+    assert m.wait_time(10.0) == 5.0 and m.wait_time(12.0) == 3.0
+    m.receive("bus", bus("end"))
+    assert m.next_event().kind == "end" and not m.finished  # still awaiting analyzer "late"
+    assert "analyzer(s) ['late']" in str(m.timeout_error())
+    m.receive("bus", bus("analysis", analysis=NS(step=-1, analyzer="late")))
+    assert not m.finished and m.next_event().kind == "analysis" and m.finished
+
+    whole = RequestMachine("w", chat=False, keep_frames=False, attached=False)
+    whole.receive("result", NS(choices=[NS(text="all of it")]))
+    assert [(e.kind, e.text) for e in (whole.next_event(), whole.next_event())] == [("text", "all of it"),
+                                                                                    ("response", None)]
+    with pytest.raises(MiaStreamError, match="stopped before its end"):
+        whole.receive("bus_closed", None)
+    with pytest.raises(ValueError, match="boom"):
+        whole.receive("http_error", ValueError("boom"))

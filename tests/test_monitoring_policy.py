@@ -12,8 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from mia_stream.analyzers._actions import AlertAction
-from mia_stream.analyzers._alerts import AlertPolicy, risk_column
+from mia_stream.analyzers._alerts import AlertAction, AlertPolicy, risk_column
 from mia_stream.errors import AnalyzerConfigError
 
 

@@ -1,11 +1,7 @@
 """Acting on alerts: abort a live request, or steer it, through the broker's live-steering path.
 
-``AlertAction`` is the ``action`` of an alert policy (``_alerts``)::
-
-    "abort"                                             abort the request (it ends with finish_reason "abort")
-    {"steer": [op, ...], "command": "add"}             add steering ops (steering-spec op format: layer, op,
-                                                        vector as a list or {"name": N}, scale, ...);
-                                                        "command": "replace" replaces the request's ops instead
+What to do is the policy's ``AlertAction`` (parsed with the alert config, in ``_alerts``); this module does it.
+It imports ``_alerts``, never the other way round.
 
 ``AlertActor`` is a sink for ``AnalysisBatch`` messages (an analyzer runner's sink, or fed by ``AlertWatcher``
 from the bus): on a request's first alert row it sends the action's ``SteeringCommand`` through the broker and
@@ -30,92 +26,18 @@ import queue
 import socket
 import threading
 import time
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import numpy as np
 
-from mia_stream.errors import AnalyzerConfigError, MiaStreamError, SteeringSpecError
+from mia_stream.analyzers._alerts import AlertAction, risk_column
+from mia_stream.errors import MiaStreamError
 from mia_stream.schemas import AnalysisBatch, SteeringAck, SteeringCommand
 
 log = logging.getLogger("mia_stream.analyzers.actions")
 
 ACTION_ANALYZER = "alert_action"  # the analyzer name of the actor's outcome messages
-_STEER_COMMANDS = ("add", "replace")
-# the config-time check of steering ops cannot know the model: any layer index passes here and the engine
-# checks it against the model when the command arrives (an error ack, recorded and reported)
-_ANY_LAYERS = 1 << 20
-
-
-@dataclass(frozen=True)
-class AlertAction:
-    """What to do on a request's first alert: ``kind`` "abort" or "steer" (``command`` add|replace, ``ops``)."""
-
-    kind: str
-    command: str = "abort"
-    ops: tuple = ()
-
-    @classmethod
-    def parse(cls, raw: Any, where: str = "alert config") -> "AlertAction | None":
-        """The action an ``alert.action`` config value describes (None: only flag alerts). Steering ops are
-        checked as the engine checks them (keys, op names, numbers, a named vector that exists), except the
-        layer range and the hidden size, which only the stream's model fixes."""
-        if raw is None:
-            return None
-        if raw == "abort" or raw == {"abort": True}:
-            return cls("abort")
-        if not isinstance(raw, dict) or "steer" not in raw:
-            raise AnalyzerConfigError(f"{where}: alert.action must be null, \"abort\" or {{\"steer\": [ops], "
-                                      f"\"command\": \"add\"|\"replace\"}}, got {raw!r}")
-        unknown = sorted(set(raw) - {"steer", "command"})
-        if unknown:
-            raise AnalyzerConfigError(f"{where}: alert.action has unknown key(s) {unknown}; allowed: "
-                                      "['command', 'steer']")
-        command = raw.get("command", "add")
-        if command not in _STEER_COMMANDS:
-            raise AnalyzerConfigError(f"{where}: alert.action.command must be one of {list(_STEER_COMMANDS)}, "
-                                      f"got {command!r}")
-        ops = raw["steer"]
-        if not isinstance(ops, list) or not ops:
-            raise AnalyzerConfigError(f"{where}: alert.action.steer must be a non-empty list of steering ops, "
-                                      f"got {ops!r}")
-        for i, op in enumerate(ops):
-            _check_op(op, f"{where}: alert.action.steer[{i}]")
-        return cls("steer", command, tuple(ops))
-
-    def describe(self) -> str:
-        if self.kind == "abort":
-            return "abort the request"
-        layers = sorted({op.get("layer") for op in self.ops})
-        return f"steer it ({self.command} {len(self.ops)} op(s) at layer(s) {layers})"
-
-    def command_for(self, request_id: str) -> SteeringCommand:
-        ops = [] if self.kind == "abort" else [dict(op) for op in self.ops]
-        return SteeringCommand(uuid.uuid4().hex, request_id, self.command, ops)
-
-
-def _check_op(op: Any, where: str) -> None:
-    from mia_stream.spec import ModelGeometry, parse_steer_ops
-
-    if not isinstance(op, dict):
-        raise AnalyzerConfigError(f"{where} must be a steering op object, got {op!r}")
-    vec = op.get("vector")
-    try:
-        if isinstance(vec, dict) and set(vec) == {"name"} and isinstance(vec["name"], str):
-            from mia_stream.spec.vectors import load_vector
-
-            size = len(load_vector(vec["name"]))
-        else:
-            size = len(vec) if isinstance(vec, (list, tuple, np.ndarray)) else 1
-        parse_steer_ops([op], ModelGeometry(_ANY_LAYERS, max(size, 1), 1, 1, 1))
-    except KeyError:
-        raise AnalyzerConfigError(f"{where}: no registered vector named {vec['name']!r} (register it with "
-                                  "`mia-stream vectors add NAME FILE`)") from None
-    except SteeringSpecError as e:
-        # the spec parser names the path inside extra_args; keep only what it says about the op
-        msg = str(e).split("['steer'][0]", 1)[-1]
-        raise AnalyzerConfigError(f"{where}{msg}") from None
 
 
 @dataclass
@@ -315,8 +237,6 @@ class AlertWatcher:
         if self.policy is None:
             alerts, score = batch.alerts.astype(bool), None
         else:
-            from mia_stream.analyzers._alerts import risk_column
-
             score = risk_column(batch.values, self.policy.value, f"analyzer {self.analyzer!r}")
             if score is None:
                 self.counters["messages_without_score"] += 1

@@ -15,7 +15,14 @@ Config (the ``alert`` object of a detector's config, or of ``AlertWatcher``), ev
                              #           (a span's risk; only once `window` rows were scored)
      "window": 1, "min_hits": 1,   # debounce: k of the last n rows ("tokens" mode); 1 of 1 = every hot row
      "cooldown": null,       # null: one alert per request; 0: every qualifying row; N: at most one per N rows
-     "action": null}         # null | "abort" | {"steer": [ops], "command": "add"|"replace"}  (see _actions)
+     "action": null}         # null | "abort" | {"steer": [ops], "command": "add"|"replace"}
+
+The action (``AlertAction``, parsed and checked here with the rest of the config; ``_actions`` takes it)::
+
+    "abort"                                             abort the request (it ends with finish_reason "abort")
+    {"steer": [op, ...], "command": "add"}             add steering ops (steering-spec op format: layer, op,
+                                                        vector as a list or {"name": N}, scale, ...);
+                                                        "command": "replace" replaces the request's ops instead
 
 Rows whose risk is NaN (not scored) neither count nor alert. Scores are compared as float64: judge the values as
 published (``judge``: float32 columns), so an analyzer and a downstream ``AlertWatcher`` agree to the bit. A request's alerts depend only on its own rows, in
@@ -35,13 +42,15 @@ on live streams (``_actions.AlertActor``).
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
 
 from mia_stream.analyzers._base import RequestTable
-from mia_stream.errors import AnalyzerConfigError
+from mia_stream.errors import AnalyzerConfigError, SteeringSpecError
+from mia_stream.schemas import SteeringCommand
 
 MODES = ("tokens", "mean")
 DEFAULTS: dict[str, Any] = {"value": "risk", "threshold": 0.5, "mode": "tokens", "window": 1, "min_hits": 1,
@@ -65,6 +74,82 @@ def _count(raw: dict, key: str, where: str, low: int, high: int | None = None) -
     return v
 
 
+_STEER_COMMANDS = ("add", "replace")
+# the config-time check of steering ops cannot know the model: any layer index passes here and the engine
+# checks it against the model when the command arrives (an error ack, recorded and reported)
+_ANY_LAYERS = 1 << 20
+
+
+@dataclass(frozen=True)
+class AlertAction:
+    """What to do on a request's first alert: ``kind`` "abort" or "steer" (``command`` add|replace, ``ops``)."""
+
+    kind: str
+    command: str = "abort"
+    ops: tuple = ()
+
+    @classmethod
+    def parse(cls, raw: Any, where: str = "alert config") -> "AlertAction | None":
+        """The action an ``alert.action`` config value describes (None: only flag alerts). Steering ops are
+        checked as the engine checks them (keys, op names, numbers, a named vector that exists), except the
+        layer range and the hidden size, which only the stream's model fixes."""
+        if raw is None:
+            return None
+        if raw == "abort" or raw == {"abort": True}:
+            return cls("abort")
+        if not isinstance(raw, dict) or "steer" not in raw:
+            raise AnalyzerConfigError(f"{where}: alert.action must be null, \"abort\" or {{\"steer\": [ops], "
+                                      f"\"command\": \"add\"|\"replace\"}}, got {raw!r}")
+        unknown = sorted(set(raw) - {"steer", "command"})
+        if unknown:
+            raise AnalyzerConfigError(f"{where}: alert.action has unknown key(s) {unknown}; allowed: "
+                                      "['command', 'steer']")
+        command = raw.get("command", "add")
+        if command not in _STEER_COMMANDS:
+            raise AnalyzerConfigError(f"{where}: alert.action.command must be one of {list(_STEER_COMMANDS)}, "
+                                      f"got {command!r}")
+        ops = raw["steer"]
+        if not isinstance(ops, list) or not ops:
+            raise AnalyzerConfigError(f"{where}: alert.action.steer must be a non-empty list of steering ops, "
+                                      f"got {ops!r}")
+        for i, op in enumerate(ops):
+            _check_op(op, f"{where}: alert.action.steer[{i}]")
+        return cls("steer", command, tuple(ops))
+
+    def describe(self) -> str:
+        if self.kind == "abort":
+            return "abort the request"
+        layers = sorted({op.get("layer") for op in self.ops})
+        return f"steer it ({self.command} {len(self.ops)} op(s) at layer(s) {layers})"
+
+    def command_for(self, request_id: str) -> SteeringCommand:
+        ops = [] if self.kind == "abort" else [dict(op) for op in self.ops]
+        return SteeringCommand(uuid.uuid4().hex, request_id, self.command, ops)
+
+
+def _check_op(op: Any, where: str) -> None:
+    from mia_stream.spec import ModelGeometry, parse_steer_ops
+
+    if not isinstance(op, dict):
+        raise AnalyzerConfigError(f"{where} must be a steering op object, got {op!r}")
+    vec = op.get("vector")
+    try:
+        if isinstance(vec, dict) and set(vec) == {"name"} and isinstance(vec["name"], str):
+            from mia_stream.spec.vectors import load_vector
+
+            size = len(load_vector(vec["name"]))
+        else:
+            size = len(vec) if isinstance(vec, (list, tuple, np.ndarray)) else 1
+        parse_steer_ops([op], ModelGeometry(_ANY_LAYERS, max(size, 1), 1, 1, 1))
+    except KeyError:
+        raise AnalyzerConfigError(f"{where}: no registered vector named {vec['name']!r} (register it with "
+                                  "`mia-stream vectors add NAME FILE`)") from None
+    except SteeringSpecError as e:
+        # the spec parser names the path inside extra_args; keep only what it says about the op
+        msg = str(e).split("['steer'][0]", 1)[-1]
+        raise AnalyzerConfigError(f"{where}{msg}") from None
+
+
 @dataclass
 class AlertPolicy:
     """Debounced threshold alerts on a per-row risk (see the module docstring for the config)."""
@@ -75,7 +160,7 @@ class AlertPolicy:
     window: int = 1
     min_hits: int = 1
     cooldown: int | None = None
-    action: Any = None  # _actions.AlertAction | None
+    action: AlertAction | None = None
     _table: RequestTable = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -129,8 +214,6 @@ class AlertPolicy:
             raise AnalyzerConfigError(f"{where}: alert.min_hits applies to mode 'tokens'; mode 'mean' alerts on "
                                       "the window's mean risk")
         cooldown = None if cfg["cooldown"] is None else _count(cfg, "cooldown", where, 0)
-        from mia_stream.analyzers._actions import AlertAction
-
         action = AlertAction.parse(cfg["action"], where)
         return cls(cfg["value"], threshold, cfg["mode"], window, min_hits, cooldown, action)
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from mia_stream.errors import AnalyzerConfigError
+from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 
 FORMAT = "mia_stream.probe/1"
 PROBES_DIR = Path(__file__).resolve().parent / "probes"
@@ -82,6 +82,17 @@ class LinearProbe:
                 "threshold": float(self.threshold), "positive": self.positive, "extra": self.extra,
                 "training": self.training, "metrics": self.metrics,
                 **({"num_features": self.num_features} if self.num_features else {})}
+
+    def check_stream(self, start: Any, layers: str = "the probe {path} is for a") -> None:
+        """``AnalyzerInputError`` when the stream's model (``StreamStart.hidden_size`` / ``num_layers``; 0:
+        unknown) is not the probe's. ``layers``: the start of the layer-count message, naming what the probe
+        reads (``{path}`` is filled in)."""
+        if start.hidden_size and start.hidden_size != self.hidden_size:
+            raise AnalyzerInputError(f"request {start.request_id!r}: the probe {self.path} is for hidden size "
+                                     f"{self.hidden_size} ({self.model}), the stream's model has {start.hidden_size}")
+        if start.num_layers and self.num_layers and start.num_layers != self.num_layers:
+            raise AnalyzerInputError(f"request {start.request_id!r}: {layers.format(path=self.path)} "
+                                     f"{self.num_layers}-layer model, the stream's model has {start.num_layers}")
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")

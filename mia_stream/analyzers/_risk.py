@@ -37,7 +37,7 @@ import numpy as np
 from mia_stream.analyzers._alerts import AlertPolicy
 from mia_stream.analyzers._base import Analyzer, RequestTable, Results
 from mia_stream.analyzers._probe import LinearProbe, load_probe, resolve_probe_path
-from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
+from mia_stream.errors import AnalyzerConfigError
 from mia_stream.schemas import StepBatch, StreamEnd, StreamStart
 
 ANSWER_SCORES = ("max", "mean", "last")
@@ -116,13 +116,7 @@ class RiskDetector(Analyzer):
 
     def on_start(self, start: StreamStart) -> None:
         super().on_start(start)
-        probe = self.probe
-        if start.hidden_size and start.hidden_size != probe.hidden_size:
-            raise AnalyzerInputError(f"request {start.request_id!r}: the probe {probe.path} is for hidden size "
-                                     f"{probe.hidden_size} ({probe.model}), the stream's model has {start.hidden_size}")
-        if start.num_layers and probe.num_layers and start.num_layers != probe.num_layers:
-            raise AnalyzerInputError(f"request {start.request_id!r}: the probe {probe.path} is for a "
-                                     f"{probe.num_layers}-layer model, the stream's model has {start.num_layers}")
+        self.probe.check_stream(start)
         key = start.tokenizer or start.model
         if key not in self._word_starts:
             self._word_starts[key] = word_starts(Path(key) / "tokenizer.json") if key else None

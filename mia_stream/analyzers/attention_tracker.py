@@ -16,7 +16,7 @@ Head discovery (the paper's section 3.3): run normal data and the same data with
 and output WORD" appended, under the instruction "Say xxxxxx"; keep the heads whose ratio separates the two
 sets, ``(mu_N - k sigma_N) - (mu_A + k sigma_A) > 0`` with ``k = 4``::
 
-    python -m mia_stream.analyzers.attention_tracker discover --out tracker.json [--model DIR] [--k 4]
+    python -m mia_stream.lab.head_discovery attention_tracker discover --out tracker.json [--model DIR] [--k 4]
     mia-stream analyze attention_tracker --config tracker.json --source BROKER --publish
 
 Requests carry their spans in ``tags`` (``mia_stream.spans.prompt_parts(...).tags()``: ``instruction`` and
@@ -31,10 +31,7 @@ the discovery wrote, kept for the record.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -125,72 +122,3 @@ class AttentionTracker(SpanAttentionAnalyzer):
             labels = {"verdict": ["injection" if a else "normal" for a in alerts.tolist()]}
         out.add(ids, np.arange(len(ids)), [st.prompt_len - 1 for st, _ in scored],
                 {"focus": focus, "head_ratios": ratios}, labels, alerts)
-
-
-# ------------------------------------------------------------------------------------------ head discovery
-
-def all_head_ratios(attend, tokenizer, examples: Sequence, num_layers: int) -> np.ndarray:
-    """Every head's ratio ``[len(examples), L, H]`` for examples with ``messages`` (spans ``instruction``/``data``)."""
-    from mia_stream.spans import prompt_parts
-
-    pps = [prompt_parts(tokenizer, e.messages) for e in examples]
-    out = []
-    for pp, att in zip(pps, attend([p.token_ids for p in pps], list(range(num_layers)))):
-        n = len(pp.token_ids)
-        alpha = att.rows([n - 1])[:, :, 0]  # [L, H, n]
-        out.append(instruction_ratios(alpha, *span_masks(pp.tags()["spans"], n)))
-    return np.stack(out)
-
-
-def discover(tokenizer, attend, num_layers: int, num: int = 25, k: float = DEFAULT_K) -> dict:
-    """Run the discovery set through ``attend`` (``_qk_runs``) and return ``discover_heads``' result."""
-    from mia_stream.lab.attention_data import injection_set
-
-    examples = injection_set("discovery", num)
-    ratios = all_head_ratios(attend, tokenizer, examples, num_layers)
-    flags = np.array([e.attack for e in examples])
-    return discover_heads(ratios[~flags], ratios[flags], k)
-
-
-def config_from_discovery(res: dict, model: str) -> dict | None:
-    """The analyzer config a discovery result gives (None: no head passed)."""
-    if not res["heads"]:
-        return None
-    rest = {k: v for k, v in res.items() if k not in ("heads", "threshold")}
-    return {"heads": res["heads"], "threshold": res["threshold"], "model": model, "discovery": rest}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mia_stream.analyzers.attention_tracker",
-                                 description="Find a model's important heads for attention_tracker and write "
-                                             "its config (normal vs. 'ignore previous instruction' data).")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("discover", help="run the head discovery and write a config")
-    d.add_argument("--out", required=True, help="config file to write (JSON)")
-    d.add_argument("--model", help="model dir (default: the embedded model)")
-    d.add_argument("--num", type=int, default=25, help="normal and attacked prompts each (default 25)")
-    d.add_argument("--k", type=float, default=DEFAULT_K, help="the k of mu - k sigma (default 4, the paper's)")
-    d.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
-    args = ap.parse_args(argv)
-
-    from transformers import AutoConfig
-
-    from mia_stream.lab.qk_runs import attention_backend
-
-    with attention_backend(args.model, args.backend) as (tok, attend):
-        L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers
-        res = discover(tok, attend, L, args.num, args.k)
-    print(f"heads passing (mu_N - k sigma_N) - (mu_A + k sigma_A) > 0, by k: {res['heads_by_k']}", file=sys.stderr)
-    config = config_from_discovery(res, tok.name_or_path)
-    if config is None:
-        print(f"no head separates the sets at k={args.k:g} (best margin {res['best_margin']:.4f} at layer "
-              f"{res['best_head'][0]} head {res['best_head'][1]}); try a smaller --k", file=sys.stderr)
-        return 1
-    with open(args.out, "w") as f:
-        json.dump(config, f, indent=1)
-    print(f"{len(config['heads'])} head(s), threshold {config['threshold']:.4f} -> {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -16,9 +16,6 @@ The prompt carries one ``column`` span per schema column (``mia_stream.spans.pro
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
 from typing import Sequence
 
@@ -98,7 +95,7 @@ class AttnLink(SpanAttentionAnalyzer):
             if v is None:
                 shipped = Path(__file__).parent / "configs" / "attnlink-smollm2-135m.json"
                 raise AnalyzerConfigError(f"{self.name} config lacks {key!r} (choose the head with "
-                                          "python -m mia_stream.analyzers.attnlink select-head; the embedded "
+                                          "python -m mia_stream.lab.head_discovery attnlink select-head; the embedded "
                                           f"model's: --config {shipped})")
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise AnalyzerConfigError(f"{self.name} config: {key!r} must be a non-negative integer, got {v!r}")
@@ -156,59 +153,3 @@ class AttnLink(SpanAttentionAnalyzer):
                  "selected": pad_rows(chosen, False),
                  "num_columns": np.array([len(r["probs"]) for _, r in scored], np.int64)},
                 {"columns": labels})
-
-
-# ---------------------------------------------------------------------------------------- head selection
-
-def choose_head(tokenizer, attend, num_layers: int, num: int = 21, seed: int = 1, top_p: float = 0.9,
-                temperature: float = 1.0, anchor: str = "last_prompt") -> dict:
-    """Run labelled questions (``sql_set(num, seed)``) through ``attend``; the config of the best head."""
-    from mia_stream.lab.attention_data import sql_set
-    from mia_stream.spans import prompt_parts
-
-    examples = sql_set(num, seed=seed)
-    pps = [prompt_parts(tokenizer, e.messages) for e in examples]
-    per_head = []
-    for pp, att in zip(pps, attend([p.token_ids for p in pps], list(range(num_layers)))):
-        n = len(pp.token_ids)
-        rows = [n - 1] if anchor == "last_prompt" else list(range(*pp.ranges(anchor)[0]))
-        per_head.append(column_scores(att.rows(rows).mean(axis=2), pp.ranges("column")))  # [L, H, C]
-    (layer, head), mrr = select_head(per_head, [e.gold for e in examples])
-    return {"layer": layer, "head": head, "temperature": temperature, "top_p": top_p, "anchor": anchor,
-            "model": getattr(tokenizer, "name_or_path", None),
-            "selection": {"num": num, "seed": seed, "gold_mrr": float(mrr[layer, head])}}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mia_stream.analyzers.attnlink",
-                                 description="Choose attnlink's (layer, head) on generated labelled text-to-SQL "
-                                             "questions and write its config.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("select-head", help="the head whose column ranking puts the gold columns highest")
-    d.add_argument("--out", required=True, help="config file to write (JSON)")
-    d.add_argument("--model", help="model dir (default: the embedded model)")
-    d.add_argument("--num", type=int, default=21, help="labelled questions (default 21)")
-    d.add_argument("--seed", type=int, default=1, help="question set seed (the evaluation uses seed 0)")
-    d.add_argument("--top-p", type=float, default=0.9)
-    d.add_argument("--temperature", type=float, default=1.0)
-    d.add_argument("--anchor", default="last_prompt",
-                   help="last_prompt (the method) or a span name whose rows are averaged (e.g. question)")
-    d.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
-    args = ap.parse_args(argv)
-
-    from transformers import AutoConfig
-
-    from mia_stream.lab.qk_runs import attention_backend
-
-    with attention_backend(args.model, args.backend) as (tok, attend):
-        L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers
-        config = choose_head(tok, attend, L, args.num, args.seed, args.top_p, args.temperature, args.anchor)
-    with open(args.out, "w") as f:
-        json.dump(config, f, indent=1)
-    print(f"layer {config['layer']} head {config['head']} (gold-column MRR {config['selection']['gold_mrr']:.3f} "
-          f"on {args.num} questions) -> {args.out}", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

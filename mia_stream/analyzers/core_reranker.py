@@ -21,10 +21,7 @@ per document, ``query``: the late instruction and query, whose rows run to the e
 
 from __future__ import annotations
 
-import argparse
 import collections
-import json
-import sys
 from typing import Sequence
 
 import numpy as np
@@ -196,77 +193,3 @@ class CoreReranker(SpanAttentionAnalyzer):
                 {"scores": pad_rows([r[1] for r in rows], np.nan), "ranking": pad_rows(order, -1),
                  "num_docs": np.array([len(r[1]) for r in rows], np.int64)},
                 {"group": [r[2] for r in rows], "query_request": [r[3] for r in rows]})
-
-
-# --------------------------------------------------------------------------------------- head selection
-
-def per_head_doc_scores(att_query, att_calib, spans: dict, calib_spans: dict,
-                        mask_sigma: float | None = 2.0) -> np.ndarray:
-    """Every head's calibrated document scores ``[L * H, N]`` of one example (from two ``PromptAttention``)."""
-    q0, n = spans["query"][0][0], len(att_query.token_ids)
-    c0, m = calib_spans["query"][0][0], len(att_calib.token_ids)
-    aq = att_query.rows(np.arange(q0, n)).mean(axis=2)  # [L, H, n]
-    ac = att_calib.rows(np.arange(c0, m)).mean(axis=2)  # [L, H, m]
-    L, H = aq.shape[:2]
-    aq, ac = aq.reshape(L * H, -1), ac.reshape(L * H, -1)
-    docs = spans["doc"]
-    return np.stack([doc_scores(aq[i], docs, ac[i], mask_sigma) for i in range(L * H)])
-
-
-def choose_heads(tokenizer, attend, num_layers: int, num_heads: int, num: int = 20, top: int = 8,
-                 seed: int = 1) -> dict:
-    """Run a detection set (``rerank_set(num, seed)``) through ``attend`` and return the config of the ``top``
-    heads by MRR."""
-    from mia_stream.lab.attention_data import rerank_set
-    from mia_stream.spans import prompt_parts
-
-    examples = rerank_set(num, seed=seed)
-    pq = [prompt_parts(tokenizer, e.messages) for e in examples]
-    pc = [prompt_parts(tokenizer, e.calibration_messages) for e in examples]
-    atts = attend([p.token_ids for pair in zip(pq, pc) for p in pair], list(range(num_layers)))
-    per_head = []
-    for q, c in zip(pq, pc):
-        aq, ac = next(atts), next(atts)
-        per_head.append(per_head_doc_scores(aq, ac, q.tags()["spans"], c.tags()["spans"]))
-    best, mrr = select_heads(per_head, [e.relevant for e in examples], top)
-    heads = sorted([int(i // num_heads), int(i % num_heads)] for i in best)
-    all_mrr = float(np.mean([reciprocal_rank(rank(s.sum(0)), e.relevant) for s, e in zip(per_head, examples)]))
-    return {"heads": heads, "model": getattr(tokenizer, "name_or_path", None),
-            "selection": {"num": num, "seed": seed, "top": top,
-                          "head_mrr": {f"{l},{h}": float(mrr[l * num_heads + h]) for l, h in heads},
-                          "all_heads_mrr": all_mrr}}
-
-
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m mia_stream.analyzers.core_reranker",
-                                 description="Choose CoRe heads for core_reranker on a generated detection set "
-                                             "and write its config.")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    d = sub.add_parser("select-heads", help="rank every head by the MRR it alone gives; write the top ones")
-    d.add_argument("--out", required=True, help="config file to write (JSON)")
-    d.add_argument("--model", help="model dir (default: the embedded model)")
-    d.add_argument("--num", type=int, default=20, help="detection questions (default 20)")
-    d.add_argument("--top", type=int, default=8, help="heads to keep (default 8)")
-    d.add_argument("--seed", type=int, default=1, help="detection set seed (the evaluation uses seed 0)")
-    d.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
-    args = ap.parse_args(argv)
-
-    from transformers import AutoConfig
-
-    from mia_stream.lab.qk_runs import attention_backend
-
-    with attention_backend(args.model, args.backend) as (tok, attend):
-        cfg = AutoConfig.from_pretrained(tok.name_or_path)
-        config = choose_heads(tok, attend, cfg.num_hidden_layers, cfg.num_attention_heads, args.num, args.top,
-                              args.seed)
-    with open(args.out, "w") as f:
-        json.dump(config, f, indent=1)
-    sel = config["selection"]
-    print(f"{len(config['heads'])} head(s) (MRR alone {min(sel['head_mrr'].values()):.3f}-"
-          f"{max(sel['head_mrr'].values()):.3f}; all heads summed {sel['all_heads_mrr']:.3f}) -> {args.out}",
-          file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

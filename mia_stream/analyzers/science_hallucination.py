@@ -131,12 +131,7 @@ class ScienceHallucination(Analyzer):
     def on_start(self, start: StreamStart) -> None:
         super().on_start(start)
         probe = self.probe
-        if start.hidden_size and start.hidden_size != probe.hidden_size:
-            raise AnalyzerInputError(f"request {start.request_id!r}: the probe {probe.path} is for hidden size "
-                                     f"{probe.hidden_size} ({probe.model}), the stream's model has {start.hidden_size}")
-        if start.num_layers and probe.num_layers and start.num_layers != probe.num_layers:
-            raise AnalyzerInputError(f"request {start.request_id!r}: the probe reads the final layer of a "
-                                     f"{probe.num_layers}-layer model, the stream's model has {start.num_layers}")
+        probe.check_stream(start, layers="the probe reads the final layer of a")
         if self.norm is None:
             weight, eps = self.norm = final_norm(self._model_dir(start))
             v, self.offset = probe.folded(np.float64)

@@ -24,13 +24,12 @@ from typing import Any, Callable
 import numpy as np
 
 from mia_stream.monitor._detok import PieceDecoder, Tokenizers
+from mia_stream.monitor._scores import choose_score_key, new_score_keys, scalar_column
 
 # a request keeps at most this many positions of per-layer norms (the newest; older ones are dropped, counted)
 MAX_NORM_POSITIONS = 4096
 # per-layer profiles wider than this are not a "per-layer" value (e.g. a mean hidden state): not shown
 MAX_PROFILE_WIDTH = 512
-# score key names that look like a risk score, preferred as the default colouring (in this order)
-_RISK_HINTS = ("risk", "p_", "prob", "score")
 _EMPTY_CURSOR = {"t": 0, "s": 0, "a": 0, "n": 0, "v": -1}
 
 
@@ -174,15 +173,9 @@ class MonitorState:
 
     @property
     def score_key(self) -> str | None:
-        """The score tokens are coloured by unless the page picks another: ``--score``, else the first key
-        that looks like a risk (``risk``, ``p_...``, ``prob``, ``score``), else the first seen."""
-        if self.score_key_pinned:
-            return self.score_key_pinned
-        for hint in _RISK_HINTS:
-            for k in self.score_keys:
-                if hint in k.rsplit(".", 1)[-1]:
-                    return k
-        return self.score_keys[0] if self.score_keys else None
+        """The score tokens are coloured by unless the page picks another (the monitor's one rule, ``_scores``);
+        the page gets it in the overview and does not choose on its own."""
+        return choose_score_key(self.score_keys, self.score_key_pinned)
 
     # ------------------------------------------------------------------------------------------ ingest
 
@@ -307,10 +300,11 @@ class MonitorState:
         profiles: dict[str, np.ndarray] = {}
         for name, arr in values.items():
             arr = np.asarray(arr)
+            col = scalar_column(arr, n)
             if arr.shape[:1] != (n,):
                 self.counters["analysis_values_malformed"] += 1
-            elif arr.ndim == 1 or (arr.ndim == 2 and arr.shape[1] == 1):
-                scalars[name] = arr.reshape(n).astype(np.float64).tolist()
+            elif col is not None:
+                scalars[name] = col.tolist()
             elif arr.ndim == 2 and arr.shape[1] <= MAX_PROFILE_WIDTH:
                 profiles[name] = arr.astype(np.float32)
             else:
@@ -318,10 +312,7 @@ class MonitorState:
         keys = {name: f"{analyzer}.{name}" for name in (*scalars, *profiles)}
         with self.lock:
             tau = self._tau(time_ns, received_ns)
-            if any(p >= 0 for p in positions):
-                for name in scalars:
-                    if keys[name] not in self.score_keys:
-                        self.score_keys.append(keys[name])
+            new_score_keys(self.score_keys, analyzer, scalars, positions)
             for name in profiles:
                 if keys[name] not in self.profile_keys:
                     self.profile_keys.append(keys[name])

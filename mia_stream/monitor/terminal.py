@@ -9,8 +9,9 @@ finished), tokens so far, the newest and highest risk, its alerts and the action
 by its risk: green (0) through yellow to red (1); a token that raised an alert is underlined and marked ``!``.
 ``--numbers`` writes each token's risk after it.
 
-The risk is one value of the requests' ``analysis`` streams: ``--score ANALYZER.VALUE``, else the first value
-whose name says risk (``risk``, then ``p_...``, ``prob``, ``score``). A score at position p colours the token at
+The risk is one value of the requests' ``analysis`` streams, chosen by the rule the page uses too (``_scores``):
+``--score ANALYZER.VALUE``, else the first per-token value whose name says risk (``risk``, then ``p_...``,
+``prob``, ``score``), else the first seen. A score at position p colours the token at
 position p (the input token of the row it was computed from). Built on ``rich``; with stdout not a terminal it
 prints the final view once.
 """
@@ -21,20 +22,17 @@ import argparse
 import logging
 import math
 import os
-
-from mia_stream import settings
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
+from mia_stream import settings
+from mia_stream.monitor._scores import choose_score_key, new_score_keys, scalar_column
 
 log = logging.getLogger("mia_stream.monitor.terminal")
 
-# value names that look like a risk score, preferred in this order when --score is not given
-_RISK_HINTS = ("risk", "p_", "prob", "score")
 ACTION_ANALYZER = "alert_action"  # mia_stream.analyzers._actions.ACTION_ANALYZER (not imported: no zmq here)
 
 
@@ -88,13 +86,8 @@ class TerminalMonitor:
 
     @property
     def score_key(self) -> str | None:
-        if self.score_pinned:
-            return self.score_pinned
-        for hint in _RISK_HINTS:
-            for k in self.score_keys:
-                if hint in k.rsplit(".", 1)[-1]:
-                    return k
-        return self.score_keys[0] if self.score_keys else None
+        """The score tokens are coloured by: the monitor's one rule (``_scores``), as on the page."""
+        return choose_score_key(self.score_keys, self.score_pinned)
 
     def _view(self, rid: str) -> RequestView:
         v = self.requests.get(rid)
@@ -149,18 +142,15 @@ class TerminalMonitor:
                 self._view(a.request_id).actions.append(_action_line(a))
                 self.counters["actions"] += 1
             return
-        for name, col in b.values.items():
-            if col.ndim == 1 and col.dtype.kind == "f":
-                key = f"{b.analyzer}.{name}"
-                if key not in self.score_keys:
-                    self.score_keys.append(key)
-        key = self.score_key
-        analyzer, _, value = (key or "").rpartition(".")
-        col = b.values.get(value) if analyzer == b.analyzer else None
         off = b.offsets.tolist()
         pos = b.positions.tolist()
         alerts = b.alerts.tolist()
-        scores = col.astype(np.float64).tolist() if col is not None and col.ndim == 1 else None
+        cols = {name: c for name, c in ((name, scalar_column(v, len(pos))) for name, v in b.values.items())
+                if c is not None}
+        new_score_keys(self.score_keys, b.analyzer, cols, pos)
+        analyzer, _, value = (self.score_key or "").rpartition(".")
+        col = cols.get(value) if analyzer == b.analyzer else None
+        scores = col.tolist() if col is not None else None
         for i, rid in enumerate(b.request_ids):
             v = self._view(rid)
             for j in range(off[i], off[i + 1]):

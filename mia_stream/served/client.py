@@ -30,6 +30,10 @@ the request open until each named analyzer has sent its final result for it (the
 the analyzer runner sends when the request ends or when it refuses the request); otherwise the iteration ends
 at the stream's end and later results are not read.
 
+Layout. The request's protocol (what each item read becomes, when the request is over, which error to raise)
+is one sans-I/O ``RequestMachine`` (``_protocol``); ``ServedRequest`` and ``AsyncServedRequest`` are thin I/O
+shells that read and feed it, so the sync and async flavours cannot drift apart.
+
 Stopping. The HTTP side runs in a thread (sync) or a task (async); the stream is read in a thread. A request
 is over when its response, its stream's end and the final results of the ``analyzers`` it waits for have
 arrived; a response without those within ``end_timeout`` s raises ``BrokerTimeoutError`` (e.g. a server started without ``MIA_STREAM_BROKER``). An
@@ -46,13 +50,13 @@ import queue
 import threading
 import time
 import uuid
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from mia_stream.consumers import Event, RequestStream, StepFrame, open_stream
-from mia_stream.errors import BrokerTimeoutError, MiaStreamError, SpecError
+from mia_stream.consumers import open_stream
+from mia_stream.errors import BrokerTimeoutError, SpecError
+from mia_stream.served._protocol import RequestMachine, RequestState, Results, ServedEvent, StreamProgress
 
 __all__ = ["AsyncServedRequest", "AsyncStreamClient", "RecordingClient", "ServedEvent", "ServedRequest",
            "StreamClient", "build_spec"]
@@ -104,158 +108,6 @@ def _glob_escape(text: str) -> str:
     return "".join(f"[{c}]" if c in "[]*?" else c for c in text)
 
 
-# ------------------------------------------------------------------------------------------ events
-@dataclass
-class ServedEvent:
-    """One thing that happened to a request. ``kind``: "text" (``text``: the delta; ``chunk``: the openai
-    chunk when streamed), "response" (the HTTP side is done; ``response``: the final openai object, or the
-    last chunk when streamed), or a consumer-SDK event kind ("start", "frame", "tokens", "gap", "end", and
-    whatever the SDK adds) with the SDK's ``Event`` in ``bus``."""
-
-    kind: str
-    request_id: str
-    text: str | None = None
-    chunk: Any = None
-    response: Any = None
-    bus: Event | None = None
-
-    @property
-    def frame(self) -> StepFrame | None:
-        return self.bus.frame if self.bus is not None else None
-
-    @property
-    def tokens(self):
-        return self.bus.tokens if self.bus is not None else None
-
-    @property
-    def gap(self):
-        return self.bus.gap if self.bus is not None else None
-
-    @property
-    def end(self):
-        return self.bus.end if self.bus is not None else None
-
-    @property
-    def analysis(self):
-        """An "analysis" event's ``Analysis`` (one analyzer's rows for this request at one step; step -1: final)."""
-        return self.bus.analysis if self.bus is not None else None
-
-    @property
-    def stream(self) -> RequestStream | None:
-        return self.bus.stream if self.bus is not None else None
-
-
-@dataclass
-class _State:
-    """What has arrived for one request (shared by the sync and async flavours)."""
-
-    request_id: str
-    keep_frames: bool
-    text_parts: list = field(default_factory=list)
-    chunks: list = field(default_factory=list)
-    response: Any = None
-    stream: RequestStream | None = None
-    frames: list = field(default_factory=list)
-    gaps: list = field(default_factory=list)
-    http_done: bool = False
-    bus_ended: bool = False
-    awaiting: set = field(default_factory=set)  # analyzers whose final result (step -1) has not come yet
-    analyses: list = field(default_factory=list)
-
-    @property
-    def bus_done(self) -> bool:
-        return self.bus_ended and not self.awaiting
-
-    def on_bus(self, ev: Event) -> ServedEvent:
-        self.stream = ev.stream
-        if ev.kind == "frame" and self.keep_frames:
-            self.frames.append(ev.frame)
-        elif ev.kind == "gap":
-            self.gaps.append(ev.gap)
-        elif ev.kind == "end":
-            self.bus_ended = True
-        elif ev.kind == "analysis":
-            self.analyses.append(ev.analysis)
-            if ev.analysis.step == -1:
-                self.awaiting.discard(ev.analysis.analyzer)
-        return ServedEvent(ev.kind, self.request_id, bus=ev)
-
-    def end_timeout_error(self, end_timeout: float) -> BrokerTimeoutError:
-        if self.bus_ended:
-            return BrokerTimeoutError(
-                f"request {self.request_id!r}: its stream ended but no final result came from analyzer(s) "
-                f"{sorted(self.awaiting)} within {end_timeout:g} s (is each running with --publish on this broker "
-                "and --patterns matching this request?)")
-        return BrokerTimeoutError(
-            f"request {self.request_id!r}: the response came but its stream did not end within {end_timeout:g} s "
-            "(is the server running with MIA_STREAM_BROKER set to this broker?)")
-
-    def on_text(self, delta: str, chunk: Any = None) -> ServedEvent:
-        self.text_parts.append(delta)
-        if chunk is not None:
-            self.chunks.append(chunk)
-        return ServedEvent("text", self.request_id, text=delta, chunk=chunk)
-
-    def on_response(self, response: Any) -> ServedEvent:
-        self.http_done = True
-        self.response = response
-        return ServedEvent("response", self.request_id, response=response)
-
-
-class _Results:
-    """Read access to a request's state, common to ``ServedRequest`` and ``AsyncServedRequest``."""
-
-    _state: _State
-
-    @property
-    def request_id(self) -> str:
-        """The stream id: the spec's ``id`` (what consumers subscribe to)."""
-        return self._state.request_id
-
-    @property
-    def text(self) -> str:
-        return "".join(self._state.text_parts)
-
-    @property
-    def response(self) -> Any:
-        """The final openai object (``ChatCompletion`` / ``Completion``), or the last chunk when streamed."""
-        return self._state.response
-
-    @property
-    def chunks(self) -> list:
-        return self._state.chunks
-
-    @property
-    def stream(self) -> RequestStream | None:
-        """The consumer SDK's ``RequestStream`` (``start``, ``generated_token_ids``, ``end``, ``gaps``)."""
-        return self._state.stream
-
-    @property
-    def frames(self) -> list[StepFrame]:
-        """The frames received, in order (kept with ``keep_frames=True`` or after ``collect()``)."""
-        return self._state.frames
-
-    @property
-    def gaps(self) -> list:
-        return self._state.gaps
-
-    @property
-    def analyses(self) -> list:
-        """The analysis results received for this request (``Analysis``: analyzer, step, positions, values...),
-        in arrival order."""
-        return self._state.analyses
-
-    @property
-    def end(self):
-        return self._state.stream.end if self._state.stream is not None else None
-
-    @property
-    def finish_reason(self) -> str | None:
-        resp = self._state.response
-        choices = getattr(resp, "choices", None) or []
-        return getattr(choices[0], "finish_reason", None) if choices else None
-
-
 # ------------------------------------------------------------------------------------------ workers
 def _bus_worker(source: Any, request_id: str, put: Callable[[tuple], None], stop: threading.Event,
                 subscribed: Callable[[], None], idle_timeout: float, options: dict, reopen: bool,
@@ -268,8 +120,8 @@ def _bus_worker(source: Any, request_id: str, put: Callable[[tuple], None], stop
     of someone else's request), no event within ``idle_timeout`` is an error.
     """
     pattern = _glob_escape(request_id)
-    seen = ended = False
-    awaiting = set(analyzers)
+    seen = False
+    progress = StreamProgress(set(analyzers))
     try:
         while not stop.is_set():
             with open_stream(source, patterns=[pattern], from_start=True, timeout=idle_timeout, **options) as es:
@@ -279,13 +131,12 @@ def _bus_worker(source: Any, request_id: str, put: Callable[[tuple], None], stop
                         continue
                     seen = True
                     put(("bus", ev))
-                    ended = ended or ev.kind == "end"
-                    if ev.kind == "analysis" and ev.analysis.step == -1:
-                        awaiting.discard(ev.analysis.analyzer)
-                    if (ended and not awaiting) or stop.is_set():
+                    progress.see(ev)
+                    if progress.done or stop.is_set():
                         return
             if seen:
-                what = f"the final result of analyzer(s) {sorted(awaiting)}" if ended else "its end"
+                what = (f"the final result of analyzer(s) {sorted(progress.awaiting)}" if progress.ended
+                        else "its end")
                 put(("bus_error", BrokerTimeoutError(
                     f"stream {request_id!r}: no event for {idle_timeout:g} s before {what} (idle_timeout)")))
                 return
@@ -300,25 +151,7 @@ def _bus_worker(source: Any, request_id: str, put: Callable[[tuple], None], stop
         put(("bus_closed", None))
 
 
-def _delta_of(chunk: Any, chat: bool) -> str:
-    choices = getattr(chunk, "choices", None) or []
-    if not choices:
-        return ""
-    if chat:
-        return getattr(getattr(choices[0], "delta", None), "content", None) or ""
-    return getattr(choices[0], "text", None) or ""
-
-
-def _full_text(response: Any, chat: bool) -> str:
-    choices = getattr(response, "choices", None) or []
-    if not choices:
-        return ""
-    if chat:
-        return getattr(choices[0].message, "content", None) or ""
-    return getattr(choices[0], "text", None) or ""
-
-
-def _http_worker(call: Callable[[], Any], stream: bool, chat: bool, put: Callable[[tuple], None],
+def _http_worker(call: Callable[[], Any], stream: bool, put: Callable[[tuple], None],
                  cancelled: threading.Event) -> None:
     try:
         result = call()
@@ -329,43 +162,39 @@ def _http_worker(call: Callable[[], Any], stream: bool, chat: bool, put: Callabl
                     if cancelled.is_set():
                         break
                     last = chunk
-                    put(("text", (_delta_of(chunk, chat), chunk)))
+                    put(("chunk", chunk))
             finally:
                 close = getattr(result, "close", None)
                 if close is not None:
                     close()
             put(("response", last))
         else:
-            put(("text", (_full_text(result, chat), None)))
-            put(("response", result))
+            put(("result", result))
     except Exception as e:  # noqa: BLE001 — handed to the reader, which raises it
         put(("http_error", e))
 
 
 # ------------------------------------------------------------------------------------------ sync
-class ServedRequest(_Results):
+class ServedRequest(Results):
     """One request's events, in arrival order (text and stream interleaved). Iterate it (or ``collect()``);
-    use it as a context manager so an abandoned request's threads are stopped."""
+    use it as a context manager so an abandoned request's threads are stopped. The I/O shell (a stream thread,
+    an HTTP thread, a queue) of a ``RequestMachine``."""
 
     def __init__(self, request_id: str, *, source: Any, http_call: Callable[[], Any] | None, stream: bool,
                  chat: bool, keep_frames: bool, end_timeout: float, idle_timeout: float, options: dict,
                  analyzers: frozenset = frozenset()):
-        self._state = _State(request_id, keep_frames, awaiting=set(analyzers))
+        self._machine = RequestMachine(request_id, chat=chat, keep_frames=keep_frames, analyzers=analyzers,
+                                       attached=http_call is None, end_timeout=end_timeout)
+        self._state = self._machine.state
         self._analyzers = analyzers
         self._q: queue.Queue = queue.Queue()
         self._stop = threading.Event()
-        self._end_timeout = end_timeout
-        self._http_done_at: float | None = None
-        self._closed = False
         self._started = False
-        self._args = (source, http_call, stream, chat, idle_timeout, options)
-        self._attached = http_call is None  # a request someone else sent: no HTTP side, no end deadline
-        if self._attached:
-            self._state.http_done = True
+        self._args = (source, http_call, stream, idle_timeout, options)
 
     def _start(self) -> None:
         self._started = True
-        source, http_call, stream, chat, idle_timeout, options = self._args
+        source, http_call, stream, idle_timeout, options = self._args
         subscribed = threading.Event()
         self._bus = threading.Thread(target=_bus_worker, daemon=True, name=f"mia-bus-{self.request_id}",
                                      args=(source, self.request_id, self._q.put, self._stop, subscribed.set,
@@ -374,7 +203,7 @@ class ServedRequest(_Results):
         subscribed.wait()  # subscribed before the request is sent: the stream is read from its first event
         if http_call is not None:
             threading.Thread(target=_http_worker, daemon=True, name=f"mia-http-{self.request_id}",
-                             args=(http_call, stream, chat, self._q.put, self._stop)).start()
+                             args=(http_call, stream, self._q.put, self._stop)).start()
 
     def __iter__(self) -> Iterator[ServedEvent]:
         return self
@@ -382,37 +211,24 @@ class ServedRequest(_Results):
     def __next__(self) -> ServedEvent:
         if not self._started:
             self._start()
-        st = self._state
+        m = self._machine
         while True:
-            if self._closed or (st.http_done and st.bus_done):
+            if m.finished:
                 self.close()
                 raise StopIteration
-            timeout = None
-            if st.http_done and not self._attached:
-                self._http_done_at = self._http_done_at or time.monotonic()
-                timeout = max(0.0, self._http_done_at + self._end_timeout - time.monotonic())
+            ev = m.next_event()
+            if ev is not None:
+                return ev
             try:
-                kind, payload = self._q.get(timeout=timeout)
+                item = self._q.get(timeout=m.wait_time(time.monotonic()))
             except queue.Empty:
                 self.close()
-                raise st.end_timeout_error(self._end_timeout) from None
-            if kind == "bus":
-                return st.on_bus(payload)
-            if kind == "text":
-                delta, chunk = payload
-                if delta or chunk is None:
-                    return st.on_text(delta, chunk)
-                if chunk is not None:
-                    st.chunks.append(chunk)
-                continue
-            if kind == "response":
-                return st.on_response(payload)
-            if kind in ("http_error", "bus_error"):
+                raise m.timeout_error() from None
+            try:
+                m.receive(*item)
+            except BaseException:
                 self.close()
-                raise payload
-            if kind == "bus_closed" and not st.bus_done:
-                self.close()
-                raise MiaStreamError(f"stream {self.request_id!r}: the stream reader stopped before its end")
+                raise
 
     def collect(self) -> "ServedRequest":
         """Consume every event (keeping the frames) and return self."""
@@ -423,7 +239,7 @@ class ServedRequest(_Results):
 
     def close(self) -> None:
         """Stop reading (the HTTP stream is closed; the stream thread ends at its next event or idle)."""
-        self._closed = True
+        self._machine.closed = True
         self._stop.set()
 
     def __enter__(self) -> "ServedRequest":
@@ -434,6 +250,11 @@ class ServedRequest(_Results):
 
 
 class _ClientBase:
+    """What the sync and async clients share: the request (spec, stream id, body) and the methods; each flavour
+    says how a call is made (``_call``) and which request shell runs it (``_request_class``)."""
+
+    _request_class: type
+
     def __init__(self, broker: Any, model: str | None, keep_frames: bool, end_timeout: float,
                  idle_timeout: float, stream_options: dict | None):
         self.broker = broker
@@ -443,13 +264,57 @@ class _ClientBase:
         self.idle_timeout = idle_timeout
         self.stream_options = dict(stream_options or {})
 
-    def _request(self, kind: str, capture, steer, tags, request_id, spec, extra_body) -> tuple[str, dict]:
+    def _request(self, kind: str, capture, steer, tags, request_id, spec, extra_body,
+                 create_kwargs: dict) -> tuple[str, dict]:
+        if create_kwargs.get("n", 1) != 1:
+            raise SpecError(f"{type(self).__name__} sends one choice per request (n=1)")
         rid = request_id or (spec or {}).get("id") or f"{kind}-{uuid.uuid4().hex[:20]}"
         body = dict(extra_body or {})
         xargs = dict(body.get("vllm_xargs") or {})
         xargs[SPEC_KEY] = json.dumps(build_spec(capture, steer, tags, rid, spec))
         body["vllm_xargs"] = xargs
         return rid, body
+
+    def _call(self, create: Callable, create_kwargs: dict, **kwargs: Any) -> Callable:
+        raise NotImplementedError
+
+    def _served(self, rid: str, call, stream: bool, chat: bool, keep_frames: bool | None, analyzers=()):
+        return self._request_class(rid, source=self.broker, http_call=call, stream=stream, chat=chat,
+                                   keep_frames=self.keep_frames if keep_frames is None else keep_frames,
+                                   end_timeout=self.end_timeout, idle_timeout=self.idle_timeout,
+                                   options=self.stream_options, analyzers=_analyzer_names(analyzers))
+
+    def chat(self, messages: list, *, capture: dict | None = None, steer: list | None = None,
+             tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
+             stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
+             analyzers: Sequence[str] = (), **create_kwargs: Any):
+        """A chat completion with a capture/steering spec; nothing is sent until the first ``next``.
+        ``create_kwargs`` go to ``chat.completions.create`` (``max_tokens``, ``temperature``, ``seed``...).
+        ``analyzers``: names of analyzer processes publishing on this broker whose final results to wait for."""
+        rid, body = self._request("chat", capture, steer, tags, request_id, spec, extra_body, create_kwargs)
+        call = self._call(self.openai.chat.completions.create, create_kwargs, messages=messages, stream=stream,
+                          extra_body=body)
+        return self._served(rid, call, stream, True, keep_frames, analyzers)
+
+    def completion(self, prompt: str | list[int], *, capture: dict | None = None, steer: list | None = None,
+                   tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
+                   stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
+                   analyzers: Sequence[str] = (), **create_kwargs: Any):
+        """A completion; ``prompt`` may be token ids (e.g. ``chat_spans(...).token_ids``: no re-tokenization)."""
+        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, str)):
+            raise SpecError(f"{type(self).__name__}.completion takes one prompt (a string or a list of token ids)")
+        rid, body = self._request("cmpl", capture, steer, tags, request_id, spec, extra_body, create_kwargs)
+        call = self._call(self.openai.completions.create, create_kwargs, prompt=prompt, stream=stream,
+                          extra_body=body)
+        return self._served(rid, call, stream, False, keep_frames, analyzers)
+
+    def open(self, request_id: str, keep_frames: bool | None = None, analyzers: Sequence[str] = ()):
+        """The stream of a request sent by someone else (live, from its start while the broker buffers it)."""
+        return self._served(request_id, None, False, True, keep_frames, analyzers)
+
+    @staticmethod
+    def recording(path: Any) -> "RecordingClient":
+        return RecordingClient(path)
 
 
 class StreamClient(_ClientBase):
@@ -460,6 +325,8 @@ class StreamClient(_ClientBase):
     first); ``openai_client``: a ready ``openai.OpenAI`` (else one is made from ``base_url``/``api_key``).
     ``stream_options``: passed to ``open_stream`` (``window_bytes``, ``keys``, ...).
     """
+
+    _request_class = ServedRequest
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000/v1", broker: Any = None, *, model: str | None = None,
                  api_key: str = "EMPTY", openai_client: Any = None, keep_frames: bool = False,
@@ -477,56 +344,9 @@ class StreamClient(_ClientBase):
             self.model = self.openai.models.list().data[0].id
         return self.model
 
-    def _served(self, rid: str, call, stream: bool, chat: bool, keep_frames: bool | None,
-                analyzers=()) -> ServedRequest:
-        return ServedRequest(rid, source=self.broker, http_call=call, stream=stream, chat=chat,
-                             keep_frames=self.keep_frames if keep_frames is None else keep_frames,
-                             end_timeout=self.end_timeout, idle_timeout=self.idle_timeout,
-                             options=self.stream_options, analyzers=_analyzer_names(analyzers))
-
-    def chat(self, messages: list, *, capture: dict | None = None, steer: list | None = None,
-             tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
-             stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-             analyzers: Sequence[str] = (), **create_kwargs: Any) -> ServedRequest:
-        """A chat completion with a capture/steering spec; nothing is sent until the first ``next``.
-        ``create_kwargs`` go to ``chat.completions.create`` (``max_tokens``, ``temperature``, ``seed``...).
-        ``analyzers``: names of analyzer processes publishing on this broker whose final results to wait for."""
-        rid, body = self._request("chat", capture, steer, tags, request_id, spec, extra_body)
+    def _call(self, create: Callable, create_kwargs: dict, **kwargs: Any) -> Callable[[], Any]:
         model = create_kwargs.pop("model", None) or self._model()
-        if create_kwargs.get("n", 1) != 1:
-            raise SpecError("StreamClient sends one choice per request (n=1)")
-
-        def call():
-            return self.openai.chat.completions.create(model=model, messages=messages, stream=stream,
-                                                       extra_body=body, **create_kwargs)
-
-        return self._served(rid, call, stream, True, keep_frames, analyzers)
-
-    def completion(self, prompt: str | list[int], *, capture: dict | None = None, steer: list | None = None,
-                   tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
-                   stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-                   analyzers: Sequence[str] = (), **create_kwargs: Any) -> ServedRequest:
-        """A completion; ``prompt`` may be token ids (e.g. ``chat_spans(...).token_ids``: no re-tokenization)."""
-        if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, str)):
-            raise SpecError("StreamClient.completion takes one prompt (a string or a list of token ids)")
-        rid, body = self._request("cmpl", capture, steer, tags, request_id, spec, extra_body)
-        model = create_kwargs.pop("model", None) or self._model()
-        if create_kwargs.get("n", 1) != 1:
-            raise SpecError("StreamClient sends one choice per request (n=1)")
-
-        def call():
-            return self.openai.completions.create(model=model, prompt=prompt, stream=stream, extra_body=body,
-                                                  **create_kwargs)
-
-        return self._served(rid, call, stream, False, keep_frames, analyzers)
-
-    def open(self, request_id: str, keep_frames: bool | None = None, analyzers: Sequence[str] = ()) -> ServedRequest:
-        """The stream of a request sent by someone else (live, from its start while the broker buffers it)."""
-        return self._served(request_id, None, False, True, keep_frames, analyzers)
-
-    @staticmethod
-    def recording(path: Any) -> "RecordingClient":
-        return RecordingClient(path)
+        return lambda: create(model=model, **kwargs, **create_kwargs)
 
 
 # ------------------------------------------------------------------------------------------ recording
@@ -550,10 +370,9 @@ class RecordingClient:
         return RecordedRequest(self.path, request_id, keep_frames)
 
 
-class RecordedRequest(_Results):
+class RecordedRequest(Results):
     def __init__(self, path: Any, request_id: str, keep_frames: bool):
-        self._state = _State(request_id, keep_frames)
-        self._state.http_done = True
+        self._state = RequestState(request_id, keep_frames, http_done=True)
         self._path = path
         self._gen = self._events()
 
@@ -614,28 +433,25 @@ def _tokenizer(name: str | None):
 
 
 # ------------------------------------------------------------------------------------------ asyncio
-class AsyncServedRequest(_Results):
-    """The asyncio flavour of ``ServedRequest``: ``async for ev in req`` / ``await req.collect()``."""
+class AsyncServedRequest(Results):
+    """The asyncio flavour of ``ServedRequest``: ``async for ev in req`` / ``await req.collect()``. The I/O
+    shell (a stream thread, an HTTP task, an asyncio queue) of the same ``RequestMachine``."""
 
     def __init__(self, request_id: str, *, source: Any, http_call, stream: bool, chat: bool, keep_frames: bool,
                  end_timeout: float, idle_timeout: float, options: dict, analyzers: frozenset = frozenset()):
-        self._state = _State(request_id, keep_frames, awaiting=set(analyzers))
+        self._machine = RequestMachine(request_id, chat=chat, keep_frames=keep_frames, analyzers=analyzers,
+                                       attached=http_call is None, end_timeout=end_timeout)
+        self._state = self._machine.state
         self._analyzers = analyzers
         self._stop = threading.Event()
-        self._end_timeout = end_timeout
-        self._args = (source, http_call, stream, chat, idle_timeout, options)
+        self._args = (source, http_call, stream, idle_timeout, options)
         self._q: asyncio.Queue | None = None
         self._task: asyncio.Task | None = None
-        self._http_done_at: float | None = None
-        self._closed = False
-        self._attached = http_call is None
-        if self._attached:
-            self._state.http_done = True
 
     async def _start(self) -> None:
         loop = asyncio.get_running_loop()
         q = self._q = asyncio.Queue()
-        source, http_call, stream, chat, idle_timeout, options = self._args
+        source, http_call, stream, idle_timeout, options = self._args
         subscribed = asyncio.Event()
 
         def put(item):
@@ -647,9 +463,9 @@ class AsyncServedRequest(_Results):
                                http_call is not None, self._analyzers)).start()
         await subscribed.wait()
         if http_call is not None:
-            self._task = asyncio.create_task(self._http(http_call, stream, chat, q))
+            self._task = asyncio.create_task(self._http(http_call, stream, q))
 
-    async def _http(self, call, stream: bool, chat: bool, q: asyncio.Queue) -> None:
+    async def _http(self, call, stream: bool, q: asyncio.Queue) -> None:
         try:
             result = await call()
             if stream:
@@ -657,15 +473,14 @@ class AsyncServedRequest(_Results):
                 try:
                     async for chunk in result:
                         last = chunk
-                        q.put_nowait(("text", (_delta_of(chunk, chat), chunk)))
+                        q.put_nowait(("chunk", chunk))
                 finally:
                     close = getattr(result, "close", None)
                     if close is not None:
                         await close()
                 q.put_nowait(("response", last))
             else:
-                q.put_nowait(("text", (_full_text(result, chat), None)))
-                q.put_nowait(("response", result))
+                q.put_nowait(("result", result))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 — raised by the reader
@@ -677,37 +492,24 @@ class AsyncServedRequest(_Results):
     async def __anext__(self) -> ServedEvent:
         if self._q is None:
             await self._start()
-        st = self._state
+        m = self._machine
         while True:
-            if self._closed or (st.http_done and st.bus_done):
+            if m.finished:
                 self.close()
                 raise StopAsyncIteration
+            ev = m.next_event()
+            if ev is not None:
+                return ev
             try:
-                if st.http_done and not self._attached:
-                    self._http_done_at = self._http_done_at or time.monotonic()
-                    left = max(0.0, self._http_done_at + self._end_timeout - time.monotonic())
-                    kind, payload = await asyncio.wait_for(self._q.get(), left)
-                else:
-                    kind, payload = await self._q.get()
+                item = await asyncio.wait_for(self._q.get(), m.wait_time(time.monotonic()))
             except asyncio.TimeoutError:
                 self.close()
-                raise st.end_timeout_error(self._end_timeout) from None
-            if kind == "bus":
-                return st.on_bus(payload)
-            if kind == "text":
-                delta, chunk = payload
-                if delta or chunk is None:
-                    return st.on_text(delta, chunk)
-                st.chunks.append(chunk)
-                continue
-            if kind == "response":
-                return st.on_response(payload)
-            if kind in ("http_error", "bus_error"):
+                raise m.timeout_error() from None
+            try:
+                m.receive(*item)
+            except BaseException:
                 self.close()
-                raise payload
-            if kind == "bus_closed" and not st.bus_done:
-                self.close()
-                raise MiaStreamError(f"stream {self.request_id!r}: the stream reader stopped before its end")
+                raise
 
     async def collect(self) -> "AsyncServedRequest":
         self._state.keep_frames = True
@@ -716,7 +518,7 @@ class AsyncServedRequest(_Results):
         return self
 
     def close(self) -> None:
-        self._closed = True
+        self._machine.closed = True
         self._stop.set()
         if self._task is not None and not self._task.done():
             self._task.cancel()
@@ -730,6 +532,8 @@ class AsyncServedRequest(_Results):
 
 class AsyncStreamClient(_ClientBase):
     """``StreamClient`` for asyncio: the request goes through ``openai.AsyncOpenAI``; same arguments."""
+
+    _request_class = AsyncServedRequest
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000/v1", broker: Any = None, *, model: str | None = None,
                  api_key: str = "EMPTY", openai_client: Any = None, keep_frames: bool = False,
@@ -747,46 +551,9 @@ class AsyncStreamClient(_ClientBase):
             self.model = (await self.openai.models.list()).data[0].id
         return self.model
 
-    def _served(self, rid, call, stream, chat, keep_frames, analyzers=()) -> AsyncServedRequest:
-        return AsyncServedRequest(rid, source=self.broker, http_call=call, stream=stream, chat=chat,
-                                  keep_frames=self.keep_frames if keep_frames is None else keep_frames,
-                                  end_timeout=self.end_timeout, idle_timeout=self.idle_timeout,
-                                  options=self.stream_options, analyzers=_analyzer_names(analyzers))
-
-    def chat(self, messages: list, *, capture: dict | None = None, steer: list | None = None,
-             tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
-             stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-             analyzers: Sequence[str] = (), **create_kwargs: Any) -> AsyncServedRequest:
-        rid, body = self._request("chat", capture, steer, tags, request_id, spec, extra_body)
-        if create_kwargs.get("n", 1) != 1:
-            raise SpecError("AsyncStreamClient sends one choice per request (n=1)")
-
+    def _call(self, create: Callable, create_kwargs: dict, **kwargs: Any) -> Callable:
         async def call():
             model = create_kwargs.pop("model", None) or await self._model()
-            return await self.openai.chat.completions.create(model=model, messages=messages, stream=stream,
-                                                             extra_body=body, **create_kwargs)
+            return await create(model=model, **kwargs, **create_kwargs)
 
-        return self._served(rid, call, stream, True, keep_frames, analyzers)
-
-    def completion(self, prompt: str | list[int], *, capture: dict | None = None, steer: list | None = None,
-                   tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
-                   stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-                   analyzers: Sequence[str] = (), **create_kwargs: Any) -> AsyncServedRequest:
-        rid, body = self._request("cmpl", capture, steer, tags, request_id, spec, extra_body)
-        if create_kwargs.get("n", 1) != 1:
-            raise SpecError("AsyncStreamClient sends one choice per request (n=1)")
-
-        async def call():
-            model = create_kwargs.pop("model", None) or await self._model()
-            return await self.openai.completions.create(model=model, prompt=prompt, stream=stream,
-                                                        extra_body=body, **create_kwargs)
-
-        return self._served(rid, call, stream, False, keep_frames, analyzers)
-
-    def open(self, request_id: str, keep_frames: bool | None = None,
-             analyzers: Sequence[str] = ()) -> AsyncServedRequest:
-        return self._served(request_id, None, False, True, keep_frames, analyzers)
-
-    @staticmethod
-    def recording(path: Any) -> RecordingClient:
-        return RecordingClient(path)
+        return call
