@@ -26,12 +26,16 @@ import numpy as np
 
 from mia_stream.analyzers._base import Analyzer, Results
 from mia_stream.analyzers._registry import analyzer_class, available, create, load_config
-from mia_stream.consumers import _is_recording
+from mia_stream.consumers import BatchEvent, EndEvent, GapEvent, StartEvent, _is_recording
 from mia_stream.errors import AnalyzerError, AnalyzerInputError, MiaStreamError
 from mia_stream.schemas import AnalysisBatch, GapNotice, RowGroup, StepBatch, StreamStart, TokenBatch
 from mia_stream.schemas import seqranges
 
 log = logging.getLogger("mia_stream.analyzers")
+
+
+def _no_input(runner: Any, batch: Any) -> None:  # a batch that is not an analyzer's input (results)
+    return None
 
 def select(batch: StepBatch, keep: np.ndarray) -> StepBatch:
     """The requests of ``batch`` where ``keep`` (bool per request) is true; their rows are copied."""
@@ -127,25 +131,22 @@ class AnalyzerRunner:
         self.analyzer.on_tokens(batch, out)
         self._emit(out, batch.step, batch.time_ns)
 
+    # feed's handler of each SDK event class, and of each batch kind (analysis results are not its input)
+    _BATCH_INPUT = {"step_batch": lambda self, b: self.on_batch(b), "token_batch": lambda self, b: self.on_tokens(b)}
+    _FEED = {BatchEvent: lambda self, ev: self._BATCH_INPUT.get(ev.batch.KIND, _no_input)(self, ev.batch),
+             StartEvent: lambda self, ev: self.on_start(ev.stream),
+             GapEvent: lambda self, ev: self.on_gap(ev.stream, ev.gap),
+             EndEvent: lambda self, ev: self.on_end(ev.stream, ev.end)}
+
     def feed(self, ev: Any) -> bool:
         """One SDK event in batch mode (``open_batches``): step and token batches whole, starts, gaps and ends
         per request; analysis results (other analyzers', or this one's own coming back) are not its input.
         Returns whether it was a request's end."""
-        kind = ev.kind
-        if kind == "batch":
-            b = ev.batch
-            if b.KIND == "step_batch":
-                self.on_batch(b)
-            elif b.KIND == "token_batch":
-                self.on_tokens(b)
-        elif kind == "start":
-            self.on_start(ev.stream)
-        elif kind == "gap":
-            self.on_gap(ev.stream, ev.gap)
-        elif kind == "end":
-            self.on_end(ev.stream, ev.end)
-            return True
-        return False
+        cls = type(ev)
+        handle = self._FEED.get(cls)
+        if handle is not None:
+            handle(self, ev)
+        return cls is EndEvent
 
     def on_gap(self, stream: Any, gap: GapNotice) -> None:
         self.counters["gaps"] += 1

@@ -51,7 +51,8 @@ from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
-from mia_stream.consumers import Event, RequestStream, StepFrame, open_stream
+from mia_stream.consumers import (AnalysisEvent, EndEvent, Event, FrameEvent, GapEvent, RequestStream, StepFrame,
+                                  open_stream)
 from mia_stream.errors import BrokerTimeoutError, MiaStreamError, SpecError
 
 __all__ = ["AsyncServedRequest", "AsyncStreamClient", "RecordingClient", "ServedEvent", "ServedRequest",
@@ -168,17 +169,28 @@ class _State:
 
     def on_bus(self, ev: Event) -> ServedEvent:
         self.stream = ev.stream
-        if ev.kind == "frame" and self.keep_frames:
-            self.frames.append(ev.frame)
-        elif ev.kind == "gap":
-            self.gaps.append(ev.gap)
-        elif ev.kind == "end":
-            self.bus_ended = True
-        elif ev.kind == "analysis":
-            self.analyses.append(ev.analysis)
-            if ev.analysis.step == -1:
-                self.awaiting.discard(ev.analysis.analyzer)
+        handle = self._BUS.get(type(ev))
+        if handle is not None:
+            handle(self, ev)
         return ServedEvent(ev.kind, self.request_id, bus=ev)
+
+    def _on_frame(self, ev: FrameEvent) -> None:
+        if self.keep_frames:
+            self.frames.append(ev.frame)
+
+    def _on_gap(self, ev: GapEvent) -> None:
+        self.gaps.append(ev.gap)
+
+    def _on_end(self, ev: EndEvent) -> None:
+        self.bus_ended = True
+
+    def _on_analysis(self, ev: AnalysisEvent) -> None:
+        self.analyses.append(ev.analysis)
+        if ev.analysis.step == -1:
+            self.awaiting.discard(ev.analysis.analyzer)
+
+    # on_bus's handler of each SDK event class (start and tokens: nothing to keep)
+    _BUS = {FrameEvent: _on_frame, GapEvent: _on_gap, EndEvent: _on_end, AnalysisEvent: _on_analysis}
 
     def end_timeout_error(self, end_timeout: float) -> BrokerTimeoutError:
         if self.bus_ended:
