@@ -12,7 +12,7 @@ Dispatch on ``type(ev)`` (a dict of class -> handler), not on ``kind`` strings.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from mia_stream.schemas import GapNotice, StreamEnd, StreamStart
 
@@ -64,7 +64,8 @@ class RequestStream:
 
 class Event:
     """The base of every consumer event (``isinstance(ev, Event)``). ``kind``: one of ``EVENT_KINDS`` (a class
-    attribute); the fields a kind does not have are None here."""
+    attribute); the fields a kind does not have are None here. Each event class is a slotted dataclass of its
+    own fields (as the former single ``Event``: ``dataclasses.replace`` and ``==`` work)."""
 
     __slots__ = ()
     kind: ClassVar[str] = ""
@@ -81,90 +82,68 @@ class Event:
     def start(self) -> StreamStart | None:
         return self.stream.start
 
-    def _values(self) -> tuple:
-        return tuple(getattr(self, name) for name in type(self).__slots__)
 
-    def __repr__(self) -> str:
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in type(self).__slots__)
-        return f"{type(self).__name__}(kind={self.kind!r}, {fields})"
-
-    def __eq__(self, other: Any) -> bool:
-        if type(other) is not type(self):
-            return NotImplemented
-        return self._values() == other._values()
-
-    __hash__ = None  # mutable, compared by value (as the former dataclass)
-
-
+@dataclass(slots=True)
 class StartEvent(Event):
     """A request's stream started (TP: rank 0's StreamStart, in ``stream.start``)."""
 
-    __slots__ = ("stream",)
     kind = "start"
-
-    def __init__(self, stream: RequestStream):
-        self.stream = stream
+    stream: RequestStream
 
 
+@dataclass(slots=True)
 class FrameEvent(Event):
     """One engine step of one request (TP shards merged): ``frame``."""
 
-    __slots__ = ("stream", "frame")
     kind = "frame"
+    stream: RequestStream
+    frame: StepFrame
 
-    def __init__(self, stream: RequestStream, frame: StepFrame):
-        self.stream, self.frame = stream, frame
 
-
+@dataclass(slots=True)
 class TokensEvent(Event):
     """Tokens a request generated in a step: ``tokens`` (a TokenFrame)."""
 
-    __slots__ = ("stream", "tokens")
     kind = "tokens"
+    stream: RequestStream
+    tokens: TokenFrame
 
-    def __init__(self, stream: RequestStream, tokens: TokenFrame):
-        self.stream, self.tokens = stream, tokens
 
-
+@dataclass(slots=True)
 class GapEvent(Event):
     """Lost seqs of a request's stream (``gap``); ``error``: the IncompleteShardError of an "incomplete_shards"
     gap, else None."""
 
-    __slots__ = ("stream", "gap", "error")
     kind = "gap"
+    stream: RequestStream
+    gap: GapNotice
+    error: Exception | None = None
 
-    def __init__(self, stream: RequestStream, gap: GapNotice, error: Exception | None = None):
-        self.stream, self.gap, self.error = stream, gap, error
 
-
+@dataclass(slots=True)
 class EndEvent(Event):
     """A request's stream ended (TP: every rank's): ``end`` is rank 0's StreamEnd."""
 
-    __slots__ = ("stream", "end")
     kind = "end"
+    stream: RequestStream
+    end: StreamEnd
 
-    def __init__(self, stream: RequestStream, end: StreamEnd):
-        self.stream, self.end = stream, end
 
-
+@dataclass(slots=True)
 class AnalysisEvent(Event):
     """One request's rows of an analyzer's results: ``analysis``."""
 
-    __slots__ = ("stream", "analysis")
     kind = "analysis"
+    stream: RequestStream
+    analysis: Analysis
 
-    def __init__(self, stream: RequestStream, analysis: Analysis):
-        self.stream, self.analysis = stream, analysis
 
-
+@dataclass(slots=True)
 class BatchEvent(Event):
     """Batch mode: a whole columnar message (``batch``) naming many requests; ``stream`` is None."""
 
-    __slots__ = ("batch",)
     kind = "batch"
-
-    def __init__(self, batch: StepBatch | TokenBatch | AnalysisBatch):
-        self.batch = batch
+    batch: StepBatch | TokenBatch | AnalysisBatch
 
 
 EVENT_CLASSES: dict[str, type[Event]] = {c.kind: c for c in (StartEvent, FrameEvent, TokensEvent, GapEvent,
