@@ -95,7 +95,7 @@ class StreamAssembler(_BatchMode):
         self._analysis_held: set[tuple] = set()  # those of them holding results behind a hole
         # ended requests (and requests known only from analysis results): what analysis events refer to
         self._recent: collections.OrderedDict[str, RequestStream] = collections.OrderedDict()
-        # batch mode: streams' announced losses waiting to be one "gap" event each, oldest first
+        # batch mode (``_BatchMode`` owns it): announced losses waiting to be one "gap" event each, oldest first
         self._pending: collections.OrderedDict[tuple, _PendingGap] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -141,7 +141,7 @@ class StreamAssembler(_BatchMode):
     def _announce(self, key: tuple, news: list, source: GapNotice | GapBatch, now: float,
                   analysis: bool) -> list[Event]:
         """The "gap" event of the seqs an announced gap named that are news: at once, or in batch mode pending
-        (module docstring)."""
+        (``_batch_mode``)."""
         if self.batches:
             return self._defer_gap(key, news, source.reason, source.origin, source.time_ns, now, analysis)
         gap = _notice(key, news, source)
