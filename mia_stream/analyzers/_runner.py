@@ -37,6 +37,7 @@ log = logging.getLogger("mia_stream.analyzers")
 def _no_input(runner: Any, batch: Any) -> None:  # a batch that is not an analyzer's input (results)
     return None
 
+
 def select(batch: StepBatch, keep: np.ndarray) -> StepBatch:
     """The requests of ``batch`` where ``keep`` (bool per request) is true; their rows are copied."""
     idx = np.flatnonzero(keep)
