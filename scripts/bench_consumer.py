@@ -8,11 +8,12 @@ request), arrives as:
 - ``batch -> events``: one StepBatch + one TokenBatch, expanded into the same per-request events;
 - ``batch -> events + hs``: the same, and each frame's ``tensors["hs"]`` read (bf16 widened to float32);
 - ``batch mode``: one "batch" event per message (``open_batches`` / ``Consumer.on_batch``), seqs checked per request;
-- ``batch mode + norms``: the same, plus a vectorized mean hidden-state norm of every request.
+- ``batch mode + norms``: the same, plus a vectorized mean hidden-state norm of every request;
+- ``... -> Consumer``: the same events handed to a ``Consumer``'s callbacks (``dispatch``, as ``run_consumer``).
 
 Also: loading one request of a recording through the request index against a scan of the whole recording.
 
-    python scripts/bench_consumer.py [--requests 256] [--steps 100] [--rounds 5]
+    python scripts/bench_consumer.py [--requests 256] [--steps 100] [--rounds 5] [--no-index]
 
 CPU time of this one process (the consumer's share of the pipeline); fresh random tensors each round.
 """
@@ -27,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from mia_stream.consumers import StreamAssembler
+from mia_stream.consumers import Consumer, StreamAssembler, dispatch
 from mia_stream.consumers.recorder import Recorder
 from mia_stream.consumers.recording import Recording, iter_recording
 from mia_stream.schemas import (RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, TensorFrame, TokenBatch, TokenFrame,
@@ -70,12 +71,21 @@ def _assembler(ids: list[str], **kw) -> StreamAssembler:
     return asm
 
 
-def run_events(ids, messages, batches=False, read_hs=False, norms=False) -> int:
+class _Callbacks(Consumer):
+    def on_frame(self, stream, frame) -> None: ...
+
+    def on_batch(self, batch) -> None: ...
+
+
+def run_events(ids, messages, batches=False, read_hs=False, norms=False, consumer=False) -> int:
     asm = _assembler(ids, batches=batches)
+    callbacks = _Callbacks()
     n = 0
     for frames in messages:
         for ev in asm.feed(decode(frames)):
             n += 1
+            if consumer:
+                dispatch(callbacks, ev)
             if read_hs and ev.kind == "frame":
                 ev.frame.tensors["hs"]
             if norms and ev.kind == "batch" and ev.batch.KIND == "step_batch":
@@ -96,6 +106,9 @@ def bench_assemble(args) -> None:
         "batch -> events + hs": lambda pr, b: run_events(ids, b, read_hs=True),
         "batch mode": lambda pr, b: run_events(ids, b, batches=True),
         "batch mode + norms": lambda pr, b: run_events(ids, b, batches=True, norms=True),
+        "per-request -> Consumer": lambda pr, b: run_events(ids, pr, consumer=True),
+        "batch -> events -> Consumer": lambda pr, b: run_events(ids, b, consumer=True),
+        "batch mode -> Consumer": lambda pr, b: run_events(ids, b, batches=True, consumer=True),
     }
     times: dict[str, list[float]] = {k: [] for k in variants}
     for rnd in range(args.rounds):
@@ -171,9 +184,11 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--index-requests", type=int, default=1000)
     p.add_argument("--index-steps", type=int, default=1000)
+    p.add_argument("--no-index", action="store_true", help="only the decode + assemble table")
     args = p.parse_args()
     bench_assemble(args)
-    bench_index(args)
+    if not args.no_index:
+        bench_index(args)
 
 
 if __name__ == "__main__":

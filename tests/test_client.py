@@ -111,8 +111,13 @@ def test_the_request_machine_alone_sans_io():
     def chunk(text):
         return NS(choices=[NS(delta=NS(content=text))])
 
-    def bus(kind, **kw):
-        return NS(kind=kind, stream=NS(request_id="r", end=None), **kw)
+    from mia_stream.consumers import EVENT_CLASSES
+
+    def bus(kind, **kw):  # the SDK's own event classes, around a stand-in stream
+        stream = NS(request_id="r", end=None)
+        if kind == "end":
+            kw.setdefault("end", None)
+        return EVENT_CLASSES[kind](stream=stream, **kw)
 
     m = RequestMachine("r", chat=True, keep_frames=False, analyzers=frozenset({"late"}), end_timeout=5.0)
     assert m.wait_time(0.0) is None  # no response yet: no deadline

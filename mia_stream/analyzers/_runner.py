@@ -26,34 +26,21 @@ import numpy as np
 
 from mia_stream.analyzers._base import Analyzer, Results
 from mia_stream.analyzers._registry import analyzer_class, available, create, load_config
-from mia_stream.consumers import _is_recording
+from mia_stream.consumers import BatchEvent, EndEvent, GapEvent, StartEvent, _is_recording, subset_batch
 from mia_stream.errors import AnalyzerError, AnalyzerInputError, MiaStreamError
-from mia_stream.schemas import AnalysisBatch, GapNotice, RowGroup, StepBatch, StreamStart, TokenBatch
+from mia_stream.schemas import AnalysisBatch, GapNotice, StepBatch, StreamStart, TokenBatch
 from mia_stream.schemas import seqranges
 
 log = logging.getLogger("mia_stream.analyzers")
 
+
+def _no_input(runner: Any, batch: Any) -> None:  # a batch that is not an analyzer's input (results)
+    return None
+
+
 def select(batch: StepBatch, keep: np.ndarray) -> StepBatch:
     """The requests of ``batch`` where ``keep`` (bool per request) is true; their rows are copied."""
-    idx = np.flatnonzero(keep)
-    remap = np.full(len(batch.request_ids), -1, np.int64)
-    remap[idx] = np.arange(len(idx))
-    groups = []
-    for g in batch.groups:
-        seg_keep = keep[g.requests]
-        if not seg_keep.any():
-            continue
-        row_keep = np.repeat(seg_keep, g.rows)
-        tensors = []
-        for t in g.tensors:
-            raw = t.raw()[:, row_keep]
-            tensors.append(type(t)(t.name, t.dtype, tuple(raw.shape), raw, t.layers, t.shard,
-                                   t.scale if t.scale is None or t.scale.ndim < 2 or t.scale.shape[1] != t.shape[1]
-                                   else t.scale[:, row_keep], t.meta))
-        groups.append(RowGroup(remap[g.requests[seg_keep]], g.rows[seg_keep], g.positions[row_keep], tensors,
-                               g.token_ids[row_keep], g.part))
-    return StepBatch(batch.producer_id, batch.epoch, batch.step, [batch.request_ids[i] for i in idx],
-                     batch.seqs[idx], groups, batch.steering_versions[idx], batch.time_ns)
+    return subset_batch(batch, np.flatnonzero(keep))
 
 
 class AnalyzerRunner:
@@ -117,35 +104,27 @@ class AnalyzerRunner:
         if not any(keep):
             return
         if not all(keep):
-            idx = [i for i, k in enumerate(keep) if k]
-            off = batch.offsets.tolist()
-            batch = TokenBatch(batch.producer_id, batch.epoch, batch.step, [batch.request_ids[i] for i in idx],
-                               batch.seqs[idx], batch.counts[idx],
-                               [t for i in idx for t in batch.token_ids[off[i]:off[i + 1]].tolist()],
-                               batch.first_positions[idx], [batch.finish_reasons[i] for i in idx], batch.time_ns)
+            batch = subset_batch(batch, [i for i, k in enumerate(keep) if k])
         out = Results()
         self.analyzer.on_tokens(batch, out)
         self._emit(out, batch.step, batch.time_ns)
+
+    # feed's handler of each SDK event class, and of each batch kind (analysis results are not its input)
+    _BATCH_INPUT = {"step_batch": lambda self, b: self.on_batch(b), "token_batch": lambda self, b: self.on_tokens(b)}
+    _FEED = {BatchEvent: lambda self, ev: self._BATCH_INPUT.get(ev.batch.KIND, _no_input)(self, ev.batch),
+             StartEvent: lambda self, ev: self.on_start(ev.stream),
+             GapEvent: lambda self, ev: self.on_gap(ev.stream, ev.gap),
+             EndEvent: lambda self, ev: self.on_end(ev.stream, ev.end)}
 
     def feed(self, ev: Any) -> bool:
         """One SDK event in batch mode (``open_batches``): step and token batches whole, starts, gaps and ends
         per request; analysis results (other analyzers', or this one's own coming back) are not its input.
         Returns whether it was a request's end."""
-        kind = ev.kind
-        if kind == "batch":
-            b = ev.batch
-            if b.KIND == "step_batch":
-                self.on_batch(b)
-            elif b.KIND == "token_batch":
-                self.on_tokens(b)
-        elif kind == "start":
-            self.on_start(ev.stream)
-        elif kind == "gap":
-            self.on_gap(ev.stream, ev.gap)
-        elif kind == "end":
-            self.on_end(ev.stream, ev.end)
-            return True
-        return False
+        cls = type(ev)
+        handle = self._FEED.get(cls)
+        if handle is not None:
+            handle(self, ev)
+        return cls is EndEvent
 
     def on_gap(self, stream: Any, gap: GapNotice) -> None:
         self.counters["gaps"] += 1

@@ -6,8 +6,9 @@
 
 or subclass ``Consumer`` and hand it to ``run_consumer``. ``source`` is a broker address (a run dir with
 the broker's sockets, ``ipc://...``, ``tcp://...``; None = ``$MIA_STREAM_BROKER`` or the default run dir) or
-the path of a recording (a file, or a directory without broker sockets). Events: "start", "frame",
-"tokens", "analysis", "gap", "end" (see ``_assemble`` for ordering, gap and TP-merge rules).
+the path of a recording (a file, or a directory without broker sockets). Events (``_events``: one class per
+kind, each with its ``kind`` string): "start", "frame", "tokens", "analysis", "gap", "end" (see ``_assemble``
+for ordering, gap and TP-merge rules).
 
 Vectorized consumers take whole steps instead (no per-request event is built for tensors and tokens):
 
@@ -29,16 +30,20 @@ import uuid
 from pathlib import Path
 from typing import Any, Iterator
 
-from mia_stream.consumers._assemble import (EVENT_KINDS, Event, RequestStream, StepFrame, StreamAssembler,
-                                            merge_shards)
+from mia_stream.consumers._assemble import StreamAssembler
+from mia_stream.consumers._events import (EVENT_CLASSES, EVENT_KINDS, AnalysisEvent, BatchEvent, EndEvent, Event,
+                                          FrameEvent, GapEvent, RequestStream, StartEvent, TokensEvent)
+from mia_stream.consumers._frames import StepFrame
+from mia_stream.consumers._tp_merge import merge_shards
 from mia_stream.consumers._batch_ops import subset_batch
 from mia_stream.bus.client import BrokerClient
 from mia_stream.errors import MiaStreamError, SteeringCommandError
 from mia_stream.schemas import SteeringAck, SteeringCommand
 
-__all__ = ["BrokerClient", "Consumer", "Event", "EventStream", "EVENT_KINDS", "RequestStream", "StepFrame", "StreamAssembler",
-           "consume_main", "dispatch", "merge_shards", "open_batches", "open_stream", "run_consumer", "subset_batch",
-           "wants_batches"]
+__all__ = ["AnalysisEvent", "BatchEvent", "BrokerClient", "Consumer", "EVENT_CLASSES", "EVENT_KINDS", "EndEvent",
+           "Event", "EventStream", "FrameEvent", "GapEvent", "RequestStream", "StartEvent", "StepFrame",
+           "StreamAssembler", "TokensEvent", "consume_main", "dispatch", "merge_shards", "open_batches", "open_stream",
+           "run_consumer", "subset_batch", "wants_batches"]
 
 _IDLE_TICK_S = 0.05
 
@@ -224,25 +229,23 @@ def wants_batches(consumer: Any) -> bool:
     return getattr(type(consumer), "on_batch", Consumer.on_batch) is not Consumer.on_batch
 
 
+# A Consumer's callback for each event class.
+_CALLBACKS = {
+    BatchEvent: lambda c, ev: c.on_batch(ev.batch),
+    FrameEvent: lambda c, ev: c.on_frame(ev.stream, ev.frame),
+    TokensEvent: lambda c, ev: c.on_tokens(ev.stream, ev.tokens),
+    AnalysisEvent: lambda c, ev: c.on_analysis(ev.stream, ev.analysis),
+    GapEvent: lambda c, ev: c.on_gap(ev.stream, ev.gap),
+    StartEvent: lambda c, ev: c.on_start(ev.stream),
+    EndEvent: lambda c, ev: c.on_end(ev.stream, ev.end),
+}
+
+
 def dispatch(consumer: Any, ev: Event) -> bool:
     """Call ``consumer``'s callback for ``ev``; whether it was a request's end."""
-    kind = ev.kind
-    if kind == "batch":
-        consumer.on_batch(ev.batch)
-    elif kind == "frame":
-        consumer.on_frame(ev.stream, ev.frame)
-    elif kind == "tokens":
-        consumer.on_tokens(ev.stream, ev.tokens)
-    elif kind == "analysis":
-        consumer.on_analysis(ev.stream, ev.analysis)
-    elif kind == "gap":
-        consumer.on_gap(ev.stream, ev.gap)
-    elif kind == "start":
-        consumer.on_start(ev.stream)
-    elif kind == "end":
-        consumer.on_end(ev.stream, ev.end)
-        return True
-    return False
+    cls = type(ev)
+    _CALLBACKS[cls](consumer, ev)
+    return cls is EndEvent
 
 
 def _load_class(spec: str) -> type:

@@ -1,536 +1,62 @@
-"""From decoded messages to consumer events: per-stream ordering and gaps, TP shard merge.
+"""From decoded messages to consumer events: the ``StreamAssembler``.
 
-Ordering. Each stream (request_id, producer_id, epoch) is delivered in seq order. A message ahead of the
-next expected seq waits in a bounded reorder window (``reorder_window`` messages, ``reorder_timeout_s``)
-unless GapNotices already explain the hole; when the window overflows or times out, the unexplained seqs
-become a ``GapNotice(origin="consumer", reason="seq_jump")`` event. GapNotices from the producer or the broker
-are delivered once, trimmed to the seqs not yet delivered or reported, so no seq is ever counted twice.
+The assembler is split by concern; each part's module says what state it owns:
+  ``_events``      the event classes and ``RequestStream`` (the per-request record every event shares)
+  ``_sequencer``   one stream's seq order and gap accounting (reorder window, announced and found holes)
+  ``_frames``      ``StepFrame`` and the lazy zero-copy views of a request's share of a ``StepBatch``
+  ``_tp_merge``    TP > 1: one StepFrame per step from every rank's shards, never a partial merge
+  ``_batch_mode``  ``batches=True``: one "batch" event per columnar message, announced gaps merged per request
+  this module      the streams: which sequencer and which request a message belongs to, starts and ends
+                   (TP: every rank's), expanding columnar messages, analysis streams, GapBatches, flush/finish.
 
-TP merge. A request served with ``tp_size > 1`` has one stream per rank. For each engine ``step`` the
-assembler waits for every rank's TensorFrame, checks each sharded tensor's ``[start, stop)`` tile the
-``total`` exactly in rank order, concatenates along ``shard.dim`` and delivers one StepFrame. Unsharded
-tensors (hidden states: replicated, published by rank 0 only) are taken as they are. A step some rank will
-never deliver (that rank went past the step, ended, or more than ``merge_window`` steps are waiting) is never
-merged partially: it becomes a "gap" event whose ``gap.reason`` is ``"incomplete_shards"`` and whose
-``error`` is an ``IncompleteShardError`` naming the step and the missing ranks.
+Rule (this module): ``StreamAssembler`` owns the stream tables: ``_seq`` (request stream key -> its sequencer;
+a key leaves it at the stream's end, into ``_done``), ``_held`` (keys whose sequencer holds messages),
+``_ranks`` (key -> the request and TP rank it feeds), ``_requests`` (live requests), ``_mergers``, ``_early``
+(events of a request before rank 0's start), ``_waiting`` (TP requests waiting for an unstarted rank),
+``_analysis`` / ``_analysis_held`` (analysis streams, LRU), ``_recent`` (ended requests, LRU) and ``counters``.
+A stream key is (request_id, producer_id, epoch).
 
-Producer contract this relies on: every rank publishes one TensorFrame per captured step (an empty
-``tensors`` list if it has nothing for that step); TokenFrames and the request's StreamEnd that counts come
-from rank 0 (other ranks' TokenFrames are ignored).
-
-End of a TP request. The ranks are separate producers: nothing orders one rank's stream against another's,
-so a whole rank's stream may arrive after rank 0's StreamEnd. The "end" event therefore waits for the
-StreamEnd of every rank ``0 .. tp_size-1``, not only of the ranks seen so far. A rank that has started is
-waited for as long as it takes (the broker ends the stream of a producer it lost); a rank whose StreamStart
-has not come when every started rank has ended is waited for ``rank_wait_s`` (from a live source: ``flush``
-decides it; from a recording: ``finish``), then the request ends without it and each of its steps is
-"incomplete_shards" naming that rank.
+End of a TP request. The ranks are separate producers: nothing orders one rank's stream against another's, so a
+whole rank's stream may arrive after rank 0's StreamEnd. The "end" event therefore waits for the StreamEnd of
+every rank ``0 .. tp_size-1``, not only of the ranks seen so far. A rank that has started is waited for as long
+as it takes (the broker ends the stream of a producer it lost); a rank whose StreamStart has not come when every
+started rank has ended is waited for ``rank_wait_s`` (from a live source: ``flush`` decides it; from a
+recording: ``finish``), then the request ends without it and each of its steps is "incomplete_shards" naming
+that rank.
 
 Columnar messages (schema 2.0). A ``StepBatch`` / ``TokenBatch`` names many requests, each with the one seq it
 uses in that request's stream, so each request's share is sequenced, gap-checked and TP-merged exactly like a
-per-request ``TensorFrame`` / ``TokenFrame`` of that seq (a request with segments in parts 0 and 1 gets two
-"frame" events from its one seq). A request's ``StepFrame`` is built lazily: its tensors are zero-copy views
-into the batch, made when first read. An ``AnalysisBatch`` gives each request an "analysis" event; its
-streams (request, analyzer producer, epoch) have no start or end, start at the first seq seen and are
-delivered after the request's end too. A ``GapBatch`` (2.1) is each of its requests' GapNotice: its part of
-each request gives the "gap" event that request's GapNotice would give, in both modes (batch mode merges them,
-below).
-
-Batch mode (``StreamAssembler(batches=True)``, what ``Consumer.on_batch`` and ``open_batches`` use): a
-columnar message is not expanded; it becomes one "batch" event. Each request's seq is still checked (one dict
-lookup and compare per request): starts, ends and gaps stay per request. A batch is never held back for one
-request: an unexplained hole before a request's seq is reported at once (``seq_jump``, origin consumer), and a
-request whose seq was already delivered or reported (a duplicate, e.g. after re-subscribing) is cut out of
-the delivered batch. Per-request ``TensorFrame`` / ``TokenFrame`` messages (older producers, 1.x recordings)
-arrive as one-request batches. TP > 1: each rank's batch is delivered as it came (per-rank batches: hidden
-states whole from rank 0, Q/K shards carrying ``Tensor.shard``); use the per-request events for merged
-heads.
-
-Announced gaps in batch mode. A consumer that falls behind is sent a GapBatch for most messages (one seq of every
-request each); one "gap" event per request per lost message cost it more than delivering. So the seqs that
-GapNotices and GapBatches announce lost join their stream's pending gap (one reason and origin), delivered as one
-"gap" event naming them all before that stream's next start, end, per-request message or consumer-found hole;
-by ``flush`` once it waited ``reorder_timeout_s``; by ``finish``; when a loss of another reason comes; or when
-it names ``GAP_RANGES_KEPT`` ranges. "batch" events do not wait for it: a batch may carry a request's seq that
-follows seqs of a gap delivered after it. Every lost seq is still named once, in its request's "gap" event.
+per-request ``TensorFrame`` / ``TokenFrame`` of that seq (``_frames``: lazy views). An ``AnalysisBatch`` gives
+each request an "analysis" event; its streams (request, analyzer producer, epoch) have no start or end, start
+at the first seq seen and are delivered after the request's end too. A ``GapBatch`` (2.1) is each of its
+requests' GapNotice: its part of each request gives the "gap" event that request's GapNotice would give, in
+both modes (batch mode merges them).
 """
 
 from __future__ import annotations
 
 import collections
-import functools
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
+from mia_stream.consumers._batch_mode import _BatchMode, _PendingGap
+from mia_stream.consumers._batch_ops import frame_batch, tokens_batch
+from mia_stream.consumers._events import (EVENT_CLASSES, EVENT_KINDS, GAP_RANGES_KEPT, AnalysisEvent, BatchEvent,
+                                          EndEvent, Event, FrameEvent, GapEvent, RequestStream, StartEvent,
+                                          TokensEvent)
+from mia_stream.consumers._frames import StepFrame, _GroupView, _Segment, _Share
+from mia_stream.consumers._sequencer import _notice, _Sequencer
+from mia_stream.consumers._tp_merge import _Merger, merge_shards
+from mia_stream.schemas import (AnalysisBatch, GapBatch, GapNotice, Message, StepBatch, StreamEnd, StreamStart,
+                                TensorFrame, TokenBatch, TokenFrame)
 
-from mia_stream.consumers._batch_ops import frame_batch, subset_batch, tokens_batch
-from mia_stream.errors import IncompleteShardError
-from mia_stream.schemas import seqranges
-from mia_stream.schemas import (Analysis, AnalysisBatch, GapBatch, GapNotice, Message, RowGroup, StepBatch,
-                                StreamEnd, StreamStart, Tensor, TensorFrame, TokenBatch, TokenFrame)
+__all__ = ["EVENT_CLASSES", "EVENT_KINDS", "GAP_RANGES_KEPT", "AnalysisEvent", "BatchEvent", "EndEvent", "Event",
+           "FrameEvent", "GapEvent", "RequestStream", "StartEvent", "StepFrame", "StreamAssembler", "TokensEvent",
+           "merge_shards"]
 
-EVENT_KINDS = ("start", "frame", "tokens", "gap", "end", "analysis", "batch")
 _RECENT_STREAMS = 10_000  # ended requests remembered for the analysis results that follow their end
 _ANALYSIS_STREAMS = 100_000  # analysis streams (they never end) whose seqs are remembered, least recent dropped
-# seq ranges a RequestStream keeps in its gap notices (its counts stay exact), and the most a batch-mode "gap"
-# event names (so a stream's first one is always kept whole)
-GAP_RANGES_KEPT = 16
 
-
-@dataclass
-class StepFrame:
-    """One engine step of one request, TP shards merged. ``tensors`` are numpy (bf16 widened to float32);
-    ``raw_tensors`` are the ``schemas.Tensor`` objects (exact wire dtype, zero-copy where unmerged).
-
-    From a ``StepBatch`` the frame is a view of the request's segment: ``positions``, ``token_ids``,
-    ``raw_tensors``, ``layers`` and ``rank_frames`` are made on first use (zero-copy slices of the batch).
-    A view keeps the whole step's buffers alive: copy (``np.array(frame.tensors["hs"])``) what you keep."""
-
-    request_id: str
-    step: int
-    positions: list
-    token_ids: list
-    steering_version: int
-    raw_tensors: dict[str, Tensor]
-    layers: dict[str, tuple]
-    time_ns: int = 0
-    rank_frames: list = field(default_factory=list, repr=False)  # the TensorFrames merged, by rank
-    part: int = 0  # 0: hidden states (and Q/K at the same positions), 1: Q/K at positions of their own
-
-    @functools.cached_property
-    def tensors(self) -> dict[str, np.ndarray]:
-        """name -> array: hs ``[L,T,H]``, q ``[L,T,heads,D]``, k ``[L,T,kv_heads,D]`` (computed on first use)."""
-        return {name: t.numpy() for name, t in self.raw_tensors.items()}
-
-    def __getattr__(self, name: str) -> Any:
-        # Only reached for an attribute not yet set: the lazy fields of a frame cut from a StepBatch segment.
-        seg = self.__dict__.get("_segment")
-        if seg is None or name not in _LAZY_FIELDS:
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        seg.fill(self, name)
-        return self.__dict__[name]
-
-
-_LAZY_FIELDS = frozenset(("positions", "token_ids", "raw_tensors", "layers", "rank_frames"))
-
-
-class _GroupView:
-    """A row group of a StepBatch, prepared once for all its segments: row offsets, the raw arrays."""
-
-    __slots__ = ("group", "offsets", "raws")
-
-    def __init__(self, group: RowGroup):
-        self.group = group
-        self.offsets = group.offsets.tolist()
-        self.raws = [(t, t.raw()) for t in group.tensors]
-
-    def tensors(self, j: int) -> list[Tensor]:
-        """Segment ``j``'s rows of every tensor: zero-copy views."""
-        a, b = self.offsets[j], self.offsets[j + 1]
-        out = []
-        for t, raw in self.raws:
-            view = raw[:, a:b]
-            scale = t.scale
-            if scale is not None and scale.ndim >= 2 and scale.shape[1] == t.shape[1]:
-                scale = scale[:, a:b]
-            out.append(Tensor(t.name, t.dtype, view.shape, view, t.layers, t.shard, scale, t.meta))
-        return out
-
-
-class _Segment:
-    """One part of one request in a StepBatch: what fills a lazy StepFrame (or builds its TensorFrame)."""
-
-    __slots__ = ("batch", "view", "i", "j", "version")
-
-    def __init__(self, batch: StepBatch, view: _GroupView, i: int, j: int, version: int):
-        self.batch, self.view, self.i, self.j, self.version = batch, view, i, j, version
-
-    def step_frame(self, request_id: str) -> StepFrame:
-        b = self.batch
-        sf = object.__new__(StepFrame)  # the lazy fields are filled by fill() when first read
-        d = sf.__dict__
-        d["request_id"], d["step"], d["time_ns"], d["part"] = request_id, b.step, b.time_ns, self.view.group.part
-        d["steering_version"] = self.version
-        d["_segment"] = self
-        return sf
-
-    def fill(self, sf: StepFrame, name: str) -> None:
-        d = sf.__dict__
-        if name == "rank_frames":
-            d["rank_frames"] = [self.tensor_frame()]
-            return
-        g, j = self.view.group, self.j
-        a, e = self.view.offsets[j], self.view.offsets[j + 1]
-        tensors = self.view.tensors(j)
-        d["positions"], d["token_ids"] = g.positions[a:e].tolist(), g.token_ids[a:e].tolist()
-        d["raw_tensors"] = {t.name: t for t in tensors}
-        d["layers"] = {t.name: tuple(t.layers) for t in tensors}
-
-    def tensor_frame(self) -> TensorFrame:
-        b, v, j = self.batch, self.view, self.j
-        a, e = v.offsets[j], v.offsets[j + 1]
-        g = v.group
-        return TensorFrame(b.request_ids[self.i], b.producer_id, b.epoch, int(b.seqs[self.i]), b.step,
-                           g.positions[a:e].tolist(), g.token_ids[a:e].tolist(), v.tensors(j), self.version,
-                           b.time_ns, g.part)
-
-
-class _Share:
-    """What one request holds in a StepBatch (its segments, one per part: maybe none) under its one seq."""
-
-    __slots__ = ("seq", "step", "segments")
-
-    def __init__(self, seq: int, step: int, segments: list):
-        self.seq, self.step, self.segments = seq, step, segments
-
-
-class _Mark:
-    """A batch's place in a request's seq order (batch mode): what the sequencer released before it goes
-    before the batch event, what it released after it goes after."""
-
-    __slots__ = ("seq",)
-
-    def __init__(self, seq: int):
-        self.seq = seq
-
-
-class _PendingGap:
-    """Batch mode: a stream's announced losses of one reason not delivered yet, one "gap" event for many lost
-    messages. ``bounds``: first, last, first, last... of its seq ranges, flat (no list per range)."""
-
-    __slots__ = ("bounds", "reason", "origin", "time_ns", "since", "analysis")
-
-    def __init__(self, reason: str, origin: str, time_ns: int, since: float, analysis: bool):
-        self.bounds: list[int] = []
-        self.reason, self.origin, self.time_ns = reason, origin, time_ns
-        self.since, self.analysis = since, analysis  # since: the caller's clock; analysis: an analyzer's stream
-
-    def add(self, first: int, last: int) -> None:
-        bounds = self.bounds
-        if bounds and bounds[-1] + 1 == first:
-            bounds[-1] = last
-        else:
-            bounds.append(first)
-            bounds.append(last)
-
-
-@dataclass
-class RequestStream:
-    """Everything known about one request's stream(s); the same object in every event of the request.
-
-    ``gaps``: GapNotices of the request's "gap" events, the first ones, naming at most ``GAP_RANGES_KEPT`` seq
-    ranges in all (the first is always kept). ``gap_events`` and ``gap_seqs`` count every "gap" event of the
-    request and the seqs they named, kept or not."""
-
-    request_id: str
-    start: StreamStart | None = None  # TP rank 0's StreamStart
-    starts: dict[int, StreamStart] = field(default_factory=dict)
-    tp_size: int = 1
-    generated_token_ids: list = field(default_factory=list)
-    gaps: list = field(default_factory=list)
-    ended: bool = False
-    end: StreamEnd | None = None
-    ends: dict[int, StreamEnd] = field(default_factory=dict)
-    frames: int = 0
-    gap_events: int = 0
-    gap_seqs: int = 0
-    _gap_ranges_kept: int = field(default=0, init=False, repr=False, compare=False)
-
-    @property
-    def prompt_token_ids(self) -> list:
-        return list(self.start.prompt_token_ids) if self.start is not None else []
-
-    def _add_gap(self, gap: GapNotice, seqs: int) -> None:
-        # Bounded: the assembler remembers 10,000 ended streams, and under sustained overload each one kept a
-        # notice per gap event (millions of objects: full collections of 1.2 s in bench_load.py's saturated `*`).
-        self.gap_events += 1
-        self.gap_seqs += seqs
-        ranges = len(gap.missing)
-        if not self.gaps or self._gap_ranges_kept + ranges <= GAP_RANGES_KEPT:
-            self.gaps.append(gap)
-            self._gap_ranges_kept += ranges
-
-
-@dataclass(slots=True)
-class Event:
-    kind: str  # one of EVENT_KINDS
-    stream: RequestStream | None  # None for a "batch" event (it names many requests)
-    frame: StepFrame | None = None
-    tokens: TokenFrame | None = None
-    gap: GapNotice | None = None
-    end: StreamEnd | None = None
-    error: Exception | None = None  # IncompleteShardError for reason "incomplete_shards"
-    analysis: Analysis | None = None  # an "analysis" event: one request's rows of an AnalysisBatch
-    batch: StepBatch | TokenBatch | AnalysisBatch | None = None  # a "batch" event (batch mode)
-
-    @property
-    def start(self) -> StreamStart | None:
-        return self.stream.start
-
-
-# ---------------------------------------------------------------------------------------------- gaps
-
-def _notice(key: tuple, news: list[list[int]], source: GapNotice | GapBatch) -> GapNotice:
-    """The GapNotice of a gap event: ``source`` itself when it is one naming exactly ``news``."""
-    if type(source) is GapNotice and news == source.missing:
-        return source
-    return GapNotice(key[0], key[1], key[2], news, source.reason, source.origin, source.time_ns)
-
-
-class _Sequencer:
-    """Seq order and gap accounting of one stream."""
-
-    __slots__ = ("key", "expected", "known", "held", "held_since", "window", "duplicates")
-
-    def __init__(self, key: tuple, window: int):
-        self.key = key
-        self.expected = 0
-        self.known: list[list[int]] = []  # announced missing seqs >= expected
-        self.held: dict[int, Message] = {}
-        self.held_since = 0.0
-        self.window = window
-        self.duplicates = 0
-
-    def gap(self, missing: list) -> list[list[int]] | None:
-        """Record an announced gap (``missing``: its seq ranges); the ranges that are news (not delivered, not
-        already announced), or None."""
-        if not self.known and not self.held:  # the common case: what seqranges.lenient and subtract would give
-            fast = self._gap_fast(missing)
-            if fast is not None:
-                if fast:
-                    self.known = [list(r) for r in fast]
-                    self._skip_known()  # a gap at ``expected``: the next message takes the in-order path
-                return fast or None
-        new: list[list[int]] = []
-        for a, b in seqranges.lenient(missing):
-            a = max(a, self.expected)
-            if a <= b:
-                new.extend(seqranges.subtract(self.known, a, b))
-        for s in self.held:  # a seq that did arrive is not missing, whatever the notice says
-            new = [part for a, b in new for part in ([[a, b]] if not a <= s <= b else
-                                                       [x for x in ([a, s - 1], [s + 1, b]) if x[0] <= x[1]])]
-        if not new:
-            return None
-        self.known = seqranges.union(self.known, new)
-        return new
-
-    def _gap_fast(self, missing: list) -> list[list[int]] | None:
-        """``missing`` past ``expected``, when its ranges are valid, ascending and apart (not touching); None
-        otherwise (the general path). At saturation a consumer gets a gap for most requests of most steps: the
-        general path's sorting and merging was ~35% of its samples (bench_load.py, py-spy)."""
-        if type(missing) is not list:
-            return None
-        out: list[list[int]] = []
-        last = -2
-        expected = self.expected
-        for r in missing:
-            if (type(r) is not list and type(r) is not tuple) or len(r) != 2:
-                return None
-            a, b = r
-            if type(a) is not int or type(b) is not int or not 0 <= a <= b or a <= last + 1:
-                return None
-            last = b
-            if a < expected:
-                a = expected
-            if a <= b:
-                out.append([a, b])
-        return out
-
-    def gap_range(self, first: int, last: int) -> int:
-        """``gap([[first, last]])`` of a valid range when nothing is held or announced (the caller checked): the
-        first seq of it that is news (news up to ``last``), or -1 when none is."""
-        expected = self.expected
-        if first < expected:
-            first = expected
-        if first > last:
-            return -1
-        if first == expected:
-            self.expected = last + 1  # explained up to there: the next message takes the in-order path
-        else:
-            self.known = [[first, last]]
-        return first
-
-    def push(self, msg: Message, now: float) -> list:
-        """Messages (and synthesized GapNotices) ready in order after ``msg`` arrived."""
-        seq = msg.seq
-        if seq == self.expected and not self.held and not self.known:  # in order: the common case
-            self.expected = seq + 1
-            return [msg]
-        if seq < self.expected or seq in self.held:
-            self.duplicates += 1
-            return []
-        self.held[seq] = msg
-        if len(self.held) == 1:
-            self.held_since = now
-        return self._release(len(self.held) > self.window, now)
-
-    def flush(self, now: float, timeout: float) -> list:
-        if self.held and now - self.held_since >= timeout:
-            return self._release(True, now)
-        return []
-
-    def _release(self, force: bool, now: float) -> list:
-        """Held messages that can go now, in seq order (``force``: all of them, unexplained holes reported);
-        ``now`` (the caller's clock) restarts the wait of whatever stays held."""
-        out: list = []
-        while self.held:
-            self._skip_known()
-            msg = self.held.pop(self.expected, None)
-            if msg is not None:
-                out.append(msg)
-                self.expected += 1
-                continue
-            first = min(self.held)
-            if not force and seqranges.subtract(self.known, self.expected, first - 1):
-                break
-            unexplained = seqranges.subtract(self.known, self.expected, first - 1)
-            if unexplained:
-                rid, pid, epoch = self.key
-                out.append(GapNotice(rid, pid, epoch, unexplained, "seq_jump", "consumer", time.time_ns()))
-            self.known = [r for r in self.known if r[0] >= first]
-            self.expected = first
-        self._skip_known()
-        self.held_since = now if self.held else 0.0  # the caller's clock (injected in tests), not the real one
-        return out
-
-    def _skip_known(self) -> None:
-        while self.known and self.known[0][0] <= self.expected:
-            self.expected = max(self.expected, self.known[0][1] + 1)
-            self.known.pop(0)
-
-
-# ---------------------------------------------------------------------------------------------- TP merge
-
-def merge_shards(frames_by_rank: dict[int, TensorFrame], tp_size: int) -> StepFrame:
-    """One StepFrame from every rank's TensorFrame of a step; raises IncompleteShardError, never merges partly."""
-    f0 = frames_by_rank.get(0)
-    missing = [r for r in range(tp_size) if r not in frames_by_rank]
-    if missing or f0 is None:
-        step = next(iter(frames_by_rank.values())).step if frames_by_rank else -1
-        raise IncompleteShardError(f"step {step}: no frame from rank(s) {missing}")
-    if not f0.tensors:  # rank 0 had nothing of this part: positions come from a rank that had
-        f0 = next((frames_by_rank[r] for r in range(tp_size) if frames_by_rank[r].tensors), f0)
-    names: list[str] = []
-    for r in range(tp_size):
-        for t in frames_by_rank[r].tensors:
-            if t.name not in names:
-                names.append(t.name)
-    raw: dict[str, Tensor] = {}
-    for name in names:
-        parts = [(r, t) for r in range(tp_size) for t in frames_by_rank[r].tensors if t.name == name]
-        sharded = [p for p in parts if p[1].shard is not None]
-        if not sharded:
-            raw[name] = parts[0][1]  # replicated (hidden states come from rank 0 only)
-            continue
-        raw[name] = _concat(name, f0.step, [t for _, t in sharded], tp_size)
-    return StepFrame(f0.request_id, f0.step, list(f0.positions), list(f0.token_ids), f0.steering_version, raw,
-                     {n: tuple(t.layers) for n, t in raw.items()}, f0.time_ns,
-                     [frames_by_rank[r] for r in range(tp_size)], f0.part)
-
-
-def _concat(name: str, step: int, shards: list[Tensor], tp_size: int) -> Tensor:
-    shards = sorted(shards, key=lambda t: t.shard.tp_rank)
-    ranks = [t.shard.tp_rank for t in shards]
-    if ranks != list(range(tp_size)):
-        raise IncompleteShardError(f"step {step}: tensor {name!r} has shards from ranks {ranks}, "
-                                   f"needs {list(range(tp_size))}")
-    first = shards[0]
-    dim, total = first.shard.dim, first.shard.total
-    pos = 0
-    for t in shards:
-        sh = t.shard
-        if (sh.dim != dim or sh.total != total or sh.tp_size != tp_size or sh.start != pos
-                or t.dtype != first.dtype or len(t.shape) != len(first.shape) or not 0 <= dim < len(t.shape)
-                or t.shape[dim] != sh.stop - sh.start
-                or any(a != b for i, (a, b) in enumerate(zip(t.shape, first.shape)) if i != dim)):
-            raise IncompleteShardError(f"step {step}: tensor {name!r} shards do not tile [0, {total}) along "
-                                       f"dim {dim} (rank {sh.tp_rank}: [{sh.start}, {sh.stop}), shape {t.shape})")
-        pos = sh.stop
-    if pos != total:
-        raise IncompleteShardError(f"step {step}: tensor {name!r} shards cover [0, {pos}) of {total}")
-    data = np.concatenate([t.raw() for t in shards], axis=dim)
-    scale = None
-    if first.scale is not None:
-        try:
-            scale = np.concatenate([t.scale for t in shards], axis=dim)
-        except (TypeError, ValueError):
-            scale = first.scale  # per-tensor scales: identical on every rank
-    meta = dict(first.meta)
-    if all(isinstance(t.meta.get("heads"), list) for t in shards):  # each rank names its own heads
-        meta["heads"] = [h for t in shards for h in t.meta["heads"]]
-    return Tensor(name, first.dtype, tuple(data.shape), memoryview(np.ascontiguousarray(data)).cast("B"),
-                  first.layers, None, scale, meta)
-
-
-class _Merger:
-    __slots__ = ("tp_size", "window", "pending", "last_step", "ended", "done_up_to", "late", "named")
-
-    def __init__(self, tp_size: int, window: int):
-        self.tp_size, self.window = tp_size, window
-        self.pending: dict[int, dict[int, TensorFrame]] = {}
-        self.last_step: dict[int, int] = {}
-        self.ended: set[int] = set()
-        self.done_up_to = (-1, 0)  # (step, part) keys, compared in order
-        self.late = 0
-        # steps at which a rank's StepBatch named the request: a part it sent no segment of is empty there
-        # (a rank > 0 has no hidden states), not missing
-        self.named: dict[int, set[int]] = {}
-
-    def add_share(self, rank: int, step: int, frames: list) -> list:
-        """Rank ``rank``'s StepBatch of ``step`` named the request: its frames of that step (maybe none)."""
-        for f in frames:
-            self.add(rank, f, resolve=False)
-        if step >= self.done_up_to[0]:
-            self.named.setdefault(rank, set()).add(step)
-        return self.resolve()
-
-    def add(self, rank: int, frame: TensorFrame, resolve: bool = True) -> list:
-        key = (frame.step, frame.part)  # a step may have two frames (hidden states, Q/K) per rank
-        if key <= self.done_up_to:
-            self.late += 1  # its step was already delivered or declared incomplete
-            return []
-        self.pending.setdefault(key, {})[rank] = frame
-        self.last_step[rank] = max(self.last_step.get(rank, (-1, 0)), key)
-        return self.resolve() if resolve else []
-
-    def rank_ended(self, rank: int) -> list:
-        self.ended.add(rank)
-        return self.resolve()
-
-    def resolve(self, everything: bool = False) -> list:
-        """(step, StepFrame | IncompleteShardError) in step order, for every step that can be decided."""
-        out = []
-        for key in sorted(self.pending):
-            step = key[0]
-            have = self.pending[key]
-            missing = [r for r in range(self.tp_size) if r not in have and step not in self.named.get(r, ())]
-            if missing and not everything and len(self.pending) <= self.window and not all(
-                    r in self.ended or self.last_step.get(r, (-1, 0)) > key for r in missing):
-                break
-            del self.pending[key]
-            self.done_up_to = max(self.done_up_to, key)
-            if missing:
-                out.append((step, IncompleteShardError(f"step {step}: no frame from rank(s) {missing}"), missing))
-                continue
-            if len(have) < self.tp_size:  # ranks that named the step without this part: nothing of theirs
-                f = next(iter(have.values()))
-                have = {r: have.get(r) or TensorFrame(f.request_id, "", 0, -1, step, part=key[1])
-                        for r in range(self.tp_size)}
-            try:
-                out.append((step, merge_shards(have, self.tp_size), []))
-            except IncompleteShardError as e:
-                out.append((step, e, []))
-        if self.named:
-            floor = self.done_up_to[0]
-            for steps in self.named.values():
-                for old in [x for x in steps if x < floor]:
-                    steps.discard(old)
-        return out
-
-
-# ---------------------------------------------------------------------------------------------- assembler
 
 class _Rank:
     __slots__ = ("stream", "rank", "started")
@@ -539,10 +65,10 @@ class _Rank:
         self.stream, self.rank, self.started = stream, rank, started  # started: by its StreamStart
 
 
-class StreamAssembler:
+class StreamAssembler(_BatchMode):
     """Feed decoded messages (live or replayed) in arrival order; get consumer events back.
 
-    ``batches``: batch mode (module docstring): a columnar message becomes one "batch" event instead of
+    ``batches``: batch mode (``_batch_mode``): a columnar message becomes one "batch" event instead of
     per-request "frame" / "tokens" / "analysis" events; starts, ends and gaps stay per request."""
 
     def __init__(self, *, reorder_window: int = 16, reorder_timeout_s: float = 0.2, merge_window: int = 64,
@@ -569,7 +95,7 @@ class StreamAssembler:
         self._analysis_held: set[tuple] = set()  # those of them holding results behind a hole
         # ended requests (and requests known only from analysis results): what analysis events refer to
         self._recent: collections.OrderedDict[str, RequestStream] = collections.OrderedDict()
-        # batch mode: streams' announced losses waiting to be one "gap" event each, oldest first
+        # batch mode (``_BatchMode`` owns it): announced losses waiting to be one "gap" event each, oldest first
         self._pending: collections.OrderedDict[tuple, _PendingGap] = collections.OrderedDict()
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -615,37 +141,12 @@ class StreamAssembler:
     def _announce(self, key: tuple, news: list, source: GapNotice | GapBatch, now: float,
                   analysis: bool) -> list[Event]:
         """The "gap" event of the seqs an announced gap named that are news: at once, or in batch mode pending
-        (module docstring)."""
+        (``_batch_mode``)."""
         if self.batches:
             return self._defer_gap(key, news, source.reason, source.origin, source.time_ns, now, analysis)
         gap = _notice(key, news, source)
         seqs = gap.count
         return self._on_analysis_gap(key, gap, seqs) if analysis else self._on_gap(key, gap, seqs)
-
-    def _defer_gap(self, key: tuple, news: list, reason: str, origin: str, time_ns: int, now: float,
-                   analysis: bool) -> list[Event]:
-        """Batch mode: ``news`` joins stream ``key``'s pending gap; the events of what could not wait."""
-        p = self._pending.get(key)
-        out: list[Event] = []
-        if p is not None and (p.reason != reason or p.origin != origin):
-            out, p = self._pending_gap(key), None
-        for first, last in news:
-            if p is None:
-                p = self._pending[key] = _PendingGap(reason, origin, time_ns, now, analysis)
-            p.add(first, last)
-            if len(p.bounds) >= 2 * GAP_RANGES_KEPT:
-                out += self._pending_gap(key)
-                p = None
-        return out
-
-    def _pending_gap(self, key: tuple) -> list[Event]:
-        """The "gap" event of stream ``key``'s pending gap (batch mode), which is then no longer pending."""
-        p = self._pending.pop(key)
-        b = p.bounds
-        gap = GapNotice(key[0], key[1], key[2], [[b[i], b[i + 1]] for i in range(0, len(b), 2)], p.reason,
-                        p.origin, p.time_ns)
-        seqs = sum(b[1::2]) - sum(b[::2]) + len(b) // 2
-        return self._on_analysis_gap(key, gap, seqs) if p.analysis else self._on_gap(key, gap, seqs)
 
     def _gap_batch(self, b: GapBatch, now: float) -> list[Event]:
         """Each request's part of a GapBatch, as its GapNotice (nothing for old news). A consumer behind its
@@ -692,7 +193,7 @@ class StreamAssembler:
             lost += seqs  # what _on_gap does, without its calls: counted once for the batch
             rs = (ranks.get(key) or self._rank_of(key)).stream
             rs._add_gap(gap, seqs)
-            ev = Event("gap", rs, None, None, gap)
+            ev = GapEvent(rs, gap)
             if rs.start is None and rs.starts:
                 out += self._emit(rs, [ev])
             else:
@@ -797,8 +298,8 @@ class StreamAssembler:
         rs.frames += len(segments)
         rid = rs.request_id
         if rs.start is not None and len(segments) == 1:  # the common case, without _emit's checks
-            return [Event("frame", rs, frame=segments[0].step_frame(rid))]
-        return self._emit(rs, [Event("frame", rs, frame=seg.step_frame(rid)) for seg in segments])
+            return [FrameEvent(rs, segments[0].step_frame(rid))]
+        return self._emit(rs, [FrameEvent(rs, seg.step_frame(rid)) for seg in segments])
 
     def _expand_tokens(self, b: TokenBatch, now: float) -> list[Event]:
         out: list[Event] = []
@@ -858,14 +359,14 @@ class StreamAssembler:
             if isinstance(m, GapNotice):
                 out += self._on_analysis_gap(key, m, m.count)
             else:
-                out.append(Event("analysis", self._stream_for(key[0]), analysis=m))
+                out.append(AnalysisEvent(self._stream_for(key[0]), m))
         return out
 
     def _on_analysis_gap(self, key: tuple, gap: GapNotice, seqs: int) -> list[Event]:
         rs = self._stream_for(key[0])
         rs._add_gap(gap, seqs)
         self.counters["gap_seqs"] += seqs
-        return [Event("gap", rs, gap=gap)]
+        return [GapEvent(rs, gap)]
 
     def _stream_for(self, rid: str) -> RequestStream:
         """The request's stream (live, or recently ended) for an analysis event; a bare one if unknown."""
@@ -880,63 +381,6 @@ class StreamAssembler:
         self._recent.move_to_end(rs.request_id)
         if len(self._recent) > _RECENT_STREAMS:
             self._recent.popitem(last=False)
-
-    def _batch(self, b: Any, now: float) -> list[Event]:
-        """Batch mode: one "batch" event for a columnar message, with each request's seq checked. Events a
-        request's stream owes before the batch (gaps, held messages) come first, those after it (a held
-        StreamEnd) after it; requests already delivered or ended are cut out of the batch."""
-        ids, seqs = b.request_ids, b.seqs.tolist()
-        pid, epoch = b.producer_id, b.epoch
-        analysis = type(b) is AnalysisBatch
-        seqd, ranks = self._seq, self._ranks
-        toks = off = None
-        if type(b) is TokenBatch:
-            toks, off = b.token_ids.tolist(), b.offsets.tolist()
-        before: list[Event] = []
-        after: list[Event] = []
-        drop: list[int] = []
-        for i, rid in enumerate(ids):
-            key = (rid, pid, epoch)
-            seq = seqs[i]
-            sq = self._analysis_seq(key, seq) if analysis else seqd.get(key)
-            if sq is None or seq != sq.expected or sq.held or sq.known:
-                if not self._batch_slow(key, sq, seq, now, before, after, analysis):
-                    drop.append(i)
-                    continue
-            else:
-                sq.expected = seq + 1
-            if toks is not None:
-                r = ranks.get(key)
-                if r is not None and r.rank == 0:
-                    r.stream.generated_token_ids.extend(toks[off[i]:off[i + 1]])
-        if drop:
-            b = subset_batch(b, sorted(set(range(len(ids))) - set(drop)))
-        batch_event = [Event("batch", None, batch=b)] if b.request_ids else []
-        return before + batch_event + after
-
-    def _batch_slow(self, key: tuple, sq: _Sequencer | None, seq: int, now: float, before: list, after: list,
-                    analysis: bool) -> bool:
-        """A request of a batch that is not simply next in its stream: whether its share stays in the batch."""
-        if sq is None:
-            if key in self._done:
-                self.counters["after_end"] += 1
-                return False
-            sq = self._seq[key] = _Sequencer(key, self.reorder_window)
-            if seq == 0:
-                sq.expected = 1
-                return True
-        if seq < sq.expected or seq in sq.held:
-            sq.duplicates += 1
-            self.counters["batch_duplicates"] += 1
-            return False
-        mark = _Mark(seq)
-        sq.held[seq] = mark
-        released = sq._release(True, now)  # a batch is not held back for one request: report holes now
-        k = next(n for n, m in enumerate(released) if m is mark)
-        handle = self._handle_analysis if analysis else self._handle
-        before += handle(key, released[:k])
-        after += handle(key, released[k + 1:])
-        return True
 
     # ---------------------------------------------------------------------------------------- internals
 
@@ -992,27 +436,27 @@ class StreamAssembler:
         if rank != 0:
             return []
         rs.start = m
-        return [Event("start", rs)] + self._early.pop(rid, [])
+        return [StartEvent(rs)] + self._early.pop(rid, [])
 
     def _on_gap(self, key: tuple, gap: GapNotice, seqs: int) -> list[Event]:
         """The "gap" event of ``gap`` (naming ``seqs`` seqs) in request stream ``key``."""
         rs = self._rank_of(key).stream
         rs._add_gap(gap, seqs)
         self.counters["gap_seqs"] += seqs
-        return self._emit(rs, [Event("gap", rs, gap=gap)])
+        return self._emit(rs, [GapEvent(rs, gap)])
 
     def _on_frame(self, key: tuple, m: TensorFrame) -> list[Event]:
         r = self._rank_of(key)
         rs = r.stream
         if self.batches:  # a per-request frame (older producer, 1.x recording): a one-request batch
-            return self._emit(rs, [Event("batch", None, batch=frame_batch(m))])
+            return self._emit(rs, [BatchEvent(frame_batch(m))])
         merger = self._mergers.get(rs.request_id)
         if merger is None:
             rs.frames += 1
             sf = StepFrame(m.request_id, m.step, list(m.positions), list(m.token_ids), m.steering_version,
                            {t.name: t for t in m.tensors}, {t.name: tuple(t.layers) for t in m.tensors}, m.time_ns,
                            [m], m.part)
-            return self._emit(rs, [Event("frame", rs, frame=sf)])
+            return self._emit(rs, [FrameEvent(rs, sf)])
         return self._merge_events(rs, merger.add(r.rank, m))
 
     def _merge_events(self, rs: RequestStream, results: list) -> list[Event]:
@@ -1020,7 +464,7 @@ class StreamAssembler:
         for step, res, missing in results:
             if isinstance(res, StepFrame):
                 rs.frames += 1
-                out.append(Event("frame", rs, frame=res))
+                out.append(FrameEvent(rs, res))
             else:
                 s0 = rs.start
                 gap = GapNotice(rs.request_id, s0.producer_id if s0 else "", s0.epoch if s0 else 0, [],
@@ -1028,7 +472,7 @@ class StreamAssembler:
                 res.step, res.missing_ranks = step, missing
                 rs._add_gap(gap, 0)
                 self.counters["incomplete_steps"] += 1
-                out.append(Event("gap", rs, gap=gap, error=res))
+                out.append(GapEvent(rs, gap, res))
         return self._emit(rs, out)
 
     def _on_tokens(self, key: tuple, m: TokenFrame) -> list[Event]:
@@ -1038,8 +482,8 @@ class StreamAssembler:
             return []
         r.stream.generated_token_ids.extend(m.token_ids)
         if self.batches:  # a per-request TokenFrame: a one-request batch
-            return self._emit(r.stream, [Event("batch", None, batch=tokens_batch(m))])
-        return self._emit(r.stream, [Event("tokens", r.stream, tokens=m)])
+            return self._emit(r.stream, [BatchEvent(tokens_batch(m))])
+        return self._emit(r.stream, [TokensEvent(r.stream, m)])
 
     def _on_end(self, key: tuple, m: StreamEnd) -> list[Event]:
         r = self._rank_of(key)
@@ -1078,7 +522,7 @@ class StreamAssembler:
         if self._requests.get(rid) is rs:
             del self._requests[rid]
         self._remember(rs)  # analysis results may still come for it
-        return out + self._emit(rs, [Event("end", rs, end=rs.end)])
+        return out + self._emit(rs, [EndEvent(rs, rs.end)])
 
     def _forget(self, key: tuple) -> None:
         # the ended stream's rank entry goes too: it held the RequestStream (start, tokens, gaps) of every request

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mia_stream.consumers import BrokerClient, StreamAssembler
+from mia_stream.consumers import BatchEvent, BrokerClient, EndEvent, GapEvent, StartEvent, StreamAssembler
 from mia_stream.monitor._state import MonitorState
 
 log = logging.getLogger("mia_stream.monitor")
@@ -132,16 +132,16 @@ class Ingest:
 
     # ------------------------------------------------------------------------------------------ events
 
+    # handle's handler of each SDK event class
+    _EVENTS = {BatchEvent: lambda self, ev, ns: self._on_batch(ev.batch, ns),
+               StartEvent: lambda self, ev, ns: self.state.on_start(ev.stream.start, ns),
+               GapEvent: lambda self, ev, ns: self.state.on_gap(ev.gap, ns),
+               EndEvent: lambda self, ev, ns: self.state.on_end(ev.end, ns)}
+
     def handle(self, ev: Any, received_ns: int | None) -> None:
-        st, kind = self.state, ev.kind
-        if kind == "batch":
-            self._on_batch(ev.batch, received_ns)
-        elif kind == "start":
-            st.on_start(ev.stream.start, received_ns)
-        elif kind == "gap":
-            st.on_gap(ev.gap, received_ns)
-        elif kind == "end":
-            st.on_end(ev.end, received_ns)
+        handler = self._EVENTS.get(type(ev))
+        if handler is not None:
+            handler(self, ev, received_ns)
 
 
     def _on_batch(self, batch: Any, received_ns: int | None) -> None:

@@ -104,26 +104,35 @@ class TerminalMonitor:
                 del self.requests[v.request_id]
 
     def feed(self, ev: Any) -> None:
-        kind = ev.kind
-        if kind == "batch":
-            b = ev.batch
-            if b.KIND == "token_batch":
-                self._on_tokens(b)
-            elif b.KIND == "analysis":
-                self._on_analysis(b)
-        elif kind == "start":
-            start = ev.stream.start
-            v = self._view(ev.stream.request_id)
-            v.started = True
-            v.prompt_len = len(start.prompt_token_ids)
-            v.tokenizer = self.tokenizer_override or start.tokenizer or start.model
-        elif kind == "end":
-            v = self._view(ev.stream.request_id)
-            v.finish = ev.end.finish_reason
-            self._trim()
-        elif kind == "gap":
-            self._view(ev.stream.request_id).gaps += ev.gap.count
-            self.counters["gaps"] += ev.gap.count
+        handle = self._EVENTS.get(ev.kind)
+        if handle is not None:
+            handle(self, ev)
+
+    def _on_batch(self, ev: Any) -> None:
+        handle = self._BATCHES.get(ev.batch.KIND)
+        if handle is not None:
+            handle(self, ev.batch)
+
+    def _on_start(self, ev: Any) -> None:
+        start = ev.stream.start
+        v = self._view(ev.stream.request_id)
+        v.started = True
+        v.prompt_len = len(start.prompt_token_ids)
+        v.tokenizer = self.tokenizer_override or start.tokenizer or start.model
+
+    def _on_end(self, ev: Any) -> None:
+        v = self._view(ev.stream.request_id)
+        v.finish = ev.end.finish_reason
+        self._trim()
+
+    def _on_gap(self, ev: Any) -> None:
+        self._view(ev.stream.request_id).gaps += ev.gap.count
+        self.counters["gaps"] += ev.gap.count
+
+    # feed's handler of each event kind (by kind, not class: the event classes' package imports zmq) and batch kind
+    _EVENTS = {"batch": lambda self, ev: self._on_batch(ev), "start": lambda self, ev: self._on_start(ev),
+               "end": lambda self, ev: self._on_end(ev), "gap": lambda self, ev: self._on_gap(ev)}
+    _BATCHES = {"token_batch": lambda self, b: self._on_tokens(b), "analysis": lambda self, b: self._on_analysis(b)}
 
     def _on_tokens(self, b: Any) -> None:
         off = b.offsets.tolist()

@@ -21,7 +21,8 @@ import collections
 from dataclasses import dataclass, field
 from typing import Any
 
-from mia_stream.consumers import Event, RequestStream, StepFrame
+from mia_stream.consumers import (AnalysisEvent, EndEvent, Event, FrameEvent, GapEvent, RequestStream,
+                                  StepFrame)
 from mia_stream.errors import BrokerTimeoutError, MiaStreamError
 
 
@@ -74,9 +75,9 @@ class StreamProgress:
     ended: bool = False
 
     def see(self, ev: Event) -> None:
-        if ev.kind == "end":
+        if type(ev) is EndEvent:
             self.ended = True
-        elif ev.kind == "analysis" and ev.analysis.step == -1:
+        elif type(ev) is AnalysisEvent and ev.analysis.step == -1:
             self.awaiting.discard(ev.analysis.analyzer)
 
     @property
@@ -115,13 +116,23 @@ class RequestState:
     def on_bus(self, ev: Event) -> ServedEvent:
         self.stream = ev.stream
         self.progress.see(ev)
-        if ev.kind == "frame" and self.keep_frames:
-            self.frames.append(ev.frame)
-        elif ev.kind == "gap":
-            self.gaps.append(ev.gap)
-        elif ev.kind == "analysis":
-            self.analyses.append(ev.analysis)
+        handle = self._BUS.get(type(ev))
+        if handle is not None:
+            handle(self, ev)
         return ServedEvent(ev.kind, self.request_id, bus=ev)
+
+    def _on_frame(self, ev: FrameEvent) -> None:
+        if self.keep_frames:
+            self.frames.append(ev.frame)
+
+    def _on_gap(self, ev: GapEvent) -> None:
+        self.gaps.append(ev.gap)
+
+    def _on_analysis(self, ev: AnalysisEvent) -> None:
+        self.analyses.append(ev.analysis)
+
+    # on_bus's handler of each SDK event class (start, tokens, end: nothing kept beyond progress)
+    _BUS = {FrameEvent: _on_frame, GapEvent: _on_gap, AnalysisEvent: _on_analysis}
 
     def on_text(self, delta: str, chunk: Any = None) -> ServedEvent:
         self.text_parts.append(delta)
