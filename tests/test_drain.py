@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
+from mia_stream.kernels import ops as _ops  # noqa: F401  (registers torch.ops.mia_stream)
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch as EngineStep
 from mia_stream.bus.publisher import FramePublisher
 from mia_stream.spec import ModelGeometry, parse_spec
@@ -79,15 +79,15 @@ class Engine:
             for layer in range(geo.num_layers):
                 def rows_of(kind, width, lo=0, hi=None):
                     return torch.from_numpy(np.stack([value(kind, r, p, layer, width)[lo:hi] for r, p in rows]))
-                torch.ops.mia_stream_producer.capture(st.hs_aperture, st.hs_route, rows_of("hs", geo.hidden_size),
+                torch.ops.mia_stream.capture(st.hs_aperture, st.hs_route, rows_of("hs", geo.hidden_size),
                                                       None, layer)
                 if rt.cfg.capture_qk:
                     qw, kw = rt.local_heads * geo.head_dim, rt.local_kv_heads * geo.head_dim
                     r0 = rt.tp_rank
-                    torch.ops.mia_stream_producer.capture(
+                    torch.ops.mia_stream.capture(
                         st.q_aperture, st.qk_route, rows_of("q", geo.num_heads * geo.head_dim, r0 * qw, (r0 + 1) * qw),
                         None, layer)
-                    torch.ops.mia_stream_producer.capture(
+                    torch.ops.mia_stream.capture(
                         st.k_aperture, st.qk_route,
                         rows_of("k", geo.num_kv_heads * geo.head_dim, r0 * kw, (r0 + 1) * kw), None, layer)
             rt.end_step()

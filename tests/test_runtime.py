@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
+from mia_stream.kernels import ops as _ops  # noqa: F401  (registers torch.ops.mia_stream)
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch
 from mia_stream.spec import ModelGeometry, parse_spec
 
@@ -57,9 +57,9 @@ def _step(rt, step, first_pos, token_ids):
     st = rt.state
     for layer in range(GEO.num_layers):
         hidden = torch.arange(n * 8, dtype=torch.float32).reshape(n, 8) + 100 * first_pos + 1000 * layer
-        torch.ops.mia_stream_producer.steer(hidden, torch.zeros_like(hidden), st.vectors, st.op_codes,
+        torch.ops.mia_stream.steer(hidden, torch.zeros_like(hidden), st.vectors, st.op_codes,
                                             st.scales, st.thresholds, st.steer_slots, layer)
-        torch.ops.mia_stream_producer.capture(st.hs_aperture, st.hs_route, hidden, torch.zeros_like(hidden), layer)
+        torch.ops.mia_stream.capture(st.hs_aperture, st.hs_route, hidden, torch.zeros_like(hidden), layer)
     rt.end_step()
 
 

@@ -500,7 +500,7 @@ def _wrap_layer_class(cls) -> None:
     import torch
 
     orig = cls.forward
-    ops = torch.ops.mia_stream_producer
+    ops = torch.ops.mia_stream
 
     def forward(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
@@ -524,7 +524,7 @@ def _wrap_attention_class(cls) -> None:
     import torch
 
     orig = cls.forward
-    ops = torch.ops.mia_stream_producer
+    ops = torch.ops.mia_stream
 
     def forward(self, query, key, value, *args, **kwargs):
         st = getattr(self, "_mia_state_ref", None)
@@ -542,7 +542,7 @@ def _attach(runner, model) -> None:
     """Build the runtime for this worker and wire its buffers into the model's layers."""
     import torch
 
-    from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
+    from mia_stream.kernels import ops as _ops  # noqa: F401  (registers torch.ops.mia_stream)
     from mia_stream.producer._runtime import ProducerRuntime
 
     vcfg = runner.vllm_config
