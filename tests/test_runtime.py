@@ -348,7 +348,7 @@ def test_admission_refuses_what_the_engine_settings_cannot_serve_and_names_the_s
     """``check_admission`` (run by the frontend before the engine sees a request) against explicit settings: a
     switched-off feature, and a capture whose step, scheduled alone, cannot fit the aperture or the host ring."""
     from mia_stream.errors import CaptureSpecError, SteeringSpecError
-    from mia_stream.producer._runtime import check_admission
+    from mia_stream.spec.admission import check_admission
 
     geo = ModelGeometry(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
     hs_all = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, geo)

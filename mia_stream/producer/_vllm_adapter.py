@@ -35,6 +35,7 @@ import numpy as np
 from mia_stream import settings
 from mia_stream.errors import SpecError, UnsupportedVLLMError
 from mia_stream.spec import SPEC_KEY, ModelGeometry, parse_spec, parse_steer_ops
+from mia_stream.spec.admission import check_admission
 
 logger = logging.getLogger("mia_stream.producer")
 
@@ -129,23 +130,20 @@ def _spec_of(sampling_params) -> Any:
 
 # ------------------------------------------------------------------------------------------ frontend
 class _Admission:
-    """The engine's start-time settings a request must fit (``_runtime.check_admission``), read once per frontend:
-    the workers read the same settings from the same environment when the engine starts."""
+    """The engine's start-time settings a request must fit (``spec.admission.check_admission``), read once per
+    frontend: the workers read the same settings from the same environment when the engine starts. No torch, no
+    runtime: the API server checks a spec with the spec package and the settings alone."""
 
     def __init__(self, vllm_config):
-        import torch
-
-        from mia_stream.producer._runtime import RuntimeConfig
+        from mia_stream.producer._config import RuntimeConfig
 
         self.geo = geometry_of(vllm_config.model_config)
         self.cfg = RuntimeConfig()  # a setting that does not parse fails the engine's start here, with its name
         self.max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        self.itemsize = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+        self.itemsize = int(vllm_config.model_config.dtype.itemsize)  # a torch.dtype, already resolved by vLLM
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
 
     def check(self, spec, prompt_len: int) -> None:
-        from mia_stream.producer._runtime import check_admission
-
         check_admission(spec, prompt_len, self.geo, self.cfg, self.max_tokens, self.itemsize, self.tp_size)
 
 
