@@ -488,16 +488,17 @@ def test_engine_drops_one_gap_item_covers_get_a_seq_each_before_the_end(run_dir)
     a frame drop (a steering op the table had no slot for) and holds no seq."""
     from mia_stream.producer._drain import DrainConfig, StepDrain
     from mia_stream.producer._host_ring import HostRing
+    from mia_stream.producer._items import End, Gap, Start, Tokens
 
     broker = StubBroker(run_dir)
     pub = FramePublisher(run_dir, producer_id="drain-covered")
     ring = HostRing.create(1 << 16)
     try:
         drain = StepDrain(DrainConfig(0, 1, 4, 2, 4, 4, 2, "float32", 4), pub, ring)
-        drain.handle(("start", "e", StreamStart("s-e", "", 0), {"prompt_len": 3}))
-        drain.handle(("gap", "e", "drain_queue_full", 1))
-        drain.handle(("tokens", 4, ["e"], [[7]]))
-        drain.handle(("end", "e", "length", 5, {"frames_dropped": 4, "uncaptured": [],
+        drain.handle(Start("e", StreamStart("s-e", "", 0), {"prompt_len": 3}))
+        drain.handle(Gap("e", "drain_queue_full", 1))
+        drain.handle(Tokens(4, ["e"], [[7]]))
+        drain.handle(End("e", "length", 5, {"frames_dropped": 4, "uncaptured": [],
                                                   "drops": {"drain_queue_full": 4, "steer_table_full": 1}}))
         msgs = broker.wait_for(lambda got: ended(got) == 1)
     finally:

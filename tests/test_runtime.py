@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from mia_stream.kernels import ops as _ops  # noqa: F401  (registers torch.ops.mia_stream)
+from mia_stream.producer._items import StepItem
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch
 from mia_stream.spec import ModelGeometry, parse_spec
 
@@ -159,7 +160,7 @@ def test_a_frame_is_stamped_when_its_rows_reach_the_host_not_when_its_forward_wa
     real_enqueue = rt._enqueue
 
     def enqueue_with_a_device_copy(item, event=None):
-        if item[0] == "step":
+        if type(item) is StepItem:
             copies.append(_SlowDeviceCopy(0.08))
             enqueued_ns.append(time.time_ns())
             event = copies[-1]

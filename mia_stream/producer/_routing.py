@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from mia_stream.producer._drain import Segments
+from mia_stream.producer._items import Segments
 from mia_stream.spec import RequestSpec
 
 

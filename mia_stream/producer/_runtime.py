@@ -29,8 +29,9 @@ import torch
 
 from mia_stream.producer._config import RuntimeConfig, StepBatch
 from mia_stream.producer._device import DeviceState, _PinnedStaging, _SteeringTable
-from mia_stream.producer._drain import DrainConfig, StepDrain, StepItem
+from mia_stream.producer._drain import DrainConfig, StepDrain
 from mia_stream.producer._host_ring import HostRing
+from mia_stream.producer._items import DATA_ITEMS, Config, End, Gap, Start, StepItem, Tokens
 from mia_stream.producer._routing import _DecodeCache, _KindRouting, _Request, hits, select
 from mia_stream.producer._sidecar import DrainSidecar, SidecarError
 from mia_stream.schemas import StreamStart
@@ -52,9 +53,6 @@ def _locked(method):
 
 
 _SIDECAR_RESTART_S = 5.0
-
-
-_DATA_ITEMS = ("step", "tokens")  # what the drain queue bound applies to; starts, ends, gaps always go
 
 
 class ProducerRuntime:
@@ -151,7 +149,7 @@ class ProducerRuntime:
     @hold_last_step.setter
     def hold_last_step(self, value: bool) -> None:
         self._hold_last_step = bool(value)
-        self._enqueue(("config", {"hold_last_step": self._hold_last_step}))
+        self._enqueue(Config({"hold_last_step": self._hold_last_step}))
 
     # ---------------------------------------------------------------- request lifecycle (engine thread)
     @_locked
@@ -186,7 +184,7 @@ class ProducerRuntime:
             steering=[o.to_wire(compact=True) for o in steer], capture_after_steering=True,
             prompt_token_ids=list(prompt_token_ids), tags=spec.tags, time_ns=time.time_ns(),
             control_id=self.control_id)
-        self._enqueue(("start", engine_id, start, {"prompt_len": req.prompt_len, "qk_heads": spec.qk_heads}))
+        self._enqueue(Start(engine_id, start, {"prompt_len": req.prompt_len, "qk_heads": spec.qk_heads}))
 
     @_locked
     def finish_request(self, engine_id: str, reason: str, num_tokens: int | None = None) -> None:
@@ -199,7 +197,7 @@ class ProducerRuntime:
             return
         if self.steering is not None:
             self._release_steering(req)
-        self._enqueue(("end", engine_id, reason, num_tokens,
+        self._enqueue(End(engine_id, reason, num_tokens,
                        {"frames_dropped": req.frames_dropped, "drops": dict(req.drops), "uncaptured": req.uncaptured}))
 
     @_locked
@@ -476,7 +474,7 @@ class ProducerRuntime:
         # restamps it once a device copy has landed)
         item = StepItem(step=step, time_ns=time.time_ns(), mark=mark, parts=meta, hs=hs_seg, qk=qk_seg,
                         token_ids=token_ids)
-        self._enqueue(("step", item), event)
+        self._enqueue(item, event)
 
     def on_sampled(self, step: int, req_ids: list[str], sampled: list[list[int]]) -> None:
         """One item per step: the drain turns it into one TokenBatch for the streamed requests."""
@@ -489,40 +487,38 @@ class ProducerRuntime:
                 eids.append(eid)
                 toks.append(t if type(t) is list else [int(x) for x in t])
         if eids:
-            self._enqueue(("tokens", step, eids, toks))
+            self._enqueue(Tokens(step, eids, toks))
 
     def _drop_now(self, req: _Request, step: int, reason: str) -> None:
         req.frames_dropped += 1
         req.drops[reason] = req.drops.get(reason, 0) + 1
         self._stats["dropped_frames"] += 1
-        self._enqueue(("gap", req.engine_id, reason, step))
+        self._enqueue(Gap(req.engine_id, reason, step))
 
-    def _enqueue(self, item: tuple, event=None) -> None:
+    def _enqueue(self, item, event=None) -> None:
         """Hand an item to the forwarder; never blocks. Step and token items beyond ``max_queued_messages``
         waiting are dropped: each request in them counts the loss (``drain_queue_full``) and gets a gap notice.
         Starts, ends and gaps always go: at most a few per request (a gap item still waiting covers later
         losses of its request and reason, which StreamEnd counts one by one)."""
-        kind = item[0]
-        if kind in _DATA_ITEMS:
+        if isinstance(item, DATA_ITEMS):
             if self._data_put - self._data_taken >= self.cfg.max_queued_messages:
                 self._drop_item(item)
                 return
             self._data_put += 1
-        elif kind == "gap":
-            key = (item[1], item[2])
+        elif type(item) is Gap:
+            key = (item.eid, item.reason)
             if key in self._gaps_queued:
                 return
             self._gaps_queued.add(key)
         self._queue.put_nowait((item, event))
 
-    def _drop_item(self, item: tuple) -> None:
+    def _drop_item(self, item) -> None:
         """A step's frames or tokens that found the drain queue full. Its ring chunk is released with the next
         step the drain handles (release marks only grow)."""
-        if item[0] == "step":
-            it = item[1]
-            step, eids = it.step, dict.fromkeys(it.hs.eids + it.qk.eids)
+        if type(item) is StepItem:
+            step, eids = item.step, dict.fromkeys(item.hs.eids + item.qk.eids)
         else:
-            step, eids = item[1], item[2]
+            step, eids = item.step, item.eids
         for eid in eids:
             req = self.requests.get(eid)
             if req is not None:
@@ -536,16 +532,16 @@ class ProducerRuntime:
             if got is None:
                 return
             item, event = got
-            if item[0] in _DATA_ITEMS:
+            if isinstance(item, DATA_ITEMS):
                 self._data_taken += 1
-            elif item[0] == "gap":
-                self._gaps_queued.discard((item[1], item[2]))
+            elif type(item) is Gap:
+                self._gaps_queued.discard((item.eid, item.reason))
             if event is not None:
                 event.synchronize()  # releases the GIL; only this thread waits
-                if item[0] == "step":
+                if type(item) is StepItem:
                     # a step ends for its frames when its rows are on the host: the engine thread stamped it
                     # when the forward was enqueued, up to a whole forward before the GPU ran it
-                    item[1].time_ns = time.time_ns()
+                    item.time_ns = time.time_ns()
             try:
                 self._sink(item)
                 self._items_sent += 1
@@ -554,9 +550,9 @@ class ProducerRuntime:
                 self._restart_sidecar(e, item)
             except Exception:
                 self._stats["items_lost"] += 1
-                logger.exception("mia_stream: forwarding a %s item failed", item[0])
+                logger.exception("mia_stream: forwarding a %s item failed", type(item).__name__)
 
-    def _restart_sidecar(self, error: Exception, item: tuple) -> None:
+    def _restart_sidecar(self, error: Exception, item) -> None:
         """A dead sidecar is replaced (at most every ``_SIDECAR_RESTART_S``): the new one publishes under a new
         epoch, so the broker ends the old epoch's streams as ``producer_lost`` (reported, not silent) and
         requests started from here on stream normally. Items meanwhile are counted in ``items_lost``."""
@@ -570,7 +566,7 @@ class ProducerRuntime:
             self._sidecar.close(timeout=1.0)
             self._sidecar = DrainSidecar.start(self._ring, self._drain_cfg, self._producer_id)
             self._sink = self._sidecar.send
-            self._sink(("config", {"hold_last_step": self._hold_last_step}))
+            self._sink(Config({"hold_last_step": self._hold_last_step}))
             self._sink(item)  # the item that found the old one dead (a stream start, most likely)
             self._stats["items_lost"] -= 1
             self._items_sent += 1
