@@ -17,7 +17,8 @@ import time
 from typing import Callable
 
 from mia_stream import settings
-from mia_stream.producer._steer_command import apply_command
+from mia_stream.errors import SpecError
+from mia_stream.producer._steer_command import Outcome, apply_command
 from mia_stream.spec import ModelGeometry, parse_steer_ops
 
 
@@ -30,7 +31,8 @@ class EngineControl:
         self._lock = threading.Lock()
         self._commands: list = []
         self.streams: dict[str, str] = {}  # stream id -> engine request id
-        self.ops: dict[str, tuple] = {}  # engine request id -> (ops, version)
+        # engine request id -> (ops, version); ops as the spec's wire list until a command needs them parsed
+        self.ops: dict[str, tuple] = {}
         self.aborts = aborts  # engine request ids to stop at their next step (one set per process)
         self.steering = settings.get_flag("MIA_STREAM_STEERING")
         # it sends no tensors: no shared-memory ring (one would be 256 MiB of /dev/shm for nothing)
@@ -45,10 +47,12 @@ class EngineControl:
             self._commands.append(cmd)
 
     def add_request(self, stream_id: str, engine_id: str, steer_wire) -> None:
-        """A streamed request entered the scheduler (``steer_wire``: its spec's steering ops, version 1)."""
+        """A streamed request entered the scheduler (``steer_wire``: its spec's steering ops, version 1). They are
+        parsed only when a command reaches the request: the frontend checked them, and the workers parse the
+        spec anyway (most requests never get a command)."""
         self.streams[stream_id] = engine_id
         if steer_wire:
-            self.ops[engine_id] = (parse_steer_ops(steer_wire, self.geo), 1)
+            self.ops[engine_id] = (list(steer_wire), 1)
 
     def forget(self, engine_id: str) -> None:
         """The request is freed: no command reaches it any more."""
@@ -73,8 +77,16 @@ class EngineControl:
                 err, version = f"unknown or finished request {cmd.request_id!r}", 0
             else:
                 ops, version = self.ops.get(eid, ((), 0))
-                out = apply_command(cmd.action, ops, version, cmd.ops, cmd.layers, steering=self.steering,
-                                    parse=lambda raw: parse_steer_ops(raw, self.geo))
+                out = None
+                if isinstance(ops, list):  # the spec's own ops, still in wire form (checked by the frontend)
+                    try:
+                        ops = parse_steer_ops(ops, self.geo)
+                        self.ops[eid] = (ops, version)
+                    except SpecError as e:
+                        out = Outcome((), version, error=str(e))
+                if out is None:
+                    out = apply_command(cmd.action, ops, version, cmd.ops, cmd.layers, steering=self.steering,
+                                        parse=lambda raw: parse_steer_ops(raw, self.geo))
                 err, version = out.error, out.version
                 if out.abort:
                     self.aborts.add(eid)

@@ -91,9 +91,11 @@ class _Registry:
 class _CheckedSpecs:
     """The frontend's parse of a spec, handed from ``AsyncLLM.generate`` to ``process_inputs`` of the same request
     (one parse per process): keyed by the identity of the normalized wire dict generate put in the params, so only
-    that very object finds it. Bounded: a request that never reaches process_inputs is forgotten in time."""
+    that very object finds it (a copy of the params in between finds nothing: process_inputs parses again).
+    Bounded: what a request that never reaches process_inputs left (its client went first) is evicted by later
+    ones; a burst past the bound only costs those requests a second parse."""
 
-    def __init__(self, limit: int = 4096):
+    def __init__(self, limit: int = 256):
         self._by_id: OrderedDict = OrderedDict()
         self._limit = limit
 
