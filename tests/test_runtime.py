@@ -376,3 +376,17 @@ def test_admission_refuses_what_the_engine_settings_cannot_serve_and_names_the_s
     # 4096 rows x 4 layers x 64 x 4 bytes = 4 MiB: more than a 1 MiB host ring holds in one step
     with pytest.raises(CaptureSpecError, match="MIA_STREAM_HOST_RING_MB=1"):
         check_admission(hs_all, 5000, geo, cfg(host_ring_bytes=1 << 20), 4096, 4)
+
+
+def test_the_sidecar_gets_the_parents_sys_path_after_its_own_pythonpath(monkeypatch):
+    """Issue 26: with mia_stream importable only through the engine's sys.path (a path added at run time), the
+    sidecar (a fresh interpreter) could not import it. PYTHONPATH's own entries stay first."""
+    import os
+    import sys
+
+    from mia_stream.producer._sidecar import _child_env
+
+    monkeypatch.setenv("PYTHONPATH", "/first")
+    monkeypatch.setattr(sys, "path", ["", "/added/at/run/time", "/first", *sys.path])
+    entries = _child_env()["PYTHONPATH"].split(os.pathsep)
+    assert entries[:2] == ["/first", "/added/at/run/time"] and "" not in entries and len(entries) == len(set(entries))

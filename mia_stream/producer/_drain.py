@@ -7,6 +7,9 @@ sees the same items, in the engine's order, and reads captured rows from the sha
 Items (``_items``: one class per kind, built by ``_runtime.ProducerRuntime``): ``Config``, ``Start``,
 ``StepItem``, ``Tokens``, ``Gap``, ``End``; ``handle`` dispatches on the type.
 
+Owns (one ``StepDrain`` per producer): the live streams' publication state (``_Stream``: generated count, seqs
+given to drops), the held newest step under async scheduling, the cached step grouping; releases ring chunks.
+
 **One message per step** (schema 2.0, docs/wire-format.md 3.13-3.14): a step item becomes ONE ``StepBatch``
 naming every streamed request the step captured, a tokens item ONE ``TokenBatch``; each request named holds
 one seq in it, stamped at publication (``publisher.next_seq``). What a request gets from them is exactly what

@@ -10,6 +10,8 @@ Lifecycle: ``DrainSidecar.start(ring, config, producer_id)`` spawns ``python -m 
 (a fresh interpreter: no re-import of the user's main module, no torch) with the ring's and the pipe's
 descriptors; ``send(item)`` writes one item; ``close()`` closes the pipe, which the sidecar takes as "flush
 what you have and exit". The sidecar also exits when the engine process dies (its parent changes).
+Owns (engine side) the sidecar process handle and the pipe's write end; (sidecar side) its StepDrain and
+publisher. The sidecar imports mia_stream as its parent did (``_child_env``: the parent's sys.path).
 """
 
 from __future__ import annotations
