@@ -177,7 +177,9 @@ def _worker_probe(self):
 
     w = getattr(self, "worker", self)
     mr = w.model_runner
-    rt = getattr(mr, "_mia_runtime", None)
+    from mia_stream.producer._vllm_adapter import REGISTRY
+
+    rt = REGISTRY.runtime_of(mr)
     cc = w.vllm_config.compilation_config
     arch = []
     try:
@@ -209,7 +211,7 @@ def _split_cores(bus) -> None:
     engine, bus_cpus = set(cpus[:half]), set(cpus[half:])
     for tid in os.listdir("/proc/self/task"):  # every thread of this process, not just the calling one
         os.sched_setaffinity(int(tid), engine)
-    pids = [bus.proc.pid] + [rt._sidecar.proc.pid for rt in _vllm_adapter._LOCAL_RUNTIMES if rt._sidecar]
+    pids = [bus.proc.pid] + [rt._sidecar.proc.pid for rt in _vllm_adapter.REGISTRY.runtimes if rt._sidecar]
     for pid in pids:
         os.sched_setaffinity(pid, bus_cpus)
     print(f"[bench] split cores: engine {sorted(engine)}, bus + sidecar pids {pids} on {sorted(bus_cpus)}",

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
+from mia_stream.kernels import ops as _ops  # noqa: F401  (registers torch.ops.mia_stream)
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch as EngineStep
 from mia_stream.bus.publisher import FramePublisher
 from mia_stream.spec import ModelGeometry, parse_spec
@@ -79,15 +79,15 @@ class Engine:
             for layer in range(geo.num_layers):
                 def rows_of(kind, width, lo=0, hi=None):
                     return torch.from_numpy(np.stack([value(kind, r, p, layer, width)[lo:hi] for r, p in rows]))
-                torch.ops.mia_stream_producer.capture(st.hs_aperture, st.hs_route, rows_of("hs", geo.hidden_size),
+                torch.ops.mia_stream.capture(st.hs_aperture, st.hs_route, rows_of("hs", geo.hidden_size),
                                                       None, layer)
                 if rt.cfg.capture_qk:
                     qw, kw = rt.local_heads * geo.head_dim, rt.local_kv_heads * geo.head_dim
                     r0 = rt.tp_rank
-                    torch.ops.mia_stream_producer.capture(
+                    torch.ops.mia_stream.capture(
                         st.q_aperture, st.qk_route, rows_of("q", geo.num_heads * geo.head_dim, r0 * qw, (r0 + 1) * qw),
                         None, layer)
-                    torch.ops.mia_stream_producer.capture(
+                    torch.ops.mia_stream.capture(
                         st.k_aperture, st.qk_route,
                         rows_of("k", geo.num_kv_heads * geo.head_dim, r0 * kw, (r0 + 1) * kw), None, layer)
             rt.end_step()
@@ -488,16 +488,17 @@ def test_engine_drops_one_gap_item_covers_get_a_seq_each_before_the_end(run_dir)
     a frame drop (a steering op the table had no slot for) and holds no seq."""
     from mia_stream.producer._drain import DrainConfig, StepDrain
     from mia_stream.producer._host_ring import HostRing
+    from mia_stream.producer._items import End, Gap, Start, Tokens
 
     broker = StubBroker(run_dir)
     pub = FramePublisher(run_dir, producer_id="drain-covered")
     ring = HostRing.create(1 << 16)
     try:
         drain = StepDrain(DrainConfig(0, 1, 4, 2, 4, 4, 2, "float32", 4), pub, ring)
-        drain.handle(("start", "e", StreamStart("s-e", "", 0), {"prompt_len": 3}))
-        drain.handle(("gap", "e", "drain_queue_full", 1))
-        drain.handle(("tokens", 4, ["e"], [[7]]))
-        drain.handle(("end", "e", "length", 5, {"frames_dropped": 4, "uncaptured": [],
+        drain.handle(Start("e", StreamStart("s-e", "", 0), {"prompt_len": 3}))
+        drain.handle(Gap("e", "drain_queue_full", 1))
+        drain.handle(Tokens(4, ["e"], [[7]]))
+        drain.handle(End("e", "length", 5, {"frames_dropped": 4, "uncaptured": [],
                                                   "drops": {"drain_queue_full": 4, "steer_table_full": 1}}))
         msgs = broker.wait_for(lambda got: ended(got) == 1)
     finally:

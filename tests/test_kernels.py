@@ -442,26 +442,31 @@ def _op_inputs(seed: int = 0):
     g = _gen(seed)
     layers, rows, width, tokens = 3, 8, 64, 5
     table = _steer_table(width, g)
+    route = torch.full((layers, tokens + 2), 7, dtype=torch.int32)  # wider than the step: rows past it unused
+    route[1, :tokens] = torch.tensor([0, 7, 2, 7, 3], dtype=torch.int32)
+    slots = torch.full((layers, tokens + 2, 2), -1, dtype=torch.int32)
+    slots[1, :tokens] = torch.tensor([[0, 3], [-1, -1], [4, -1], [1, 5], [-1, 8]], dtype=torch.int32)
     return {
         "aperture": torch.randn(layers, rows, width, generator=g),
-        "q_aperture": torch.randn(rows, width, generator=g),
+        "q_aperture": torch.randn(layers, rows, width, generator=g),
         "src": torch.randn(tokens, width, generator=g),
-        "route": torch.tensor([0, 7, 2, 7, 3], dtype=torch.int32),
+        "route": route,
         "hidden": torch.randn(tokens, width, generator=g),
         "residual": torch.randn(tokens, width, generator=g),
-        "slots": torch.tensor([[0, 3], [-1, -1], [4, -1], [1, 5], [-1, 8]], dtype=torch.int32),
+        "slots": slots,
         **table,
     }
 
 
 def _layer_step(aperture, q_aperture, src, route, hidden, residual, vectors, op_codes, scales, thresholds, slots):
-    """What a patched decoder layer does: capture q and hs, steer the MLP output, hand on hidden + residual."""
+    """What a patched decoder layer (layer 1) does: capture q and hs, steer the MLP output, hand on hidden +
+    residual."""
     import mia_stream.kernels.ops  # noqa: F401  (registers the ops)
 
     mlp_out = hidden * 2.0
-    torch.ops.mia_stream.capture_rows(q_aperture, src * 0.5, route, None)
-    torch.ops.mia_stream.steer_rows(mlp_out, residual, vectors, op_codes, scales, thresholds, slots)
-    torch.ops.mia_stream.capture_layer_rows(aperture, 1, mlp_out, route, residual)
+    torch.ops.mia_stream.capture(q_aperture, route, src * 0.5, None, 1)
+    torch.ops.mia_stream.steer(mlp_out, residual, vectors, op_codes, scales, thresholds, slots, 1)
+    torch.ops.mia_stream.capture(aperture, route, mlp_out, residual, 1)
     return mlp_out + residual
 
 
@@ -471,10 +476,12 @@ def test_custom_ops_eager_match_the_reference():
     inputs = _op_inputs()
     expected_ap, expected_q = inputs["aperture"].clone(), inputs["q_aperture"].clone()
     mlp_out = inputs["hidden"] * 2.0
-    scatter_rows_reference(expected_q, inputs["src"] * 0.5, inputs["route"])
+    tokens = inputs["src"].shape[0]
+    route = inputs["route"][1, :tokens]
+    scatter_rows_reference(expected_q[1], inputs["src"] * 0.5, route)
     steer_rows_reference(mlp_out, inputs["residual"], inputs["vectors"], inputs["op_codes"], inputs["scales"],
-                         inputs["thresholds"], inputs["slots"])
-    scatter_rows_reference(expected_ap[1], mlp_out, inputs["route"], inputs["residual"])
+                         inputs["thresholds"], inputs["slots"][1, :tokens])
+    scatter_rows_reference(expected_ap[1], mlp_out, route, inputs["residual"])
     out = _layer_step(**inputs)
     assert torch.equal(out, mlp_out + inputs["residual"])
     assert torch.equal(inputs["aperture"], expected_ap) and torch.equal(inputs["q_aperture"], expected_q)
@@ -485,14 +492,14 @@ def test_custom_ops_opcheck():
 
     inputs = _op_inputs()
     tests = ("test_schema", "test_faketensor")
-    torch.library.opcheck(torch.ops.mia_stream.capture_rows.default,
-                          (inputs["q_aperture"], inputs["src"], inputs["route"], None), test_utils=tests)
-    torch.library.opcheck(torch.ops.mia_stream.capture_layer_rows.default,
-                          (inputs["aperture"], 1, inputs["src"], inputs["route"], inputs["residual"]),
+    torch.library.opcheck(torch.ops.mia_stream.capture.default,
+                          (inputs["q_aperture"], inputs["route"], inputs["src"], None, 1), test_utils=tests)
+    torch.library.opcheck(torch.ops.mia_stream.capture.default,
+                          (inputs["aperture"], inputs["route"], inputs["src"], inputs["residual"], 1),
                           test_utils=tests)
-    torch.library.opcheck(torch.ops.mia_stream.steer_rows.default,
+    torch.library.opcheck(torch.ops.mia_stream.steer.default,
                           tuple(inputs[k] for k in ("hidden", "residual", "vectors", "op_codes", "scales",
-                                                    "thresholds", "slots")), test_utils=tests)
+                                                    "thresholds", "slots")) + (1,), test_utils=tests)
 
 
 @pytest.mark.slow
@@ -510,7 +517,7 @@ def test_custom_ops_compile_fullgraph_with_inductor_without_copies():
     assert torch.equal(got, expected)
     for name in ("aperture", "q_aperture"):
         assert torch.equal(compiled_inputs[name], eager_inputs[name])
-    for op in ("capture_rows", "steer_rows", "capture_layer_rows"):
+    for op in ("capture", "steer"):
         assert f"torch.ops.mia_stream.{op}.default(" in code
     assert "clone" not in code, "inductor copies a buffer the ops mutate"
 

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
+from mia_stream.kernels import ops as _ops  # noqa: F401  (registers torch.ops.mia_stream)
+from mia_stream.producer._items import StepItem
 from mia_stream.producer._runtime import ProducerRuntime, RuntimeConfig, StepBatch
 from mia_stream.spec import ModelGeometry, parse_spec
 
@@ -57,9 +58,9 @@ def _step(rt, step, first_pos, token_ids):
     st = rt.state
     for layer in range(GEO.num_layers):
         hidden = torch.arange(n * 8, dtype=torch.float32).reshape(n, 8) + 100 * first_pos + 1000 * layer
-        torch.ops.mia_stream_producer.steer(hidden, torch.zeros_like(hidden), st.vectors, st.op_codes,
+        torch.ops.mia_stream.steer(hidden, torch.zeros_like(hidden), st.vectors, st.op_codes,
                                             st.scales, st.thresholds, st.steer_slots, layer)
-        torch.ops.mia_stream_producer.capture(st.hs_aperture, st.hs_route, hidden, torch.zeros_like(hidden), layer)
+        torch.ops.mia_stream.capture(st.hs_aperture, st.hs_route, hidden, torch.zeros_like(hidden), layer)
     rt.end_step()
 
 
@@ -159,7 +160,7 @@ def test_a_frame_is_stamped_when_its_rows_reach_the_host_not_when_its_forward_wa
     real_enqueue = rt._enqueue
 
     def enqueue_with_a_device_copy(item, event=None):
-        if item[0] == "step":
+        if type(item) is StepItem:
             copies.append(_SlowDeviceCopy(0.08))
             enqueued_ns.append(time.time_ns())
             event = copies[-1]
@@ -348,7 +349,7 @@ def test_admission_refuses_what_the_engine_settings_cannot_serve_and_names_the_s
     """``check_admission`` (run by the frontend before the engine sees a request) against explicit settings: a
     switched-off feature, and a capture whose step, scheduled alone, cannot fit the aperture or the host ring."""
     from mia_stream.errors import CaptureSpecError, SteeringSpecError
-    from mia_stream.producer._runtime import check_admission
+    from mia_stream.spec.admission import check_admission
 
     geo = ModelGeometry(num_layers=4, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16)
     hs_all = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, geo)
@@ -375,3 +376,17 @@ def test_admission_refuses_what_the_engine_settings_cannot_serve_and_names_the_s
     # 4096 rows x 4 layers x 64 x 4 bytes = 4 MiB: more than a 1 MiB host ring holds in one step
     with pytest.raises(CaptureSpecError, match="MIA_STREAM_HOST_RING_MB=1"):
         check_admission(hs_all, 5000, geo, cfg(host_ring_bytes=1 << 20), 4096, 4)
+
+
+def test_the_sidecar_gets_the_parents_sys_path_after_its_own_pythonpath(monkeypatch):
+    """Issue 26: with mia_stream importable only through the engine's sys.path (a path added at run time), the
+    sidecar (a fresh interpreter) could not import it. PYTHONPATH's own entries stay first."""
+    import os
+    import sys
+
+    from mia_stream.producer._sidecar import _child_env
+
+    monkeypatch.setenv("PYTHONPATH", "/first")
+    monkeypatch.setattr(sys, "path", ["", "/added/at/run/time", "/first", *sys.path])
+    entries = _child_env()["PYTHONPATH"].split(os.pathsep)
+    assert entries[:2] == ["/first", "/added/at/run/time"] and "" not in entries and len(entries) == len(set(entries))

@@ -74,7 +74,7 @@ def _steering_received() -> int:
     at the engine's next step)."""
     from mia_stream.producer import _vllm_adapter
 
-    controls = [c for c in (getattr(s, "_mia_control", None) for s in _vllm_adapter._SCHEDULERS) if c is not None]
+    controls = [c for c in map(_vllm_adapter.REGISTRY.control_of, _vllm_adapter.REGISTRY.schedulers) if c is not None]
     if not controls:
         raise RuntimeError("hold: no mia_stream engine control in this process (plugin internals changed?)")
     return sum(c.publisher.counters["steering_commands"] for c in controls)

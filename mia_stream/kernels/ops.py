@@ -1,74 +1,55 @@
-"""The torch custom ops around the kernels, so torch.compile (fullgraph) and CUDA graphs keep them in the graph.
+"""The one custom-op registry: the in-graph ops the producer installs into decoder layers and attention.
 
-    torch.ops.mia_stream.capture_rows(dst, src, route, residual)   # mutates dst
-    torch.ops.mia_stream.capture_layer_rows(aperture, layer, src, route, residual)  # mutates aperture[layer]
-    torch.ops.mia_stream.steer_rows(hidden, residual, vectors, op_codes, scales, thresholds, slots)  # mutates hidden
+    torch.ops.mia_stream.capture(aperture, route, src, residual, layer)   # mutates aperture
+    torch.ops.mia_stream.steer(hidden, residual, vectors, op_codes, scales, thresholds, slots, layer)  # mutates hidden
 
-Importing this module registers them (once per process). The real implementation dispatches between Triton and
-the torch reference (``mia_stream.kernels.active_backend``); the fake one only declares the in-place write.
+Importing this module registers them (once per process). Each op takes whole persistent buffers (aperture,
+routing slab, steering table) plus a layer index baked in at trace time, mutates a buffer, and returns nothing: no
+host sync, no allocation, no Python branching on tensor values, so it stays inside torch.compile graphs and CUDA
+graphs. A whole buffer, not a view such as ``aperture[layer]``, is what is declared mutated: vLLM compiles with
+``enable_auto_functionalized_v2=False``, where a mutated view makes inductor clone the whole buffer on every call.
+Per-step variation lives only in the contents of the routing slabs, which the runtime rewrites before each forward.
+The real implementation dispatches between Triton and the torch reference (``mia_stream.kernels.active_backend``);
+the fake one only declares the in-place write.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
-from torch import Tensor
 
 from mia_stream.kernels.capture import scatter_rows
-from mia_stream.kernels.steer import steer_rows as _steer_rows
+from mia_stream.kernels.steer import steer_rows
 
-__all__ = ["capture_layer_rows", "capture_rows", "steer_rows"]
-
-
-@torch.library.custom_op("mia_stream::capture_rows", mutates_args=("dst",), device_types=("cpu", "cuda"))
-def capture_rows(dst: Tensor, src: Tensor, route: Tensor, residual: Tensor | None) -> None:
-    """``dst[route[t]] = src[t] (+ residual[t])``: see ``mia_stream.kernels.scatter_rows``."""
-    scatter_rows(dst, src, route, residual)
+__all__ = ["capture", "steer"]
 
 
-@capture_rows.register_fake
-def _capture_rows_fake(dst: Tensor, src: Tensor, route: Tensor, residual: Tensor | None) -> None:
+@torch.library.custom_op("mia_stream::capture", mutates_args=("aperture",))
+def capture(aperture: torch.Tensor, route: torch.Tensor, src: torch.Tensor,
+            residual: Optional[torch.Tensor], layer: int) -> None:
+    """``aperture[layer][route[layer, t]] = src[t] (+ residual[t])`` for every token row t of this step."""
+    tokens = src.shape[0]
+    if residual is None:
+        scatter_rows(aperture[layer], src.reshape(tokens, -1), route[layer, :tokens])
+    else:
+        scatter_rows(aperture[layer], src.reshape(tokens, -1), route[layer, :tokens],
+                     residual.reshape(tokens, -1))
+
+
+@capture.register_fake
+def _capture_fake(aperture, route, src, residual, layer) -> None:
     return None
 
 
-@torch.library.custom_op("mia_stream::capture_layer_rows", mutates_args=("aperture",), device_types=("cpu", "cuda"))
-def capture_layer_rows(aperture: Tensor, layer: int, src: Tensor, route: Tensor, residual: Tensor | None) -> None:
-    """``capture_rows(aperture[layer], ...)`` that declares the whole buffer as mutated.
-
-    Use it under vLLM: it compiles with ``enable_auto_functionalized_v2=False``, where a mutated *view* such as
-    ``aperture[layer]`` makes inductor clone the whole aperture on every call; a whole graph input does not.
-    """
-    scatter_rows(aperture[layer], src, route, residual)
+@torch.library.custom_op("mia_stream::steer", mutates_args=("hidden",))
+def steer(hidden: torch.Tensor, residual: torch.Tensor, vectors: torch.Tensor, op_codes: torch.Tensor,
+          scales: torch.Tensor, thresholds: torch.Tensor, slots: torch.Tensor, layer: int) -> None:
+    """Apply the steering ops routed to each token row at this layer, in place on ``hidden``."""
+    tokens = hidden.shape[0]
+    steer_rows(hidden, residual, vectors, op_codes, scales, thresholds, slots[layer, :tokens])
 
 
-@capture_layer_rows.register_fake
-def _capture_layer_rows_fake(
-    aperture: Tensor, layer: int, src: Tensor, route: Tensor, residual: Tensor | None
-) -> None:
-    return None
-
-
-@torch.library.custom_op("mia_stream::steer_rows", mutates_args=("hidden",), device_types=("cpu", "cuda"))
-def steer_rows(
-    hidden: Tensor,
-    residual: Tensor | None,
-    vectors: Tensor,
-    op_codes: Tensor,
-    scales: Tensor,
-    thresholds: Tensor,
-    slots: Tensor,
-) -> None:
-    """Steer ``hidden + residual`` in place in ``hidden``: see ``mia_stream.kernels.steer_rows``."""
-    _steer_rows(hidden, residual, vectors, op_codes, scales, thresholds, slots)
-
-
-@steer_rows.register_fake
-def _steer_rows_fake(
-    hidden: Tensor,
-    residual: Tensor | None,
-    vectors: Tensor,
-    op_codes: Tensor,
-    scales: Tensor,
-    thresholds: Tensor,
-    slots: Tensor,
-) -> None:
+@steer.register_fake
+def _steer_fake(hidden, residual, vectors, op_codes, scales, thresholds, slots, layer) -> None:
     return None

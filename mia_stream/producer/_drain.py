@@ -4,15 +4,11 @@ It runs where the engine's Python does not: in a sidecar process (``_sidecar``, 
 of the engine process when the caller hands the runtime a publisher object (tests, embedding). Either way it
 sees the same items, in the engine's order, and reads captured rows from the shared host ring. No torch here.
 
-Items (tuples, first field the kind; all picklable, built by ``_runtime.ProducerRuntime``):
+Items (``_items``: one class per kind, built by ``_runtime.ProducerRuntime``): ``Config``, ``Start``,
+``StepItem``, ``Tokens``, ``Gap``, ``End``; ``handle`` dispatches on the type.
 
-- ``("config", {...})``: settings (``hold_last_step``) that apply from here on;
-- ``("start", eid, StreamStart, info)``: a new stream (producer id and epoch stamped here);
-- ``("step", StepItem)``: one engine step's captured rows (columnar: one list entry per request segment);
-- ``("tokens", step, eids, token_lists)``: what each request sampled at a step;
-- ``("gap", eid, reason, step)``: the engine dropped a frame of this request (counted there; while one waits for
-  the drain, later drops of the request and reason come only in the end's count);
-- ``("end", eid, reason, num_tokens, drop_summary)``: the request finished.
+Owns (one ``StepDrain`` per producer): the live streams' publication state (``_Stream``: generated count, seqs
+given to drops), the held newest step under async scheduling, the cached step grouping; releases ring chunks.
 
 **One message per step** (schema 2.0, docs/wire-format.md 3.13-3.14): a step item becomes ONE ``StepBatch``
 naming every streamed request the step captured, a tokens item ONE ``TokenBatch``; each request named holds
@@ -50,44 +46,19 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from mia_stream import settings
-from mia_stream.schemas import (WIRE_DTYPES, GapNotice, RowGroup, Shard, StepBatch, StreamEnd, StreamStart, Tensor,
+from mia_stream.producer._items import Config, End, Gap, Segments, Start, StepItem, Tokens
+from mia_stream.schemas import (WIRE_DTYPES, GapNotice, RowGroup, Shard, StepBatch, StreamEnd, Tensor,
                                 TokenBatch)
 
 logger = logging.getLogger("mia_stream.producer")
 
 _I64 = np.int64
-
-
-@dataclass
-class Segments:
-    """One captured kind's request segments of a step, columnar. Segment ``i`` holds aperture rows
-    ``[row0[i], row0[i] + count[i])``; ``positions`` and ``token_rows`` are indexed by aperture row."""
-
-    eids: list = field(default_factory=list)
-    row0: list = field(default_factory=list)
-    count: list = field(default_factory=list)
-    layer_set: list = field(default_factory=list)  # index into layer_sets
-    steer_version: list = field(default_factory=list)
-    layer_sets: list = field(default_factory=list)  # distinct layer tuples of this step
-    positions: Any = None  # np.ndarray [rows]
-    token_rows: Any = None  # np.ndarray [rows]: the step's token row each aperture row came from
-
-
-@dataclass
-class StepItem:
-    step: int
-    time_ns: int  # when the step's rows reached the host: the frames' time_ns
-    mark: int  # host ring release mark of this step's chunk
-    parts: dict  # "hs" / "q" / "k" -> (ring offset, captured layers, rows, row bytes)
-    hs: Segments
-    qk: Segments
-    token_ids: Any = None  # np.ndarray [num_tokens] of the step's input ids, or ("ring", offset, n, dtype)
 
 
 @dataclass
@@ -185,13 +156,17 @@ class StepDrain:
         self._publisher_copies = bool(getattr(publisher, "copies_borrowed", False))
         next_seqs = getattr(publisher, "next_seqs", None)
         self._next_seqs = next_seqs if next_seqs is not None else (lambda ids: [publisher.next_seq(r) for r in ids])
+        self._handlers = {Config: self._on_config, Start: self._on_start, StepItem: self._on_step,
+                          Tokens: self._on_tokens, Gap: self._on_gap, End: self._on_end}
 
-    def handle(self, item: tuple) -> None:
-        kind = item[0]
+    def handle(self, item) -> None:
+        handler = self._handlers.get(type(item))
         try:
-            getattr(self, "_on_" + kind)(*item[1:])
+            if handler is None:
+                raise TypeError(f"not a drain item: {type(item).__name__}")
+            handler(item)
         except Exception:  # one bad item must not stop the stream of everything else
-            logger.exception("mia_stream: drain failed on a %s item", kind)
+            logger.exception("mia_stream: drain failed on a %s item", type(item).__name__)
             self.ring.count("drain_dropped")
         finally:
             self.ring.count("handled")
@@ -201,12 +176,14 @@ class StepDrain:
         self._flush_held()
 
     # ---------------------------------------------------------------- items
-    def _on_config(self, settings: dict) -> None:
+    def _on_config(self, item: Config) -> None:
+        settings = item.settings
         self.hold_last_step = bool(settings.get("hold_last_step", self.hold_last_step))
         if not self.hold_last_step:
             self._flush_held()
 
-    def _on_start(self, eid: str, msg: StreamStart, info: dict) -> None:
+    def _on_start(self, item: Start) -> None:
+        eid, msg, info = item
         self._streams_epoch += 1
         self._streams[eid] = _Stream(msg.request_id, info["prompt_len"], tuple(info.get("qk_heads") or ()))
         msg.producer_id, msg.epoch = self.publisher.producer_id, self.publisher.epoch
@@ -216,7 +193,8 @@ class StepDrain:
         msg.seq = self.publisher.next_seq(msg.request_id)
         self._publish(msg)
 
-    def _on_tokens(self, step: int, eids: list, token_lists: list) -> None:
+    def _on_tokens(self, item: Tokens) -> None:
+        step, eids, token_lists = item
         streams = self._streams
         plan = _TokenPlan()
         plan.step, plan.time_ns = step, time.time_ns()
@@ -238,7 +216,8 @@ class StepDrain:
         plan.token_ids = np.asarray(flat, _I64)
         self._publish_or_hold(step, plan)
 
-    def _on_gap(self, eid: str, reason: str, step: int) -> None:
+    def _on_gap(self, item: Gap) -> None:
+        eid, reason, step = item
         if eid in self._streams:
             self._publish_or_hold(step, _GapPlan(step, eid, reason))
 
@@ -256,7 +235,8 @@ class StepDrain:
             return
         self._publish_or_hold(it.step, plan)
 
-    def _on_end(self, eid: str, reason: str, num_tokens: int | None, drops: dict) -> None:
+    def _on_end(self, item: End) -> None:
+        eid, reason, num_tokens, drops = item
         st = self._streams.get(eid)
         if st is None:
             return

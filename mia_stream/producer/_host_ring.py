@@ -9,7 +9,7 @@ engine can report them without a round trip.
 
 The file is a ``memfd`` (anonymous, freed with the last mapping); the sidecar inherits its descriptor. On CUDA
 the engine registers the mapping with the driver (``cudaHostRegister``) so the copies run asynchronously.
-No torch here: the sidecar imports this module.
+No torch here: the sidecar imports this module. Owns the ring file, its mapping and its counters.
 """
 
 from __future__ import annotations

@@ -7,40 +7,44 @@ columnar step descriptor to the forwarder thread, which waits for the copy (with
 the descriptor to the drain (``_drain``): a sidecar process by default, so the per-request frame building never
 competes with the engine loop for the GIL. The engine thread never waits on the bus: when the ring is full
 the step's frames are dropped, counted, and announced as gaps.
+
+Owns the lifetime of everything per engine: the live requests (``_routing._Request``), the device buffers
+(``_device``), the host ring, the item queue and its forwarder thread, and the drain (a sidecar, or a
+``StepDrain`` in the forwarder thread). Routing state per step is ``_routing``'s; items are ``_items``'.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from mia_stream import settings
-from mia_stream.producer._drain import DrainConfig, Segments, StepDrain, StepItem
+from mia_stream.producer._config import RuntimeConfig, StepBatch
+from mia_stream.producer._device import DeviceState, _PinnedStaging, _SteeringTable
+from mia_stream.producer._drain import DrainConfig, StepDrain
 from mia_stream.producer._host_ring import HostRing
+from mia_stream.producer._items import DATA_ITEMS, Config, End, Gap, Start, StepItem, Tokens
+from mia_stream.producer._routing import _DecodeCache, _KindRouting, _Request, hits, select
 from mia_stream.producer._sidecar import DrainSidecar, SidecarError
-from mia_stream.errors import CaptureSpecError, SteeringSpecError
-from mia_stream.spec import SPEC_KEY, ModelGeometry, RequestSpec, SteerOp
 from mia_stream.schemas import StreamStart
+from mia_stream.spec import ModelGeometry, RequestSpec
+
+__all__ = ["DeviceState", "ProducerRuntime", "RuntimeConfig", "StepBatch"]
 
 logger = logging.getLogger("mia_stream.producer")
-
-OP_CODES = {"add": 1, "cap": 2, "ablate": 3}
 
 
 def _locked(method):
     """Run under the runtime's lock: with an in-process executor the scheduler thread ends requests
     (``finish_request``) while the worker thread may be routing a step."""
-    import functools
-
     @functools.wraps(method)
     def wrapper(self, *args, **kwargs):
         with self._lock:
@@ -49,284 +53,6 @@ def _locked(method):
 
 
 _SIDECAR_RESTART_S = 5.0
-
-
-_DATA_ITEMS = ("step", "tokens")  # what the drain queue bound applies to; starts, ends, gaps always go
-
-
-@dataclass
-class RuntimeConfig:
-    """Sizes fixed at engine start (CUDA graphs bake buffer addresses); defaults from ``mia_stream.settings``."""
-
-    # None: the engine's max tokens per step (the scheduler's max_num_batched_tokens), so every row fits
-    aperture_rows: int | None = field(default_factory=lambda: settings.get_int("MIA_STREAM_APERTURE_ROWS"))
-    host_ring_bytes: int = field(default_factory=lambda: settings.get_size("MIA_STREAM_HOST_RING_MB"))
-    steer_slots: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_SLOTS"))
-    max_ops_per_layer: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_OPS_PER_LAYER"))
-    capture_qk: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_CAPTURE_QK"))
-    steering: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_STEERING"))
-    # step and token items waiting for the drain; beyond this they are dropped, counted and announced
-    max_queued_messages: int = 100_000
-
-
-@dataclass
-class StepBatch:
-    """One engine step as the runner scheduled it. Rows ``>= num_tokens`` are padding."""
-
-    step: int
-    req_ids: list[str]
-    query_start: np.ndarray  # [num_reqs + 1] token-row offsets
-    num_computed: np.ndarray  # [num_reqs] position of each request's first scheduled token
-    num_tokens: int
-    token_ids: np.ndarray | None  # [num_tokens] input token ids (host), or None: read from device_token_ids
-    device_token_ids: torch.Tensor | None = None  # [>= num_tokens] on the device (V2): copied with the rows
-
-
-@dataclass
-class _Request:
-    engine_id: str
-    stream_id: str
-    spec: RequestSpec
-    prompt_len: int
-    prompt_token_ids: list
-    # per captured kind (0 = hidden states, 1 = Q/K): the next position not yet captured, which dedupes the
-    # recomputation after a preemption
-    next_pos: list = field(default_factory=lambda: [0, 0])
-    first_computed: int | None = None
-    steer_ops: tuple = ()
-    steer_version: int = 0
-    pending_steer: tuple | None = None  # (ops, version) taking effect at the next step
-    slots_by_layer: dict = field(default_factory=dict)  # layer -> [(slot, positions-mode)]
-    steer_rows: tuple | None = None  # cached decode-step ops for (prompt, generated): see _steer_rows
-    frames_dropped: int = 0
-    drops: dict = field(default_factory=dict)
-    uncaptured: list = field(default_factory=list)
-    capture_kinds: tuple = ()  # ((0 = hidden states | 1 = Q/K, layers, positions mode), ...) it captures
-
-
-class _KindRouting:
-    """One captured kind's routing for a step (hidden states, or Q/K): aperture rows handed out in request
-    order, the route entries grouped by layer set so each group is one numpy write, and the step's segments
-    in columnar form (what crosses to the drain: one list entry per request, no per-request objects)."""
-
-    def __init__(self):
-        self.next_row = 0
-        self.groups: dict[tuple, tuple[list, list, list, list]] = {}  # ints (decode) and arrays
-        self.seg = Segments()
-        self._layer_set_index: dict[tuple, int] = {}
-        self._positions: list = []  # by aperture row: ints (decode) or arrays (prefill)
-        self._token_rows: list = []
-        self._scalar = True
-
-    def claim(self, eid: str, layers: tuple, token_rows: np.ndarray | int, positions: np.ndarray | int,
-              steer_version: int, capacity: int) -> bool:
-        """Give ``token_rows`` aperture rows at ``layers``; False (nothing taken) when the aperture is full.
-        A decode step passes ints (one row)."""
-        count = 1 if isinstance(token_rows, int) else len(token_rows)
-        if self.next_row + count > capacity:
-            return False
-        group = self.groups.setdefault(layers, ([], [], [], []))
-        if isinstance(token_rows, int):  # decode: plain ints, one numpy write per layer set at the end
-            group[0].append(token_rows)
-            group[1].append(self.next_row)
-        else:
-            group[2].append(token_rows)
-            group[3].append(np.arange(self.next_row, self.next_row + count, dtype=np.int32))
-            self._scalar = False
-        seg = self.seg
-        ls = self._layer_set_index.get(layers)
-        if ls is None:
-            ls = self._layer_set_index[layers] = len(seg.layer_sets)
-            seg.layer_sets.append(layers)
-        seg.eids.append(eid)
-        seg.row0.append(self.next_row)
-        seg.count.append(count)
-        seg.layer_set.append(ls)
-        seg.steer_version.append(steer_version)
-        self._positions.append(positions)
-        self._token_rows.append(token_rows)
-        self.next_row += count
-        return True
-
-    def segments(self) -> Segments:
-        """The step's segments with ``positions`` / ``token_rows`` as arrays indexed by aperture row."""
-        seg = self.seg
-        if seg.positions is not None:  # built already (or replayed from a _DecodeCache)
-            return seg
-        if self._scalar:
-            seg.positions = np.asarray(self._positions, np.int64)
-            seg.token_rows = np.asarray(self._token_rows, np.int64)
-        else:
-            seg.positions = np.concatenate([np.atleast_1d(p) for p in self._positions]).astype(np.int64)
-            seg.token_rows = np.concatenate([np.atleast_1d(t) for t in self._token_rows]).astype(np.int64)
-        return seg
-
-    def host_route(self, num_layers: int, width: int, sentinel: int) -> np.ndarray | None:
-        if not self.groups:
-            return None
-        host = np.full((num_layers, width), sentinel, np.int32)
-        for layers, (one_tokens, one_rows, token_rows, rows) in self.groups.items():
-            tok = np.concatenate([np.asarray(one_tokens, np.int64), *token_rows])
-            dst = np.concatenate([np.asarray(one_rows, np.int32), *rows])
-            host[np.asarray(layers)[:, None], tok[None, :]] = dst[None, :]
-        return host
-
-
-class _DecodeCache:
-    """A steady-decode step's routing, replayed while the batch does not change (see ``_repeat_decode_step``)."""
-
-    def __init__(self, req_ids: list, epoch: int, plens: np.ndarray, hs: Segments, qk: Segments, claimed: list):
-        self.req_ids, self.epoch, self.plens, self.claimed = req_ids, epoch, plens, claimed
-        self.kinds = (hs, qk)
-        self.last_computed: np.ndarray | None = None
-
-    def step_routing(self, kind: int, computed: np.ndarray) -> _KindRouting:
-        """This step's routing of ``kind``: the cached segments with each row at its request's new position
-        (every segment is one row: the row's token row is the request's batch index)."""
-        seg = self.kinds[kind]
-        routing = _KindRouting()
-        routing.next_row = len(seg.eids)
-        routing.seg = Segments(seg.eids, seg.row0, seg.count, seg.layer_set, seg.steer_version, seg.layer_sets,
-                               computed[seg.token_rows], seg.token_rows)
-        return routing
-
-
-class _SteeringTable:
-    """Device-resident steering slots, shared by every request with identical ops (ref-counted)."""
-
-    def __init__(self, state: "DeviceState", slots: int):
-        self.vectors, self.op_codes = state.vectors, state.op_codes
-        self.scales, self.thresholds = state.scales, state.thresholds
-        self._by_key: dict[str, int] = {}
-        self._refs = [0] * slots
-        self._free = list(range(slots - 1, -1, -1))
-
-    def acquire(self, op: SteerOp) -> int | None:
-        key = op.key()
-        slot = self._by_key.get(key)
-        if slot is None:
-            if not self._free:
-                return None
-            slot = self._free.pop()
-            self._by_key[key] = slot
-            # non-blocking: a blocking host-to-device copy would wait for the step in flight
-            self.vectors[slot].copy_(torch.from_numpy(op.array.copy()), non_blocking=True)
-            self.op_codes[slot] = OP_CODES[op.op]
-            self.scales[slot] = op.scale
-            self.thresholds[slot] = op.threshold
-        self._refs[slot] += 1
-        return slot
-
-    def release(self, op: SteerOp, slot: int) -> None:
-        self._refs[slot] -= 1
-        if self._refs[slot] == 0:
-            self._by_key.pop(op.key(), None)
-            self._free.append(slot)
-
-
-def _hits(mode: str, position: int, prompt_len: int) -> bool:
-    """Whether a capture positions-mode selects ``position`` (the scalar form of ``ProducerRuntime._select``)."""
-    if mode == "all":
-        return True
-    if mode == "prompt":
-        return position < prompt_len
-    if mode == "generated":
-        return position >= prompt_len
-    return position == prompt_len - 1  # last_prompt
-
-
-class _PinnedStaging:
-    """Persistent pinned host buffers for the per-step route uploads, two per route (double-buffered).
-
-    ``pin_memory()`` per step would be a cudaHostAlloc each time; instead a buffer is reused once the copy
-    that last read it has finished (its event; normally long done, since it was two uploads ago).
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._bufs: dict[str, list] = {}
-        self._turn: dict[str, int] = {}
-
-    def stage(self, key: str, host: np.ndarray) -> torch.Tensor:
-        pair = self._bufs.setdefault(key, [[None, None], [None, None]])
-        k = self._turn.get(key, 0)
-        buf, event = pair[k]
-        if event is not None:
-            event.synchronize()
-        if buf is None or buf.numel() < host.size:
-            buf = torch.empty(max(host.size, 1 << 16), dtype=torch.int32, pin_memory=True)
-            pair[k][0] = buf
-        view = buf[: host.size].view(host.shape)
-        view.numpy()[...] = host
-        return view
-
-    def record(self, key: str) -> None:
-        k = self._turn.get(key, 0)
-        event = self._bufs[key][k][1] or torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
-        self._bufs[key][k][1] = event
-        self._turn[key] = 1 - k
-
-
-class DeviceState(torch.nn.Module):
-    """Persistent buffers the in-graph ops read and write (registered so torch.compile sees fixed tensors)."""
-
-    def __init__(self, geo: ModelGeometry, local_q_width: int, local_k_width: int, max_tokens: int,
-                 cfg: RuntimeConfig, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        rows = cfg.aperture_rows + 1  # + the sentinel row that absorbs unwatched tokens
-        self.sentinel = rows - 1
-        L = geo.num_layers
-
-        def buf(name, shape, dt, fill=0):
-            self.register_buffer(name, torch.full(shape, fill, dtype=dt, device=device), persistent=False)
-
-        buf("hs_aperture", (L, rows, geo.hidden_size), dtype)
-        buf("hs_route", (L, max_tokens), torch.int32, self.sentinel)
-        if cfg.capture_qk:
-            buf("q_aperture", (L, rows, local_q_width), dtype)
-            buf("k_aperture", (L, rows, local_k_width), dtype)
-            buf("qk_route", (L, max_tokens), torch.int32, self.sentinel)
-        if cfg.steering:
-            buf("steer_slots", (L, max_tokens, cfg.max_ops_per_layer), torch.int32, -1)
-            buf("vectors", (cfg.steer_slots, geo.hidden_size), torch.float32)
-            buf("op_codes", (cfg.steer_slots,), torch.int32)
-            buf("scales", (cfg.steer_slots,), torch.float32)
-            buf("thresholds", (cfg.steer_slots,), torch.float32)
-
-
-def check_admission(spec: RequestSpec, prompt_len: int, geo: ModelGeometry, cfg: RuntimeConfig, max_tokens: int,
-                    itemsize: int, tp_size: int = 1) -> None:
-    """Refuse (``SpecError``) a request the engine's start-time settings cannot serve, before the engine sees it:
-    steering or Q/K capture switched off, or a capture whose first step, scheduled alone (a prefill chunk of up
-    to ``max_tokens``, the scheduler's max_num_batched_tokens), needs more aperture rows or host ring bytes than
-    there are: its frames would be dropped at every such step."""
-    if spec.steer and not cfg.steering:
-        raise SteeringSpecError(
-            f"extra_args['{SPEC_KEY}']['steer']: this engine was started with MIA_STREAM_STEERING=0, so it has no "
-            "steering ops; start it without that setting to steer, or leave 'steer' out")
-    if spec.qk_layers and not cfg.capture_qk:
-        raise CaptureSpecError(
-            f"extra_args['{SPEC_KEY}']['capture']['qk']: this engine was started with MIA_STREAM_CAPTURE_QK=0, so it "
-            "has no Q/K capture ops; start it without that setting to capture Q/K, or capture only hidden_states")
-    rows = cfg.aperture_rows if cfg.aperture_rows is not None else max_tokens
-    need, row_bytes = 0, 0
-    for layers, mode, width in ((spec.hs_layers, spec.hs_positions, geo.hidden_size),
-                                (spec.qk_layers, spec.qk_positions,
-                                 (geo.num_heads + geo.num_kv_heads) // tp_size * geo.head_dim)):
-        if layers:
-            need = max(need, min(prompt_len, max_tokens) if mode in ("all", "prompt") else 1)
-            row_bytes += len(layers) * width * itemsize
-    if need > rows:
-        raise CaptureSpecError(
-            f"extra_args['{SPEC_KEY}']['capture']: capturing this {prompt_len}-token prompt needs up to {need} rows "
-            f"in one engine step, more than the aperture's MIA_STREAM_APERTURE_ROWS={rows}; raise it to at least "
-            f"{need}, or unset it (the default, max_num_batched_tokens, fits every step)")
-    if need * row_bytes > cfg.host_ring_bytes:
-        raise CaptureSpecError(
-            f"extra_args['{SPEC_KEY}']['capture']: one engine step of this request captures up to "
-            f"{need * row_bytes / 2**20:.0f} MiB, more than the host ring holds (MIA_STREAM_HOST_RING_MB="
-            f"{cfg.host_ring_bytes >> 20}); raise it, or capture fewer layers or positions")
 
 
 class ProducerRuntime:
@@ -423,7 +149,7 @@ class ProducerRuntime:
     @hold_last_step.setter
     def hold_last_step(self, value: bool) -> None:
         self._hold_last_step = bool(value)
-        self._enqueue(("config", {"hold_last_step": self._hold_last_step}))
+        self._enqueue(Config({"hold_last_step": self._hold_last_step}))
 
     # ---------------------------------------------------------------- request lifecycle (engine thread)
     @_locked
@@ -458,7 +184,7 @@ class ProducerRuntime:
             steering=[o.to_wire(compact=True) for o in steer], capture_after_steering=True,
             prompt_token_ids=list(prompt_token_ids), tags=spec.tags, time_ns=time.time_ns(),
             control_id=self.control_id)
-        self._enqueue(("start", engine_id, start, {"prompt_len": req.prompt_len, "qk_heads": spec.qk_heads}))
+        self._enqueue(Start(engine_id, start, {"prompt_len": req.prompt_len, "qk_heads": spec.qk_heads}))
 
     @_locked
     def finish_request(self, engine_id: str, reason: str, num_tokens: int | None = None) -> None:
@@ -471,7 +197,7 @@ class ProducerRuntime:
             return
         if self.steering is not None:
             self._release_steering(req)
-        self._enqueue(("end", engine_id, reason, num_tokens,
+        self._enqueue(End(engine_id, reason, num_tokens,
                        {"frames_dropped": req.frames_dropped, "drops": dict(req.drops), "uncaptured": req.uncaptured}))
 
     @_locked
@@ -557,11 +283,11 @@ class ProducerRuntime:
                 routing = hs if kind == 0 else qk
                 next_pos = req.next_pos[kind]
                 if decode:
-                    if first < next_pos or not _hits(mode, first, plen):
+                    if first < next_pos or not hits(mode, first, plen):
                         continue
                     token_rows, picked, last = a, first, first
                 else:
-                    sel = self._select(positions, mode, plen, next_pos)
+                    sel = select(positions, mode, plen, next_pos)
                     if not sel.size:
                         continue
                     token_rows, picked = a + sel, positions[sel]
@@ -660,21 +386,6 @@ class ProducerRuntime:
         if self.steering is not None:
             self._write_route(st.steer_slots, None, "_dirty_steer_rows", 0)
 
-    @staticmethod
-    def _select(positions: np.ndarray, mode: str, prompt_len: int, next_pos: int) -> np.ndarray:
-        """Indices into ``positions`` that a positions-mode selects, skipping ones already captured."""
-        if mode == "all":
-            mask = np.ones(positions.shape, bool)
-        elif mode == "prompt":
-            mask = positions < prompt_len
-        elif mode == "generated":
-            mask = positions >= prompt_len
-        else:  # last_prompt
-            mask = positions == prompt_len - 1
-        if next_pos:
-            mask &= positions >= next_pos
-        return np.nonzero(mask)[0]
-
     def _write_route(self, route: torch.Tensor, host: np.ndarray | None, dirty_attr: str, n: int) -> None:
         dirty = getattr(self, dirty_attr, 0)
         fill = -1 if route.dim() == 3 else self.state.sentinel
@@ -763,7 +474,7 @@ class ProducerRuntime:
         # restamps it once a device copy has landed)
         item = StepItem(step=step, time_ns=time.time_ns(), mark=mark, parts=meta, hs=hs_seg, qk=qk_seg,
                         token_ids=token_ids)
-        self._enqueue(("step", item), event)
+        self._enqueue(item, event)
 
     def on_sampled(self, step: int, req_ids: list[str], sampled: list[list[int]]) -> None:
         """One item per step: the drain turns it into one TokenBatch for the streamed requests."""
@@ -776,40 +487,38 @@ class ProducerRuntime:
                 eids.append(eid)
                 toks.append(t if type(t) is list else [int(x) for x in t])
         if eids:
-            self._enqueue(("tokens", step, eids, toks))
+            self._enqueue(Tokens(step, eids, toks))
 
     def _drop_now(self, req: _Request, step: int, reason: str) -> None:
         req.frames_dropped += 1
         req.drops[reason] = req.drops.get(reason, 0) + 1
         self._stats["dropped_frames"] += 1
-        self._enqueue(("gap", req.engine_id, reason, step))
+        self._enqueue(Gap(req.engine_id, reason, step))
 
-    def _enqueue(self, item: tuple, event=None) -> None:
+    def _enqueue(self, item, event=None) -> None:
         """Hand an item to the forwarder; never blocks. Step and token items beyond ``max_queued_messages``
         waiting are dropped: each request in them counts the loss (``drain_queue_full``) and gets a gap notice.
         Starts, ends and gaps always go: at most a few per request (a gap item still waiting covers later
         losses of its request and reason, which StreamEnd counts one by one)."""
-        kind = item[0]
-        if kind in _DATA_ITEMS:
+        if isinstance(item, DATA_ITEMS):
             if self._data_put - self._data_taken >= self.cfg.max_queued_messages:
                 self._drop_item(item)
                 return
             self._data_put += 1
-        elif kind == "gap":
-            key = (item[1], item[2])
+        elif type(item) is Gap:
+            key = (item.eid, item.reason)
             if key in self._gaps_queued:
                 return
             self._gaps_queued.add(key)
         self._queue.put_nowait((item, event))
 
-    def _drop_item(self, item: tuple) -> None:
+    def _drop_item(self, item) -> None:
         """A step's frames or tokens that found the drain queue full. Its ring chunk is released with the next
         step the drain handles (release marks only grow)."""
-        if item[0] == "step":
-            it = item[1]
-            step, eids = it.step, dict.fromkeys(it.hs.eids + it.qk.eids)
+        if type(item) is StepItem:
+            step, eids = item.step, dict.fromkeys(item.hs.eids + item.qk.eids)
         else:
-            step, eids = item[1], item[2]
+            step, eids = item.step, item.eids
         for eid in eids:
             req = self.requests.get(eid)
             if req is not None:
@@ -823,16 +532,16 @@ class ProducerRuntime:
             if got is None:
                 return
             item, event = got
-            if item[0] in _DATA_ITEMS:
+            if isinstance(item, DATA_ITEMS):
                 self._data_taken += 1
-            elif item[0] == "gap":
-                self._gaps_queued.discard((item[1], item[2]))
+            elif type(item) is Gap:
+                self._gaps_queued.discard((item.eid, item.reason))
             if event is not None:
                 event.synchronize()  # releases the GIL; only this thread waits
-                if item[0] == "step":
+                if type(item) is StepItem:
                     # a step ends for its frames when its rows are on the host: the engine thread stamped it
                     # when the forward was enqueued, up to a whole forward before the GPU ran it
-                    item[1].time_ns = time.time_ns()
+                    item.time_ns = time.time_ns()
             try:
                 self._sink(item)
                 self._items_sent += 1
@@ -841,9 +550,9 @@ class ProducerRuntime:
                 self._restart_sidecar(e, item)
             except Exception:
                 self._stats["items_lost"] += 1
-                logger.exception("mia_stream: forwarding a %s item failed", item[0])
+                logger.exception("mia_stream: forwarding a %s item failed", type(item).__name__)
 
-    def _restart_sidecar(self, error: Exception, item: tuple) -> None:
+    def _restart_sidecar(self, error: Exception, item) -> None:
         """A dead sidecar is replaced (at most every ``_SIDECAR_RESTART_S``): the new one publishes under a new
         epoch, so the broker ends the old epoch's streams as ``producer_lost`` (reported, not silent) and
         requests started from here on stream normally. Items meanwhile are counted in ``items_lost``."""
@@ -857,7 +566,7 @@ class ProducerRuntime:
             self._sidecar.close(timeout=1.0)
             self._sidecar = DrainSidecar.start(self._ring, self._drain_cfg, self._producer_id)
             self._sink = self._sidecar.send
-            self._sink(("config", {"hold_last_step": self._hold_last_step}))
+            self._sink(Config({"hold_last_step": self._hold_last_step}))
             self._sink(item)  # the item that found the old one dead (a stream start, most likely)
             self._stats["items_lost"] -= 1
             self._items_sent += 1

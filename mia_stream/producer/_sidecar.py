@@ -10,6 +10,8 @@ Lifecycle: ``DrainSidecar.start(ring, config, producer_id)`` spawns ``python -m 
 (a fresh interpreter: no re-import of the user's main module, no torch) with the ring's and the pipe's
 descriptors; ``send(item)`` writes one item; ``close()`` closes the pipe, which the sidecar takes as "flush
 what you have and exit". The sidecar also exits when the engine process dies (its parent changes).
+Owns (engine side) the sidecar process handle and the pipe's write end; (sidecar side) its StepDrain and
+publisher. The sidecar imports mia_stream as its parent did (``_child_env``: the parent's sys.path).
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import sys
 import tempfile
 import time
 from multiprocessing.connection import Connection
+
+from mia_stream.producer._items import Init
 
 logger = logging.getLogger("mia_stream.producer")
 
@@ -59,17 +63,17 @@ class DrainSidecar:
         log = open(log_path, "ab")
         try:
             proc = subprocess.Popen(cmd, pass_fds=(read_fd, ring.fd), stdin=subprocess.DEVNULL,
-                                    stdout=subprocess.DEVNULL, stderr=log)
+                                    stdout=subprocess.DEVNULL, stderr=log, env=_child_env())
         finally:
             os.close(read_fd)
             log.close()
         logger.info("mia_stream: drain sidecar %d started; its log: %s", proc.pid, log_path)
         side = cls(proc, Connection(write_fd, readable=False))
         side.log_path = log_path
-        side.send(("init", config, producer_id))
+        side.send(Init(config, producer_id))
         return side
 
-    def send(self, item: tuple) -> None:
+    def send(self, item) -> None:
         """Write one item (blocks only while the pipe is full: call it from the forwarder thread)."""
         if self.broken:
             raise SidecarError("the drain sidecar is gone")
@@ -96,14 +100,26 @@ class DrainSidecar:
             self.proc.wait()
 
 
+def _child_env() -> dict:
+    """This environment with PYTHONPATH extended by this process's ``sys.path``: the sidecar must import the
+    mia_stream its parent imported, also when that one is importable only through the parent's ``sys.path`` (a
+    script's directory, a path added at run time; issue 26). PYTHONPATH's own entries stay first, as they were."""
+    env = dict(os.environ)
+    entries = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    entries += [p for p in sys.path if p and isinstance(p, str)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(entries))
+    return env
+
+
 # ------------------------------------------------------------------------------------------ the process
 def _serve(conn: Connection, ring, parent: int) -> None:
     from mia_stream.producer._drain import StepDrain
     from mia_stream.bus.publisher import make_publisher
 
-    kind, config, producer_id = pickle.loads(conn.recv_bytes())
-    if kind != "init":
-        raise SidecarError(f"the first item must be init, not {kind!r}")
+    init = pickle.loads(conn.recv_bytes())
+    if type(init) is not Init:
+        raise SidecarError(f"the first item must be Init, not {type(init).__name__}")
+    config, producer_id = init
     publisher = make_publisher(producer_id)
     drain = StepDrain(config, publisher, ring)
     try:

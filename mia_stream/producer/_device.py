@@ -1,0 +1,111 @@
+"""Device-resident state of the producer runtime: the persistent buffers the in-graph ops read and write.
+
+Owns: ``DeviceState`` (aperture, routing slabs, steering table tensors; fixed at engine start, since CUDA graphs
+bake their addresses), ``_SteeringTable`` (which steering slot holds which op, ref-counted across requests) and
+``_PinnedStaging`` (pinned host buffers for the per-step route uploads). Op codes are the kernels' own.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mia_stream.kernels import OP_ABLATE, OP_ADD, OP_CAP
+from mia_stream.producer._config import RuntimeConfig
+from mia_stream.spec import ModelGeometry, SteerOp
+
+OP_CODES = {"add": OP_ADD, "cap": OP_CAP, "ablate": OP_ABLATE}
+
+
+class _SteeringTable:
+    """Device-resident steering slots, shared by every request with identical ops (ref-counted)."""
+
+    def __init__(self, state: "DeviceState", slots: int):
+        self.vectors, self.op_codes = state.vectors, state.op_codes
+        self.scales, self.thresholds = state.scales, state.thresholds
+        self._by_key: dict[str, int] = {}
+        self._refs = [0] * slots
+        self._free = list(range(slots - 1, -1, -1))
+
+    def acquire(self, op: SteerOp) -> int | None:
+        key = op.key()
+        slot = self._by_key.get(key)
+        if slot is None:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            self._by_key[key] = slot
+            # non-blocking: a blocking host-to-device copy would wait for the step in flight
+            self.vectors[slot].copy_(torch.from_numpy(op.array.copy()), non_blocking=True)
+            self.op_codes[slot] = OP_CODES[op.op]
+            self.scales[slot] = op.scale
+            self.thresholds[slot] = op.threshold
+        self._refs[slot] += 1
+        return slot
+
+    def release(self, op: SteerOp, slot: int) -> None:
+        self._refs[slot] -= 1
+        if self._refs[slot] == 0:
+            self._by_key.pop(op.key(), None)
+            self._free.append(slot)
+
+
+class _PinnedStaging:
+    """Persistent pinned host buffers for the per-step route uploads, two per route (double-buffered).
+
+    ``pin_memory()`` per step would be a cudaHostAlloc each time; instead a buffer is reused once the copy
+    that last read it has finished (its event; normally long done, since it was two uploads ago).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._bufs: dict[str, list] = {}
+        self._turn: dict[str, int] = {}
+
+    def stage(self, key: str, host: np.ndarray) -> torch.Tensor:
+        pair = self._bufs.setdefault(key, [[None, None], [None, None]])
+        k = self._turn.get(key, 0)
+        buf, event = pair[k]
+        if event is not None:
+            event.synchronize()
+        if buf is None or buf.numel() < host.size:
+            buf = torch.empty(max(host.size, 1 << 16), dtype=torch.int32, pin_memory=True)
+            pair[k][0] = buf
+        view = buf[: host.size].view(host.shape)
+        view.numpy()[...] = host
+        return view
+
+    def record(self, key: str) -> None:
+        k = self._turn.get(key, 0)
+        event = self._bufs[key][k][1] or torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        self._bufs[key][k][1] = event
+        self._turn[key] = 1 - k
+
+
+class DeviceState(torch.nn.Module):
+    """Persistent buffers the in-graph ops read and write (registered so torch.compile sees fixed tensors)."""
+
+    def __init__(self, geo: ModelGeometry, local_q_width: int, local_k_width: int, max_tokens: int,
+                 cfg: RuntimeConfig, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        rows = cfg.aperture_rows + 1  # + the sentinel row that absorbs unwatched tokens
+        self.sentinel = rows - 1
+        L = geo.num_layers
+
+        def buf(name, shape, dt, fill=0):
+            self.register_buffer(name, torch.full(shape, fill, dtype=dt, device=device), persistent=False)
+
+        buf("hs_aperture", (L, rows, geo.hidden_size), dtype)
+        buf("hs_route", (L, max_tokens), torch.int32, self.sentinel)
+        if cfg.capture_qk:
+            buf("q_aperture", (L, rows, local_q_width), dtype)
+            buf("k_aperture", (L, rows, local_k_width), dtype)
+            buf("qk_route", (L, max_tokens), torch.int32, self.sentinel)
+        if cfg.steering:
+            buf("steer_slots", (L, max_tokens, cfg.max_ops_per_layer), torch.int32, -1)
+            buf("vectors", (cfg.steer_slots, geo.hidden_size), torch.float32)
+            buf("op_codes", (cfg.steer_slots,), torch.int32)
+            buf("scales", (cfg.steer_slots,), torch.float32)
+            buf("thresholds", (cfg.steer_slots,), torch.float32)
+

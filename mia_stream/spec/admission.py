@@ -1,0 +1,51 @@
+"""Admission: whether an engine started with given settings can serve a request spec, checked before the engine
+sees the request. Pure (no torch, no vLLM, no producer runtime), so vLLM's frontend and API server check a spec with
+the spec package alone. Owns no state.
+
+``cfg`` is any object with the engine's start-time settings ``steering``, ``capture_qk``, ``aperture_rows`` (None:
+``max_tokens``) and ``host_ring_bytes``: the producer's ``RuntimeConfig``, read from the same environment the workers
+read when the engine starts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from mia_stream.errors import CaptureSpecError, SteeringSpecError
+from mia_stream.spec import SPEC_KEY, ModelGeometry, RequestSpec
+
+__all__ = ["check_admission"]
+
+
+def check_admission(spec: RequestSpec, prompt_len: int, geo: ModelGeometry, cfg: Any, max_tokens: int,
+                    itemsize: int, tp_size: int = 1) -> None:
+    """Refuse (``SpecError``) a request the engine's start-time settings cannot serve, before the engine sees it:
+    steering or Q/K capture switched off, or a capture whose first step, scheduled alone (a prefill chunk of up
+    to ``max_tokens``, the scheduler's max_num_batched_tokens), needs more aperture rows or host ring bytes than
+    there are: its frames would be dropped at every such step."""
+    if spec.steer and not cfg.steering:
+        raise SteeringSpecError(
+            f"extra_args['{SPEC_KEY}']['steer']: this engine was started with MIA_STREAM_STEERING=0, so it has no "
+            "steering ops; start it without that setting to steer, or leave 'steer' out")
+    if spec.qk_layers and not cfg.capture_qk:
+        raise CaptureSpecError(
+            f"extra_args['{SPEC_KEY}']['capture']['qk']: this engine was started with MIA_STREAM_CAPTURE_QK=0, so it "
+            "has no Q/K capture ops; start it without that setting to capture Q/K, or capture only hidden_states")
+    rows = cfg.aperture_rows if cfg.aperture_rows is not None else max_tokens
+    need, row_bytes = 0, 0
+    for layers, mode, width in ((spec.hs_layers, spec.hs_positions, geo.hidden_size),
+                                (spec.qk_layers, spec.qk_positions,
+                                 (geo.num_heads + geo.num_kv_heads) // tp_size * geo.head_dim)):
+        if layers:
+            need = max(need, min(prompt_len, max_tokens) if mode in ("all", "prompt") else 1)
+            row_bytes += len(layers) * width * itemsize
+    if need > rows:
+        raise CaptureSpecError(
+            f"extra_args['{SPEC_KEY}']['capture']: capturing this {prompt_len}-token prompt needs up to {need} rows "
+            f"in one engine step, more than the aperture's MIA_STREAM_APERTURE_ROWS={rows}; raise it to at least "
+            f"{need}, or unset it (the default, max_num_batched_tokens, fits every step)")
+    if need * row_bytes > cfg.host_ring_bytes:
+        raise CaptureSpecError(
+            f"extra_args['{SPEC_KEY}']['capture']: one engine step of this request captures up to "
+            f"{need * row_bytes / 2**20:.0f} MiB, more than the host ring holds (MIA_STREAM_HOST_RING_MB="
+            f"{cfg.host_ring_bytes >> 20}); raise it, or capture fewer layers or positions")
