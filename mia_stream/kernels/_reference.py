@@ -9,8 +9,7 @@ import torch
 from torch import Tensor
 
 from mia_stream.kernels import _checks
-
-OP_NONE, OP_ADD, OP_CAP, OP_ABLATE = 0, 1, 2, 3
+from mia_stream.schemas import OP_ABLATE, OP_ADD, OP_CAP, OP_NONE  # noqa: F401  (the wire format's codes)
 
 
 def scatter_rows_reference(dst: Tensor, src: Tensor, route: Tensor, residual: Tensor | None = None) -> None:

@@ -10,11 +10,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mia_stream.kernels import OP_ABLATE, OP_ADD, OP_CAP
 from mia_stream.producer._config import RuntimeConfig
+from mia_stream.schemas import OP_CODES
 from mia_stream.spec import ModelGeometry, SteerOp
-
-OP_CODES = {"add": OP_ADD, "cap": OP_CAP, "ablate": OP_ABLATE}
 
 
 class _SteeringTable:

@@ -27,11 +27,11 @@ from typing import Any, Callable
 import numpy as np
 
 from mia_stream.errors import CaptureSpecError, SteeringSpecError
+from mia_stream.schemas import STEER_OPS
 
 SPEC_KEY = "mia_stream"
 POSITIONS = ("all", "prompt", "generated", "last_prompt")
 STEER_POSITIONS = ("all", "prompt", "generated")
-STEER_OPS = ("add", "cap", "ablate")
 _TOP_KEYS = {"capture", "steer", "tags", "id", "prefix_cache"}
 PREFIX_CACHE_POLICIES = ("recompute", "reuse")  # what a capture of prompt positions does with cached ones
 _CAPTURE_KEYS = {"hidden_states", "qk"}
