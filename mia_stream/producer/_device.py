@@ -107,3 +107,6 @@ class DeviceState(torch.nn.Module):
             buf("scales", (cfg.steer_slots,), torch.float32)
             buf("thresholds", (cfg.steer_slots,), torch.float32)
 
+    def device_bytes(self) -> int:
+        """The bytes of every buffer (the plugin's whole device footprint: apertures, routes, steering table)."""
+        return sum(b.numel() * b.element_size() for b in self.buffers())

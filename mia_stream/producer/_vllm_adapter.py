@@ -539,10 +539,11 @@ def _wrap_attention_class(cls) -> None:
 class _RunnerState:
     """The adapter's state on one model runner (``runner._mia``), set when the runtime attaches."""
 
-    __slots__ = ("runtime", "step", "began")
+    __slots__ = ("runtime", "step", "began", "device_bytes")
 
-    def __init__(self, runtime):
+    def __init__(self, runtime, device_bytes: int = 0):
         self.runtime = runtime
+        self.device_bytes = device_bytes  # what _account_device_memory added to vLLM's model memory
         self.step = 0  # the step being executed (the engine core's number, from the StepRecord)
         self.began = False  # V2: begin_step ran for this execute_model (so end_step must run)
 
@@ -587,11 +588,37 @@ def _attach(runner, model) -> None:
                     mod._mia_layer = i
                     mod.__dict__["_mia_state_ref"] = state
     model._mia_runtime_state = state  # keeps the buffers reachable from the model (a registered submodule)
-    runner._mia = _RunnerState(runtime)
+    runner._mia = _RunnerState(runtime, _account_device_memory(runner, state.device_bytes()))
     runtime.hold_last_step = bool(getattr(vcfg.scheduler_config, "async_scheduling", False))
     REGISTRY.runtimes.append(runtime)
     logger.info("mia_stream: producer %s attached (%d layers, aperture rows %d)", producer_id, geo.num_layers,
                 runtime.cfg.aperture_rows)
+
+
+def _account_device_memory(runner, nbytes: int) -> int:
+    """Count the plugin's device buffers as model memory, so vLLM takes them from the KV cache.
+
+    vLLM sizes the KV cache as its budget (``gpu_memory_utilization``) minus what ``load_model`` measured
+    (``model_memory_usage``) and what the profile run adds. vLLM 0.26 counts nothing else: buffers allocated after
+    ``load_model`` returns and before profiling were outside the budget (an 8B engine at 0.4 of an H100 held
+    40.4 GiB, not 31.7; at the default 0.9 the engine ran out of memory at start: issue 26). vLLM 0.32 measures
+    all the device memory consumed since start (``mem_get_info``) and only logs this field, so adding to it
+    counts nothing twice there. Returns the bytes added."""
+    if hasattr(runner, "model_memory_usage"):
+        runner.model_memory_usage = int(runner.model_memory_usage) + nbytes
+        return nbytes
+    return 0
+
+
+def memory_report(runner) -> dict:
+    """The plugin's device memory on ``runner`` and what vLLM counts as the model's (for scripts and tests)."""
+    state = getattr(runner, "_mia", None)
+    if state is None:
+        return {"attached": False}
+    return {"attached": True, "plugin_device_bytes": state.runtime.state.device_bytes(),
+            "accounted_bytes": state.device_bytes,
+            "model_memory_usage": int(getattr(runner, "model_memory_usage", -1)),
+            "aperture_rows": state.runtime.cfg.aperture_rows}
 
 
 _RUNTIME_CLOSE_S = 1.0  # the forwarder hands the sidecar what is queued; then the worker goes on exiting
