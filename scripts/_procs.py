@@ -1,9 +1,13 @@
-"""Process teardown shared by the benchmark and evaluation scripts (they run brokers, consumers, analyzers)."""
+"""Shared by the benchmark and evaluation scripts: process teardown (they run brokers, consumers, analyzers), and
+the plugin's entry point where mia_stream runs from a checkout (the GPU host)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
+import sys
+from pathlib import Path
 from typing import Iterable
 
 
@@ -17,3 +21,19 @@ def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> 
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
+
+
+def ensure_plugin_entry_point(work: Path) -> None:
+    """vLLM loads the plugin through the ``vllm.general_plugins`` entry point; where mia_stream runs from a
+    checkout on PYTHONPATH (the GPU host) there is none, and the engine would run without the plugin: expose one
+    in a dist-info dir that the engine's processes find on their PYTHONPATH."""
+    import importlib.metadata as md
+
+    if any(ep.value.startswith("mia_stream") for ep in md.entry_points(group="vllm.general_plugins")):
+        return
+    d = work / "entry-point" / "mia_stream_checkout-0.dist-info"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: mia-stream-checkout\nVersion: 0\n")
+    (d / "entry_points.txt").write_text("[vllm.general_plugins]\nmia_stream = mia_stream.producer.plugin:register\n")
+    os.environ["PYTHONPATH"] = f"{d.parent}:{os.environ.get('PYTHONPATH', '')}"
+    sys.path.insert(0, str(d.parent))

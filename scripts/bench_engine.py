@@ -40,6 +40,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _procs import ensure_plugin_entry_point  # noqa: E402  (scripts/_procs.py, beside this file)
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -181,22 +182,6 @@ def _read_ends(path: str, ids: set[str]) -> list[dict]:
 
 
 # ---------------------------------------------------------------------------------------------- engines
-
-def ensure_plugin_entry_point(work: Path) -> None:
-    """vLLM loads the plugin through the ``vllm.general_plugins`` entry point; where mia_stream runs from a
-    checkout on PYTHONPATH (the GPU host) there is none, and the engine would run without the plugin: expose one
-    in a dist-info dir that the engine's processes find on their PYTHONPATH."""
-    import importlib.metadata as md
-
-    if any(ep.value.startswith("mia_stream") for ep in md.entry_points(group="vllm.general_plugins")):
-        return
-    d = work / "entry-point" / "mia_stream_checkout-0.dist-info"
-    d.mkdir(parents=True, exist_ok=True)
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: mia-stream-checkout\nVersion: 0\n")
-    (d / "entry_points.txt").write_text("[vllm.general_plugins]\nmia_stream = mia_stream.producer.plugin:register\n")
-    os.environ["PYTHONPATH"] = f"{d.parent}:{os.environ.get('PYTHONPATH', '')}"
-    sys.path.insert(0, str(d.parent))
-
 
 def make_llm(a: argparse.Namespace, plugin: bool, address: str):
     """An engine whose core processes see ``MIA_STREAM_BROKER`` only when ``plugin`` (read at their spawn)."""

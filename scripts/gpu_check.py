@@ -31,6 +31,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 WORK = ["/tmp/gpu-check-work"]
 sys.path.insert(0, str(REPO))
+from _procs import ensure_plugin_entry_point  # noqa: E402  (scripts/_procs.py, beside this file)
 
 # ---------------------------------------------------------------------------------------------- bus process
 
@@ -235,25 +236,6 @@ def _start_pyspy(args, tag: str):
     return spy
 
 
-def _expose_entry_point(work: str) -> None:
-    """Make the plugin discoverable as an installed entry point (the repo is only on PYTHONPATH here).
-
-    With TP > 1 the workers are separate processes that load plugins only through entry points
-    (``vllm.general_plugins``), so ``plugin.register()`` in this process would not reach them.
-    """
-    site = Path(work) / "plugin-site"
-    info = site / "mia_stream_gpu_check-0.0.0.dist-info"
-    info.mkdir(parents=True, exist_ok=True)
-    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: mia-stream-gpu-check\nVersion: 0.0.0\n")
-    (info / "entry_points.txt").write_text(
-        "[vllm.general_plugins]\nmia_stream = mia_stream.producer.plugin:register\n")
-    sys.path.insert(0, str(site))
-    os.environ["PYTHONPATH"] = f"{site}:{os.environ.get('PYTHONPATH', '')}"
-    import importlib
-
-    importlib.invalidate_caches()
-
-
 def _make_llm(model: str, *, eager: bool, dummy: bool, tp: int, gpu_mem: float, max_len: int, batched: int):
     from vllm import LLM
 
@@ -347,7 +329,7 @@ def engine_correctness(args) -> dict:
 
     bus = Bus()
     if args.tp > 1:
-        _expose_entry_point(args.work)
+        ensure_plugin_entry_point(Path(args.work))
     plugin.register()
     res: dict = {"mode": args.engine}
     model = str(Path(args.models) / "smollm2-random")
@@ -470,7 +452,7 @@ def engine_bench(args) -> dict:
         from mia_stream.producer import plugin
 
         if args.tp > 1:
-            _expose_entry_point(args.work)
+            ensure_plugin_entry_point(Path(args.work))
         plugin.register()
         _time_runtime_methods()
     model = str(Path(args.models) / "llama8b-shape")

@@ -32,6 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _procs import ensure_plugin_entry_point  # noqa: E402  (scripts/_procs.py, beside this file)
 
 
 def _gpu_used_mib() -> tuple[int, int]:
@@ -46,7 +47,8 @@ def _engine(name: str, model: str, plugin: bool, util: float | None, started, go
     rec: dict = {"name": name, "plugin": plugin, "util": util}
     try:
         broker = None
-        if plugin:
+        if plugin:  # vLLM's engine processes load the plugin through its entry point (a checkout has none)
+            ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="mia-mem-ep-")))
             from mia_stream.broker import run_broker_in_thread
 
             run_dir = tempfile.mkdtemp(prefix="mia-mem-", dir="/tmp")
