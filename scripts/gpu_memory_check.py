@@ -10,8 +10,10 @@ default settings differs from what a user runs.
   a consumer counting the frames of 16 requests capturing one layer), each at vLLM's default utilization, one
   after the other. Reports: started or the error, the KV cache size (blocks and tokens), the GPU memory the
   engine took (``nvidia-smi`` memory.used after start minus before), the plugin's device bytes.
-- ``pair``: two plugin engines at 0.45 each, started at the same time: both must start and serve, and together
-  stay within 0.9 of the GPU.
+- ``pair``: two plugin engines at 0.45 each, resident side by side: the second starts once the first has (vLLM
+  sizes its KV cache from the free memory it sees while profiling, so engines that profile at the same time each
+  count the other's allocations: two plain engines started together got 0.4 GiB of KV cache each), then both
+  serve at once. Both must start and serve, and together stay within 0.9 of the GPU.
 
 Prints one JSON line per engine and a summary; writes ``memory.json`` under ``--out``.
 """
@@ -46,7 +48,7 @@ def _engine(name: str, model: str, plugin: bool, util: float | None, started, go
     """One engine process: start, (wait for ``go``), serve 16 requests, report, exit."""
     rec: dict = {"name": name, "plugin": plugin, "util": util}
     try:
-        broker = None
+        broker = run_dir = None
         if plugin:  # vLLM's engine processes load the plugin through its entry point (a checkout has none)
             ensure_plugin_entry_point(Path(tempfile.mkdtemp(prefix="mia-mem-ep-")))
             from mia_stream.broker import run_broker_in_thread
@@ -81,7 +83,7 @@ def _engine(name: str, model: str, plugin: bool, util: float | None, started, go
         if plugin:
             from mia_stream.consumers import open_stream
 
-            stream = open_stream(os.environ["MIA_STREAM_BROKER"], patterns=[f"{name}-*"], timeout=120)
+            stream = open_stream(run_dir, patterns=[f"{name}-*"], timeout=120)
 
             def count():
                 ends = 0
@@ -134,11 +136,14 @@ def _run(engines: list[tuple[str, str, bool, float | None]], together: bool) -> 
     go = ctx.Event()
     used0, total = _gpu_used_mib()
     procs, recs = [], []
+    oks = []
     for name, model, plugin, util in engines:
         p = ctx.Process(target=_engine, args=(name, model, plugin, util, started, go, results))
         p.start()
         procs.append(p)
-        if not together:  # one at a time: start, measure, serve, stop
+        if together:  # resident side by side, started one after the other (see the docstring)
+            oks.append(started.get(timeout=900))
+        else:  # one at a time: start, measure, serve, stop
             ok = started.get(timeout=900)
             used1, _ = _gpu_used_mib()
             go.set()
@@ -152,7 +157,6 @@ def _run(engines: list[tuple[str, str, bool, float | None]], together: bool) -> 
                 print(rec.get("trace", ""), flush=True)
             used0, total = _gpu_used_mib()
     if together:
-        oks = [started.get(timeout=900) for _ in engines]
         used1, _ = _gpu_used_mib()
         go.set()
         for _ in engines:
