@@ -76,7 +76,10 @@ class Broker:
             self._cons = self._ctx.socket(zmq.ROUTER)
             if split_io:
                 self._cons.setsockopt(zmq.AFFINITY, 2)
-            transport.configure(self._cons, sndhwm=4096, rcvhwm=1000, max_message_bytes=16 << 20,
+            # SNDHWM: what zmq holds per consumer outside the router's accounting (a batch is one message of at
+            # most 1 MiB; credit bounds it by bytes; for a consumer without a window this is the bound)
+            transport.configure(self._cons, sndhwm=config.consumer_pipe_messages, rcvhwm=1000,
+                                 max_message_bytes=16 << 20,
                                  router_mandatory=True)
             self._stats_sock = self._ctx.socket(zmq.REP)
             transport.configure(self._stats_sock, max_message_bytes=1 << 16)
@@ -231,8 +234,16 @@ class Broker:
             request = self._stats_sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
-        stats = self.stats()
-        reply = json.dumps(stats).encode() if request.strip() == b"json" else msgpack.packb(stats)
+        try:
+            stats = self.stats()
+            # peers' stats were made JSON-safe at intake (Peers._keep_reported); NaN would still not be JSON
+            reply = (json.dumps(stats, allow_nan=False).encode() if request.strip() == b"json"
+                     else msgpack.packb(stats))
+        except Exception as e:  # a REP socket must answer, or it never serves the next request
+            self.router.counters.stats_reply_failed += 1
+            log.exception("broker: could not build the stats reply")
+            error = {"error": f"stats reply failed: {type(e).__name__}"}
+            reply = json.dumps(error).encode() if request.strip() == b"json" else msgpack.packb(error)
         try:
             self._stats_sock.send(reply, zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -90,7 +90,7 @@ class Router:
         self.sent = self.delivery.sent
         self.peers = Peers(ctx, shm, self.delivery, self._handle_producer)
         self.streams = Streams(ctx, self.peers, self.delivery)
-        self.late_join = LateJoin(ctx, self.streams, self.delivery)
+        self.late_join = LateJoin(ctx, self.streams, self.delivery, self.peers)
         self.steering = Steering(ctx, self.streams, self.peers, self.delivery, steer_ids)
         self.upkeep = Upkeep(ctx, self.peers, self.streams, self.delivery, self.steering)
 
@@ -203,7 +203,7 @@ class Router:
             if header is None:
                 return
             if header["kind"] == "heartbeat":  # it may carry the proof: releases what is held
-                self.peers.on_producer_heartbeat(p, header)
+                self.peers.on_producer_heartbeat(p, header, nbytes)
                 return
             self.peers.hold_more(p, body, nbytes)
             return
@@ -231,7 +231,7 @@ class Router:
         elif kind == "gap_batch":
             self.streams.on_producer_gap_batch(p, header, body, nbytes)
         elif kind == "heartbeat":
-            self.peers.on_producer_heartbeat(p, header)
+            self.peers.on_producer_heartbeat(p, header, nbytes)
         elif kind == "steer_ack":
             self.steering.on_ack(p, body)
         else:
