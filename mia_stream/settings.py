@@ -180,7 +180,7 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("MIA_STREAM_BROKER_CONSUMER_PIPE_MESSAGES", "int", "broker",
             "zmq messages the broker's consumers socket holds per consumer beyond its queue (SNDHWM; a batch is "
             "one, at most 1 MiB). With a credit window the window bounds it by bytes; a consumer with window 0 "
-            "that never reads pins at most this many. Flag `--consumer-pipe-messages`.", default=256,
+            "that never reads pins at most this many. Flag `--consumer-pipe-messages`.", default=64,
             minimum=1),
     # ---- files
     Setting("MIA_STREAM_CACHE", "path", "files", "Root of mia_stream's caches (models, vectors).",

@@ -83,9 +83,9 @@ class Broker:
                                  router_mandatory=True)
             self._stats_sock = self._ctx.socket(zmq.REP)
             transport.configure(self._stats_sock, max_message_bytes=1 << 16)
-            transport.bind(self._prod, eps.producers, keys)
-            transport.bind(self._cons, eps.consumers, keys)
-            transport.bind(self._stats_sock, eps.stats, keys)
+            transport.bind(self._prod, eps.producers, keys, "producers")
+            transport.bind(self._cons, eps.consumers, keys, "consumers")
+            transport.bind(self._stats_sock, eps.stats, keys, "stats")
         except Exception:
             self._close_sockets()
             raise
@@ -102,6 +102,7 @@ class Broker:
         self.router = Router(config, instance=self.instance, accept_shm=accept_shm,
                              shm=ShmRingReader(writable=True) if accept_shm else None,
                              steer_ids={k.decode("ascii") for k in keys.steer_public_keys} if keys else None,
+                             roles=keys if keys is not None and keys.roles is not None else None,
                              flush=self._flush_one, now=self._started)
 
     @property

@@ -71,7 +71,7 @@ def json_safe(value: Any, replaced: list[int], depth: int = 0) -> Any:
 class _Producer:
     __slots__ = ("identity", "name", "last_seen", "streams", "messages", "bytes", "reported", "gaps_reported",
                  "rate", "snap", "batches", "proofs", "disowned", "held", "held_bytes", "held_until", "releasing",
-                 "analysis_streams")
+                 "analysis_streams", "user", "created")
 
     def __init__(self, identity: bytes, now: float):
         self.identity = identity
@@ -79,6 +79,8 @@ class _Producer:
         self.last_seen = now
         self.streams: set[tuple] = set()  # its open (start/end) streams
         self.analysis_streams = 0  # the analysis streams it started that the broker keeps
+        self.user = ""  # its CURVE key (z85), where the broker has roles
+        self.created = now
         self.messages = self.bytes = self.gaps_reported = self.batches = 0
         self.reported: dict = {}
         self.rate = (0.0, 0.0)
