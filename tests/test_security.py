@@ -273,3 +273,212 @@ def test_15_a_recording_with_flipped_bytes_says_so(tmp_path):
     r = subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(rec)], capture_output=True, text=True,
                        timeout=60, cwd=ROOT)
     assert r.returncode != 0 and "Traceback" not in r.stderr and r.stderr.strip(), (r.returncode, r.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- 3: roles on tcp
+
+def _free_base_port() -> int:
+    import socket
+
+    for _ in range(50):
+        socks = []
+        try:
+            for i in range(3):
+                s = socket.socket()
+                s.bind(("127.0.0.1", 0 if i == 0 else base + i))
+                if i == 0:
+                    base = s.getsockname()[1]
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port triple")
+
+
+def _curve_dealer(endpoint: str, keys, identity: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    transport.connect(sock, endpoint, keys)
+    return sock
+
+
+def _analysis(producer_id: str, rid: str, seq: int = 0):
+    from mia_stream.schemas import AnalysisBatch
+
+    return AnalysisBatch(producer_id, 1, "risk", [rid], [seq], alerts=[1], labels={"why": ["forged?"]})
+
+
+def _drain(sock: zmq.Socket, timeout: float) -> list:
+    from mia_stream.schemas import decode, split_batch
+
+    got, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sock.poll(50):
+            continue
+        frames = sock.recv_multipart()
+        for m in split_batch(frames) or [frames]:
+            got.append(decode(m))
+    return got
+
+
+def test_3_on_tcp_each_role_has_its_own_keys_and_only_analyzer_keys_publish_analysis(tmp_path):
+    from mia_stream.schemas import AnalysisBatch, Subscribe
+
+    keys = tmp_path / "keys"
+    assert transport.keys_main([str(keys)]) == 0  # roles: producer, consumer (steers), analyzer
+    for role in ("producers", "consumers", "analyzers"):
+        assert list((keys / "roles" / role).glob("*.key")), role
+    load = lambda name: transport.load_client_keys(keys, name)  # noqa: E731
+    address = f"tcp://127.0.0.1:{_free_base_port()}"
+    eps = transport.endpoints_for(address)
+    with processes() as procs:
+        procs.append(start_broker(address, "--keys", str(keys)))
+        reader = _curve_dealer(eps.consumers, load("consumer"), "reader")
+        reader.send_multipart(encode(Subscribe(["*"])))
+        time.sleep(0.5)
+        # a consumer key on the producers endpoint: ZAP refuses the connection, nothing it sends arrives
+        viewer = _curve_dealer(eps.producers, load("consumer"), "viewer-as-producer/1")
+        viewer.send_multipart(encode(_analysis("viewer", "victim-3")))
+        # a producer key may publish streams, not analysis
+        prod = _curve_dealer(eps.producers, load("producer"), "prod/1")
+        prod.send_multipart(encode(StreamStart("victim-3", "prod", 1, 0)))
+        prod.send_multipart(encode(_analysis("prod", "victim-3")))
+        assert any(isinstance(m, ErrorNotice) and m.code == "not_authorised" for m in _drain(prod, 2.0))
+        # an analyzer key publishes analysis under its own name only
+        ana = _curve_dealer(eps.producers, load("analyzer"), "ana/1")
+        ana.send_multipart(encode(_analysis("someone-else/risk", "victim-3")))
+        ana.send_multipart(encode(_analysis("analyzer/risk/host:1", "victim-3")))
+        assert any(isinstance(m, ErrorNotice) and m.code == "not_authorised" for m in _drain(ana, 2.0))
+        got = [m for m in _drain(reader, 2.0) if isinstance(m, AnalysisBatch)]
+        assert [m.producer_id for m in got] == ["analyzer/risk/host:1"], [m.producer_id for m in got]
+        from mia_stream.broker import fetch_stats  # (stats on tcp need a key)
+
+        s = fetch_stats(address, keys=load("consumer"))
+        assert s["totals"].get("refused_role", 0) >= 2
+        assert "viewer-as-producer/1" not in s["producers"]
+        for sock in (reader, viewer, prod, ana):
+            sock.close(0)
+
+
+# ---------------------------------------------------------------------------------------------- 5: control identity
+
+def test_5_a_second_connection_named_after_an_engines_control_id_gets_no_steering():
+    from mia_stream.schemas import SteeringCommand
+
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        control = RawProducer(d, "host:42:engine/1")  # the engine's control peer, connected first
+        control.hello()
+        worker = RawProducer(d, "host:42:tp0/1")
+        worker.hello()
+        worker.send(StreamStart("steered-5", "host:42:tp0", 1, 0, control_id="host:42:engine"))
+        thief = RawProducer(d, "host:42:engine/evil")  # takes the predictable control id
+        thief.hello()
+        steerer = RawConsumer(d, "steerer", ["nothing-*"])
+        time.sleep(0.3)
+        steerer.sock.send_multipart(encode(SteeringCommand("c5", "steered-5", "abort")))
+        assert any(m.KIND == "steer" for m in control.poll(3.0, until=lambda m: m.KIND == "steer"))
+        assert not [m for m in thief.poll(1.0) if m.KIND == "steer"], "the thief got the steering command"
+        assert stats(d)["totals"].get("refused_control_claim", 0) >= 1
+        _healthy(broker, d, "five")
+        for p in (control, worker, thief):
+            p.close()
+        steerer.close()
+
+
+# ---------------------------------------------------------------------------------------------- 8: consumer pipe
+
+def test_8_a_never_reading_consumer_with_window_0_pins_a_bounded_amount_of_broker_memory():
+    from mia_stream.schemas import Subscribe
+
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d, "--consumer-queue-bytes", str(4 << 20))
+        procs.append(broker)
+        stuck = zmq.Context.instance().socket(zmq.DEALER)  # subscribes to everything, then never reads
+        stuck.setsockopt(zmq.LINGER, 0)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.setsockopt(zmq.RCVBUF, 4096)
+        stuck.setsockopt(zmq.IDENTITY, b"stuck")
+        stuck.connect(transport.endpoints_for(d).consumers)
+        stuck.send_multipart(encode(Subscribe(["*"], window_bytes=0, batch=True)))
+        time.sleep(0.5)
+        rss0 = _rss_mb(broker.pid)
+        prod = RawProducer(d, "big/1")
+        prod.hello()
+        prod.send(StreamStart("flood-8", "big", 1, 0))
+        payload = np.zeros((1, 1, 64 << 10), np.float32)  # 256 KiB a frame, 300 MiB in all
+        for seq in range(1, 1201):
+            prod.send(TensorFrame("flood-8", "big", 1, seq, seq, tensors=[Tensor.from_array("hs", payload)]))
+            if seq % 100 == 0:
+                time.sleep(0.05)
+        wait_for(lambda: stats(d)["streams"].get("flood-8|big|1", {}).get("next_seq", 0) >= 1201, timeout=30)
+        time.sleep(0.5)
+        grown = _rss_mb(broker.pid) - rss0
+        assert grown < 220, f"the broker holds {grown:.0f} MB for a consumer that never reads"
+        assert stats(d)["consumers"]["stuck"]["dropped"] > 0
+        _healthy(broker, d, "eight")
+        prod.close()
+        stuck.close(0)
+
+
+# ---------------------------------------------------------------------------------------------- 9: gap floods
+
+def test_9_a_flood_of_gap_notices_into_one_stream_is_merged_and_bounded():
+    from mia_stream.schemas import GapNotice
+
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d, "--late-join-bytes", str(1 << 20))
+        procs.append(broker)
+        prod = RawProducer(d, "gappy/1")
+        prod.hello()
+        prod.send(StreamStart("gaps-9", "gappy", 1, 0))
+        n = 20_000
+        for seq in range(1, n + 1):
+            prod.send(GapNotice("gaps-9", "gappy", 1, [[seq, seq]], "queue_full", "producer"))
+        prod.send(TokenFrame("gaps-9", "gappy", 1, n + 1, 0, token_ids=[1]))
+        wait_for(lambda: stats(d)["streams"].get("gaps-9|gappy|1", {}).get("next_seq", 0) > n, timeout=60)
+        s = stats(d)
+        assert s["streams"]["gaps-9|gappy|1"]["buffered_bytes"] <= 1 << 20, "the stream's buffer passed its limit"
+        assert s["totals"].get("producer_gaps_merged", 0) >= n - 1024
+        # a late joiner still learns every missing seq
+        late = RawConsumer(d, "late-9", ["gaps-9"], from_start=True)
+        got = late.read(10.0, until=lambda ms: any(m.KIND == "tokens" for _, m in ms))
+        named = set()
+        for _, m in got:
+            if m.KIND == "gap":
+                for a, b in m.missing:
+                    named.update(range(a, b + 1))
+        assert named == set(range(1, n + 1))
+        _healthy(broker, d, "nine")
+        prod.close()
+        late.close()
+
+
+# ---------------------------------------------------------------------------------------------- 10: late join
+
+def test_10_evicted_late_join_parts_are_freed():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d, "--late-join-bytes", str(20 << 20), "--late-join-total-bytes", str(20 << 20))
+        procs.append(broker)
+        prod = RawProducer(d, "fat/1")
+        prod.hello()
+        prod.send(StreamStart("fat-10", "fat", 1, 0))
+        time.sleep(0.3)
+        rss0 = _rss_mb(broker.pid)
+        payload = np.zeros((1, 1, 4 << 20), np.float32)  # 16 MiB a frame
+        for seq in range(1, 13):
+            prod.send(TensorFrame("fat-10", "fat", 1, seq, seq, tensors=[Tensor.from_array("hs", payload)]))
+            time.sleep(0.1)
+        wait_for(lambda: stats(d)["streams"].get("fat-10|fat|1", {}).get("next_seq", 0) >= 13, timeout=30)
+        time.sleep(0.5)  # a few housekeeping ticks
+        s = stats(d)
+        assert s["broker"]["late_join_buffer_bytes"] <= 20 << 20
+        grown = _rss_mb(broker.pid) - rss0
+        assert grown < 100, f"{grown:.0f} MB held with a 20 MB late-join budget"
+        _healthy(broker, d, "ten")
+        prod.close()
