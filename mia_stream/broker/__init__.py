@@ -68,7 +68,11 @@ def main(argv: list[str]) -> int:
                     help="do not let producers put large tensors in shared memory (every byte through the broker)")
     ap.add_argument("--ring-grace", type=float, default=DEFAULT_RING_GRACE_S,
                     help="seconds a closed producer's shared-memory ring is kept for consumers still reading it")
-    limits = BrokerConfig(transport.BrokerEndpoints("", "", ""))  # defaults: mia_stream.settings
+    try:
+        limits = BrokerConfig(transport.BrokerEndpoints("", "", ""))  # defaults: mia_stream.settings
+    except MiaStreamError as e:  # a MIA_STREAM_BROKER_* value that does not parse
+        print(f"mia-stream broker: {e}", file=sys.stderr)
+        return 2
     ap.add_argument("--max-stats-bytes", type=int, default=limits.max_stats_bytes,
                     help="bytes of heartbeat stats kept per producer (MIA_STREAM_BROKER_MAX_STATS_BYTES)")
     ap.add_argument("--max-streams-per-producer", type=int, default=limits.max_streams_per_producer,
