@@ -34,6 +34,7 @@ MiB = 1 << 20
 SCOPES = {
     "engine": "vLLM engine processes (the plugin); fixed at engine start",
     "bus": "every peer of the bus: publishers, broker, consumers",
+    "broker": "the broker process (`mia-stream broker`): per-peer limits (docs/security.md); each has a flag",
     "files": "caches and models",
     "setup": "scripts/setup.sh, demo.sh, test.sh (shell)",
     "tests": "the test suite",
@@ -154,6 +155,33 @@ SETTINGS: dict[str, Setting] = _table(
             "CURVE key dir (`mia-stream keys DIR`) that peers use when given none; needed for tcp."),
     Setting("MIA_STREAM_KEY_NAME", "text", "bus",
             "The client key name within the key dir.", default_doc="producer (publishers), consumer (others)"),
+    # ---- broker (limits per peer: docs/security.md says what happens past each)
+    Setting("MIA_STREAM_BROKER_MAX_STATS_BYTES", "size", "broker",
+            "Bytes of free-form `stats` a peer's heartbeat may carry (its header); a larger heartbeat is still a "
+            "heartbeat, its stats are not kept (`refused_stats_too_large`, ErrorNotice `stats_too_large`). "
+            "Flag `--max-stats-bytes`.", default=64 << 10, minimum=0),
+    Setting("MIA_STREAM_BROKER_MAX_STREAMS_PER_PRODUCER", "int", "broker",
+            "Streams one producer connection may hold open (started, not ended) at once; a start past it is "
+            "refused (`refused_too_many_streams`, ErrorNotice `too_many_streams`). Flag "
+            "`--max-streams-per-producer`.", default=65536, minimum=1),
+    Setting("MIA_STREAM_BROKER_MAX_REQUESTS_PER_MESSAGE", "int", "broker",
+            "Requests one columnar message (step_batch, token_batch, analysis, gap_batch) may name; a larger "
+            "one is refused whole (`refused_too_many_requests`, ErrorNotice `too_many_requests`). Flag "
+            "`--max-requests-per-message`.", default=16384, minimum=1),
+    Setting("MIA_STREAM_BROKER_MAX_PATTERNS", "int", "broker",
+            "Glob patterns one consumer may hold (all its subscribes together); a subscribe past it is refused "
+            "(`refused_too_many_patterns`, ErrorNotice `too_many_patterns`). Flag `--max-patterns`.",
+            default=1024, minimum=1),
+    Setting("MIA_STREAM_BROKER_MAX_GAPS_PER_STREAM", "int", "broker",
+            "Producer gap notices one stream's late-join buffer keeps in place; past it they are still delivered "
+            "live, and kept merged into seq ranges that a late joiner gets as one notice after the start "
+            "(`producer_gaps_merged`): nothing is lost, memory stays bounded. Flag "
+            "`--max-gaps-per-stream`.", default=1024, minimum=1),
+    Setting("MIA_STREAM_BROKER_CONSUMER_PIPE_MESSAGES", "int", "broker",
+            "zmq messages the broker's consumers socket holds per consumer beyond its queue (SNDHWM; a batch is "
+            "one, at most 1 MiB). With a credit window the window bounds it by bytes; a consumer with window 0 "
+            "that never reads pins at most this many. Flag `--consumer-pipe-messages`.", default=64,
+            minimum=1),
     # ---- files
     Setting("MIA_STREAM_CACHE", "path", "files", "Root of mia_stream's caches (models, vectors).",
             default_doc="~/.cache/mia_stream"),

@@ -68,6 +68,24 @@ def main(argv: list[str]) -> int:
                     help="do not let producers put large tensors in shared memory (every byte through the broker)")
     ap.add_argument("--ring-grace", type=float, default=DEFAULT_RING_GRACE_S,
                     help="seconds a closed producer's shared-memory ring is kept for consumers still reading it")
+    try:
+        limits = BrokerConfig(transport.BrokerEndpoints("", "", ""))  # defaults: mia_stream.settings
+    except MiaStreamError as e:  # a MIA_STREAM_BROKER_* value that does not parse
+        print(f"mia-stream broker: {e}", file=sys.stderr)
+        return 2
+    ap.add_argument("--max-stats-bytes", type=int, default=limits.max_stats_bytes,
+                    help="bytes of heartbeat stats kept per producer (MIA_STREAM_BROKER_MAX_STATS_BYTES)")
+    ap.add_argument("--max-streams-per-producer", type=int, default=limits.max_streams_per_producer,
+                    help="open streams per producer connection (MIA_STREAM_BROKER_MAX_STREAMS_PER_PRODUCER)")
+    ap.add_argument("--max-requests-per-message", type=int, default=limits.max_requests_per_message,
+                    help="requests one columnar message may name (MIA_STREAM_BROKER_MAX_REQUESTS_PER_MESSAGE)")
+    ap.add_argument("--max-patterns", type=int, default=limits.max_patterns,
+                    help="glob patterns per consumer (MIA_STREAM_BROKER_MAX_PATTERNS)")
+    ap.add_argument("--max-gaps-per-stream", type=int, default=limits.max_gaps_per_stream,
+                    help="producer gap notices kept per stream before they are merged "
+                         "(MIA_STREAM_BROKER_MAX_GAPS_PER_STREAM)")
+    ap.add_argument("--consumer-pipe-messages", type=int, default=limits.consumer_pipe_messages,
+                    help="zmq messages held per consumer beyond its queue (MIA_STREAM_BROKER_CONSUMER_PIPE_MESSAGES)")
     ap.add_argument("-v", "--verbose", action="store_true")
     args = ap.parse_args(argv)
     import logging
@@ -80,7 +98,12 @@ def main(argv: list[str]) -> int:
                               args.late_join_total_bytes, args.late_join_linger, args.producer_timeout,
                               args.consumer_timeout, max_message_bytes=args.max_message_bytes,
                               heartbeat_s=args.heartbeat, steering=not args.no_steering,
-                              batch=not args.no_batch, shm=not args.no_shm, ring_grace_s=args.ring_grace)
+                              batch=not args.no_batch, shm=not args.no_shm, ring_grace_s=args.ring_grace,
+                              max_stats_bytes=args.max_stats_bytes,
+                              max_streams_per_producer=args.max_streams_per_producer,
+                              max_requests_per_message=args.max_requests_per_message,
+                              max_patterns=args.max_patterns, max_gaps_per_stream=args.max_gaps_per_stream,
+                              consumer_pipe_messages=args.consumer_pipe_messages)
         broker = Broker(config, gc_freeze_s=GC_FREEZE_S)  # its own process: see GC_FREEZE_S
     except MiaStreamError as e:
         print(f"mia-stream broker: {e}", file=sys.stderr)

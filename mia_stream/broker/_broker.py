@@ -76,13 +76,16 @@ class Broker:
             self._cons = self._ctx.socket(zmq.ROUTER)
             if split_io:
                 self._cons.setsockopt(zmq.AFFINITY, 2)
-            transport.configure(self._cons, sndhwm=4096, rcvhwm=1000, max_message_bytes=16 << 20,
+            # SNDHWM: what zmq holds per consumer outside the router's accounting (a batch is one message of at
+            # most 1 MiB; credit bounds it by bytes; for a consumer without a window this is the bound)
+            transport.configure(self._cons, sndhwm=config.consumer_pipe_messages, rcvhwm=1000,
+                                 max_message_bytes=16 << 20,
                                  router_mandatory=True)
             self._stats_sock = self._ctx.socket(zmq.REP)
             transport.configure(self._stats_sock, max_message_bytes=1 << 16)
-            transport.bind(self._prod, eps.producers, keys)
-            transport.bind(self._cons, eps.consumers, keys)
-            transport.bind(self._stats_sock, eps.stats, keys)
+            transport.bind(self._prod, eps.producers, keys, "producers")
+            transport.bind(self._cons, eps.consumers, keys, "consumers")
+            transport.bind(self._stats_sock, eps.stats, keys, "stats")
         except Exception:
             self._close_sockets()
             raise
@@ -99,6 +102,7 @@ class Broker:
         self.router = Router(config, instance=self.instance, accept_shm=accept_shm,
                              shm=ShmRingReader(writable=True) if accept_shm else None,
                              steer_ids={k.decode("ascii") for k in keys.steer_public_keys} if keys else None,
+                             roles=keys if keys is not None and keys.roles is not None else None,
                              flush=self._flush_one, now=self._started)
 
     @property
@@ -231,8 +235,16 @@ class Broker:
             request = self._stats_sock.recv(zmq.NOBLOCK)
         except zmq.Again:
             return
-        stats = self.stats()
-        reply = json.dumps(stats).encode() if request.strip() == b"json" else msgpack.packb(stats)
+        try:
+            stats = self.stats()
+            # peers' stats were made JSON-safe at intake (Peers._keep_reported); NaN would still not be JSON
+            reply = (json.dumps(stats, allow_nan=False).encode() if request.strip() == b"json"
+                     else msgpack.packb(stats))
+        except Exception as e:  # a REP socket must answer, or it never serves the next request
+            self.router.counters.stats_reply_failed += 1
+            log.exception("broker: could not build the stats reply")
+            error = {"error": f"stats reply failed: {type(e).__name__}"}
+            reply = json.dumps(error).encode() if request.strip() == b"json" else msgpack.packb(error)
         try:
             self._stats_sock.send(reply, zmq.NOBLOCK)
         except zmq.ZMQError:

@@ -5,8 +5,9 @@ Rule: plain values, read by every part of the router, changed by none of them.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from mia_stream import settings
 from mia_stream.bus import transport
 from mia_stream.bus.transport import BrokerEndpoints, ServerKeys
 from mia_stream.schemas import DEFAULT_MAX_MESSAGE_BYTES
@@ -43,6 +44,17 @@ class BrokerConfig:
     batch: bool = True  # accept and send batches (off: behaves as a 1.1 broker, for comparisons and fallback)
     shm: bool = True  # tell producers to put large tensors in shared memory (off: every byte through the broker)
     ring_grace_s: float = DEFAULT_RING_GRACE_S
+    # Limits per peer (docs/security.md; defaults from mia_stream.settings, sized for real serving)
+    max_stats_bytes: int = field(default_factory=lambda: settings.get_size("MIA_STREAM_BROKER_MAX_STATS_BYTES"))
+    max_streams_per_producer: int = field(
+        default_factory=lambda: settings.get_int("MIA_STREAM_BROKER_MAX_STREAMS_PER_PRODUCER"))
+    max_requests_per_message: int = field(
+        default_factory=lambda: settings.get_int("MIA_STREAM_BROKER_MAX_REQUESTS_PER_MESSAGE"))
+    max_patterns: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_BROKER_MAX_PATTERNS"))
+    max_gaps_per_stream: int = field(
+        default_factory=lambda: settings.get_int("MIA_STREAM_BROKER_MAX_GAPS_PER_STREAM"))
+    consumer_pipe_messages: int = field(
+        default_factory=lambda: settings.get_int("MIA_STREAM_BROKER_CONSUMER_PIPE_MESSAGES"))
 
     @property
     def token_reserve_bytes(self) -> int:

@@ -41,6 +41,15 @@ class Counters:
     internal_errors: int = _UNSET
     batches_in: int = _UNSET
     batched_messages_in: int = _UNSET
+    # limits and impersonation (docs/security.md): each refusal also an ErrorNotice to the offender
+    refused_stats_too_large: int = _UNSET
+    stats_values_replaced: int = _UNSET  # bytes, NaN, non-str keys, too deep: made JSON-safe at intake
+    refused_not_stream_owner: int = _UNSET
+    refused_too_many_streams: int = _UNSET
+    refused_too_many_requests: int = _UNSET
+    refused_too_many_patterns: int = _UNSET
+    refused_role: int = _UNSET  # a CURVE key sending what its role may not (analysis from a non-analyzer)
+    refused_control_claim: int = _UNSET  # a second connection claiming a live engine's control identity
     # rings (_peers)
     shm_bytes_in: int = _UNSET
     held_for_ring_proof: int = _UNSET
@@ -56,6 +65,7 @@ class Counters:
     duplicate_starts: int = _UNSET
     gap_for_unknown_stream: int = _UNSET
     producer_gap_batches: int = _UNSET
+    producer_gaps_merged: int = _UNSET  # past max_gaps_per_stream: kept as one notice of their ranges
     orphan_messages: int = _UNSET
     producers_lost: int = _UNSET
     # late join (_late_join)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
+import re
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from mia_stream.bus import transport
@@ -35,12 +36,13 @@ _SHM_STALE_LAG = 0.5
 class _Consumer:
     __slots__ = ("identity", "name", "patterns", "match_cache", "queue", "queue_bytes", "window", "in_flight",
                  "drops", "delivered", "delivered_bytes", "dropped", "gaps_sent", "last_seen", "blocked", "batch",
-                 "batches", "shm", "gap_batch", "gap_run")
+                 "batches", "shm", "gap_batch", "gap_run", "pattern")
 
     def __init__(self, identity: bytes, now: float):
         self.identity = identity
         self.name = identity.decode("utf-8", "replace")
         self.patterns: list[str] = []
+        self.pattern = None  # all its patterns as one compiled regex's match (set_patterns)
         self.match_cache: dict[str, bool] = {}
         # (frames, bytes, entry or None, selected request indices or None, (ring, oldest position) or None)
         self.queue: collections.deque[tuple] = collections.deque()
@@ -59,10 +61,18 @@ class _Consumer:
         self.gap_run: dict | None = None
         self.batches = 0
 
+    def set_patterns(self, patterns: list[str]) -> None:
+        """Its patterns (``_late_join``): one compiled regex of them all, so a new request id is matched in one
+        pass (100k patterns matched one by one cost ~4 s per new request id; the broker bounds their number)."""
+        self.patterns = patterns
+        self.match_cache.clear()
+        self.pattern = (re.compile("|".join(fnmatch.translate(p) for p in patterns)).match if patterns
+                        else None)
+
     def matches(self, request_id: str) -> bool:
         hit = self.match_cache.get(request_id)
         if hit is None:
-            hit = any(fnmatch.fnmatchcase(request_id, p) for p in self.patterns)
+            hit = self.pattern is not None and self.pattern(request_id) is not None
             if len(self.match_cache) > 100_000:
                 self.match_cache.clear()
             self.match_cache[request_id] = hit
@@ -317,9 +327,9 @@ class Delivery:
         c.queue_bytes += n
         self.ready.add(c.identity)
 
-    def enqueue_gap(self, c: _Consumer, key: tuple, missing: list, reason: str) -> None:
+    def enqueue_gap(self, c: _Consumer, key: tuple, missing: list, reason: str, origin: str = "broker") -> None:
         rid, pid, epoch = key
-        frames = encode(GapNotice(rid, pid, epoch, missing, reason, "broker", self.ctx.wall_ns()))
+        frames = encode(GapNotice(rid, pid, epoch, missing, reason, origin, self.ctx.wall_ns()))
         c.gaps_sent += seqranges.count(missing)
         self.enqueue_control(c, frames)
 

@@ -12,23 +12,35 @@ from __future__ import annotations
 import heapq
 from typing import TYPE_CHECKING
 
+from mia_stream.broker._config import CONSUMERS
 from mia_stream.broker._entry import _order_of
 from mia_stream.broker._shared import Context
 from mia_stream.schemas import Subscribe, Unsubscribe
 
 if TYPE_CHECKING:
     from mia_stream.broker._delivery import Delivery, _Consumer
+    from mia_stream.broker._peers import Peers
     from mia_stream.broker._streams import Streams, _Stream
 
 
 class LateJoin:
-    def __init__(self, ctx: Context, streams: Streams, delivery: Delivery):
+    def __init__(self, ctx: Context, streams: Streams, delivery: Delivery, peers: Peers):
         self.ctx = ctx
         self.streams = streams
         self.delivery = delivery
+        self.peers = peers
 
     def subscribe(self, identity: bytes, msg: Subscribe, gap_batch: bool) -> None:
         ctx = self.ctx
+        c = self.delivery.consumers.get(identity)
+        patterns = sorted(set(c.patterns if c is not None else ()) | set(msg.patterns))
+        limit = ctx.config.max_patterns
+        if len(patterns) > limit:  # each new request id is matched against every pattern of every consumer
+            ctx.counters.refused_too_many_patterns += 1
+            self.peers.error_to(CONSUMERS, identity, "too_many_patterns",
+                                f"a subscription of {len(patterns)} patterns is refused: the broker's limit is "
+                                f"{limit} per consumer (--max-patterns)")
+            return
         c = self.delivery.consumer(identity)
         if msg.consumer_id:
             c.name = msg.consumer_id
@@ -36,8 +48,7 @@ class LateJoin:
         c.window = max(0, msg.window_bytes)
         c.batch = ctx.config.batch and msg.batch is True
         c.shm = ctx.accept_shm and msg.shm is True
-        c.patterns = sorted(set(c.patterns) | set(msg.patterns))
-        c.match_cache.clear()
+        c.set_patterns(patterns)
         from_start = []
         for s in self.streams.by_key.values():
             if not s.started or identity in s.subscribers or not c.matches(s.request_id):
@@ -56,8 +67,7 @@ class LateJoin:
 
     def unsubscribe(self, c: _Consumer, msg: Unsubscribe) -> None:
         drop = set(msg.patterns)
-        c.patterns = [p for p in c.patterns if p not in drop]
-        c.match_cache.clear()
+        c.set_patterns([p for p in c.patterns if p not in drop])
         for s in self.streams.by_key.values():
             if c.identity in s.subscribers and not c.matches(s.request_id):
                 s.subscribers.discard(c.identity)
@@ -74,6 +84,8 @@ def replay(d: Delivery, c: _Consumer, streams: list[_Stream]) -> None:
             d.deliver_part(c, s.start)
         if s.evicted:
             d.enqueue_gap(c, s.key, [list(r) for r in s.evicted], "evicted_from_late_join_buffer")
+        if s.merged_gaps:  # the producer's gaps past the stream's limit of buffered ones (_streams._merge_gap)
+            d.enqueue_gap(c, s.key, [list(r) for r in s.merged_gaps], s.merged_reason, "producer")
     queues = [q for s in streams for q in (s.data, s.ctl) if q]
     if not queues:
         return

@@ -13,6 +13,7 @@ shared-memory keys and removes rings (``bus.shm_ring``).
 from __future__ import annotations
 
 import collections
+import math
 import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -33,17 +34,53 @@ _PROOF_WAIT_S = 2.0
 _PROOF_HOLD_BYTES = 64 << 20  # ... and at most this much of that producer's traffic is held meanwhile
 _ERRORS_PER_PEER_PER_S = 20  # error replies per peer (either side, known or not): garbage cannot amplify
 _RING_SWEEP_S = 30.0
+_STATS_DEPTH = 8  # a peer's stats nested deeper are cut there (the JSON stats reply must never recurse far)
+
+
+def json_safe(value: Any, replaced: list[int], depth: int = 0) -> Any:
+    """A peer's free-form ``stats`` as JSON can carry them: bytes, NaN/inf, non-str keys, other msgpack types and
+    maps or arrays nested past ``_STATS_DEPTH`` are replaced by short strs (``replaced[0]`` counts them). Linear in
+    the value's size, which the caller bounded (``max_stats_bytes``)."""
+    t = type(value)
+    if t is str or t is int or t is bool or value is None:
+        return value
+    if t is float:
+        if math.isfinite(value):
+            return value
+        replaced[0] += 1
+        return repr(value)
+    if t is dict or t is list:
+        if depth >= _STATS_DEPTH:
+            replaced[0] += 1
+            return "<nested too deep>"
+        if t is list:
+            return [json_safe(v, replaced, depth + 1) for v in value]
+        out = {}
+        for k, v in value.items():
+            if type(k) is not str:
+                replaced[0] += 1
+                k = k.hex() if type(k) is bytes else repr(k)
+            out[k] = json_safe(v, replaced, depth + 1)
+        return out
+    replaced[0] += 1
+    if t is bytes:
+        return f"<{len(value)} bytes>"
+    return f"<{t.__name__}>"
 
 
 class _Producer:
     __slots__ = ("identity", "name", "last_seen", "streams", "messages", "bytes", "reported", "gaps_reported",
-                 "rate", "snap", "batches", "proofs", "disowned", "held", "held_bytes", "held_until", "releasing")
+                 "rate", "snap", "batches", "proofs", "disowned", "held", "held_bytes", "held_until", "releasing",
+                 "analysis_streams", "user", "created")
 
     def __init__(self, identity: bytes, now: float):
         self.identity = identity
         self.name = identity.decode("utf-8", "replace")
         self.last_seen = now
         self.streams: set[tuple] = set()  # its open (start/end) streams
+        self.analysis_streams = 0  # the analysis streams it started that the broker keeps
+        self.user = ""  # its CURVE key (z85), where the broker has roles
+        self.created = now
         self.messages = self.bytes = self.gaps_reported = self.batches = 0
         self.reported: dict = {}
         self.rate = (0.0, 0.0)
@@ -106,14 +143,14 @@ class Peers:
     def heartbeat_to(self, role: str, identity: bytes, known: bool) -> None:
         self.ctx.outbox.append((role, identity, self.heartbeat(known), None))
 
-    def on_producer_heartbeat(self, p: _Producer, header: dict) -> None:
+    def on_producer_heartbeat(self, p: _Producer, header: dict, nbytes: int = 0) -> None:
         stats = header.get("stats")
         if isinstance(stats, dict):
             proof = stats.get(SHM_RING_PROOF_KEY)
             if proof is not None:
                 self._check_proof(p, proof)
                 stats = {k: v for k, v in stats.items() if k != SHM_RING_PROOF_KEY}  # never shown in stats
-            p.reported = stats
+            self._keep_reported(p, stats, nbytes)
         if p.held is not None:
             self.release_held(p)
         if isinstance(stats, dict) and SHM_RING_CLOSED_KEY in stats:
@@ -123,6 +160,22 @@ class Peers:
                                         None))
                 return
         self.heartbeat_to(PRODUCERS, p.identity, known=True)
+
+    def _keep_reported(self, p: _Producer, stats: dict, nbytes: int) -> None:
+        """What a producer's heartbeat reports, kept for the stats: at most ``max_stats_bytes`` of it (the
+        heartbeat's bytes), made JSON-safe here, once, so that no stats reply can fail over it."""
+        limit = self.ctx.config.max_stats_bytes
+        if nbytes > limit:
+            self.ctx.counters.refused_stats_too_large += 1
+            p.reported = {"refused": f"stats of {nbytes} bytes exceed the broker's limit of {limit}"}
+            self.error_to(PRODUCERS, p.identity, "stats_too_large",
+                          f"heartbeat stats of {nbytes} bytes exceed the broker's limit of {limit} bytes "
+                          "(--max-stats-bytes): they are not kept")
+            return
+        replaced = [0]
+        p.reported = json_safe(stats, replaced)
+        if replaced[0]:
+            self.ctx.counters.stats_values_replaced += replaced[0]
 
     # ------------------------------------------------------------------------------------------ ring ownership
 
@@ -282,6 +335,8 @@ class Peers:
             return
         self.errors[key] = n + 1
         k.error_notices += 1
+        if len(message) > 1000:  # (a refused header's values can be large: the notice names, it does not echo)
+            message = message[:1000] + "..."
         frames = encode(ErrorNotice(code, message, request_id, self.ctx.wall_ns()))
         c = self.delivery.consumers.get(identity) if role == CONSUMERS else None
         if c is not None:

@@ -45,7 +45,7 @@ from mia_stream.broker._entry import _STREAM_KINDS
 from mia_stream.broker._late_join import LateJoin
 from mia_stream.broker._peers import Peers, _Producer
 from mia_stream.broker._shared import Context, _frames_nbytes
-from mia_stream.broker._steering import Steering
+from mia_stream.broker._steering import Steering, _user_id
 from mia_stream.broker._streams import Streams
 from mia_stream.broker._upkeep import Upkeep
 from mia_stream.errors import MalformedFrameError
@@ -54,6 +54,7 @@ from mia_stream.schemas import SHM_RING_KEY, Credit, seqranges
 
 if TYPE_CHECKING:
     from mia_stream.bus.shm_ring import ShmRingReader
+    from mia_stream.bus.transport import ServerKeys
 
 _GAP_BATCH_MINOR = 1  # a consumer whose subscribe is of schema 2.1 or later decodes gap_batch (spec 3.16)
 
@@ -64,13 +65,15 @@ class Router:
     ``instance``: this broker's random instance id (heartbeats); ``accept_shm``: producers may reference rings
     (an ipc producers endpoint); ``shm``: the reader of producers' rings (``None`` without rings); ``steer_ids``:
     CURVE keys allowed to steer (``None``: no CURVE); ``flush(identity) -> still there``: the shell hands a
-    consumer's queue to zmq before the router drops for it; ``wall_ns``: the clock stamped into headers.
+    consumer's queue to zmq before the router drops for it; ``wall_ns``: the clock stamped into headers;
+    ``roles``: CURVE keys with roles (docs/security.md): what each producer connection may send depends on its
+    key's role (None: no roles, any connected producer may send any producer kind).
     """
 
     def __init__(self, config: BrokerConfig, *, instance: int, accept_shm: bool = False,
                  shm: ShmRingReader | None = None, steer_ids: set[str] | None = None,
                  flush: Callable[[bytes], bool] | None = None, wall_ns: Callable[[], int] = time.time_ns,
-                 now: float = 0.0):
+                 now: float = 0.0, roles: ServerKeys | None = None):
         self.config = config
         self.instance = instance
         self.accept_shm = accept_shm and shm is not None
@@ -90,9 +93,14 @@ class Router:
         self.sent = self.delivery.sent
         self.peers = Peers(ctx, shm, self.delivery, self._handle_producer)
         self.streams = Streams(ctx, self.peers, self.delivery)
-        self.late_join = LateJoin(ctx, self.streams, self.delivery)
+        self.late_join = LateJoin(ctx, self.streams, self.delivery, self.peers)
         self.steering = Steering(ctx, self.streams, self.peers, self.delivery, steer_ids)
         self.upkeep = Upkeep(ctx, self.peers, self.streams, self.delivery, self.steering)
+        self.roles = roles
+        if roles is not None:
+            self._producer_ids, self._analyzer_ids = roles.ids("producers"), roles.ids("analyzers")
+            self._key_names = {k.decode("ascii"): n for k, n in (roles.names or {}).items()}
+            self.steering.producer_ids = self._producer_ids
 
     @property
     def now(self) -> float:
@@ -110,6 +118,8 @@ class Router:
             if p is None:
                 p = self.peers.producer(identity)
             p.last_seen = now
+            if self.roles is not None:  # the connection's CURVE key (its identity is bound to the connection)
+                p.user = _user_id(body[0])
             if self.config.batch:
                 try:
                     messages = split_batch(body)
@@ -203,7 +213,7 @@ class Router:
             if header is None:
                 return
             if header["kind"] == "heartbeat":  # it may carry the proof: releases what is held
-                self.peers.on_producer_heartbeat(p, header)
+                self.peers.on_producer_heartbeat(p, header, nbytes)
                 return
             self.peers.hold_more(p, body, nbytes)
             return
@@ -214,6 +224,8 @@ class Router:
         if header is None:
             return
         kind = header["kind"]
+        if self.roles is not None and not self._role_allows(p, kind, header):
+            return
         ring = None
         if SHM_RING_KEY in header:
             extent = shm_extent(header)
@@ -231,12 +243,40 @@ class Router:
         elif kind == "gap_batch":
             self.streams.on_producer_gap_batch(p, header, body, nbytes)
         elif kind == "heartbeat":
-            self.peers.on_producer_heartbeat(p, header)
+            self.peers.on_producer_heartbeat(p, header, nbytes)
         elif kind == "steer_ack":
             self.steering.on_ack(p, body)
         else:
             self.counters.unexpected_kind += 1
             self.peers.error_to(PRODUCERS, p.identity, "unexpected_kind", f"producers may not send {kind!r} messages")
+
+    def _role_allows(self, p: _Producer, kind: str, header: dict) -> bool:
+        """With CURVE roles: ``analysis`` only from an analyzer key, under a producer id that is the key's name
+        or starts with "NAME/" (so consumers can tell which analyzer key published it); stream kinds and steering
+        acks only from a producer key; gaps from either. Else refused (``refused_role``, ErrorNotice
+        ``not_authorised``)."""
+        user = p.user
+        if kind == "heartbeat":
+            return True
+        if kind == "analysis":
+            name = self._key_names.get(user, "")
+            pid = header["producer_id"]
+            if user in self._analyzer_ids and (pid == name or pid.startswith(name + "/")):
+                return True
+            why = (f"analysis messages need an analyzer key (roles/analyzers/) and a producer_id that is its name "
+                   f"or starts with {name + '/'!r}" if user in self._analyzer_ids else
+                   "analysis messages need an analyzer key (roles/analyzers/)")
+        elif kind in ("gap", "gap_batch"):
+            if user in self._producer_ids or user in self._analyzer_ids:
+                return True
+            why = "gaps need a producer or analyzer key"
+        else:
+            if user in self._producer_ids:
+                return True
+            why = f"{kind!r} messages need a producer key (roles/producers/)"
+        self.counters.refused_role += 1
+        self.peers.error_to(PRODUCERS, p.identity, "not_authorised", f"refused: {why}")
+        return False
 
     def _consumer_body(self, identity: bytes, body: list) -> None:
         peers = self.peers

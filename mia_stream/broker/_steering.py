@@ -48,6 +48,32 @@ class Steering:
         self.delivery = delivery
         self.steer_ids = steer_ids
         self.pending: dict[str, _PendingCommand] = {}
+        # an engine's control id -> the one producer connection that takes its steering: the first connected
+        # (its identity "CONTROL_ID/..."; with CURVE roles, a producer key's), kept while it stays connected.
+        # A later connection naming itself after the same control id gets nothing (refused_control_claim).
+        self.control_owner: dict[str, bytes] = {}
+        self.producer_ids: set[str] | None = None  # with CURVE roles: the producer keys (set by the router)
+
+    def _control_peers(self, controls: set[str]) -> set[bytes]:
+        producers, out = self.peers.producers, set()
+        for cid in controls:
+            owner = self.control_owner.get(cid)
+            if owner is None or owner not in producers:
+                ids = self.producer_ids
+                claims = [p for p in producers.values()
+                          if p.name.split("/")[0] == cid and (ids is None or p.user in ids)]
+                if not claims:
+                    self.control_owner.pop(cid, None)
+                    continue
+                claims.sort(key=lambda p: p.created)
+                owner = self.control_owner[cid] = claims[0].identity
+                for other in claims[1:]:
+                    self.ctx.counters.refused_control_claim += 1
+                    self.peers.error_to(PRODUCERS, other.identity, "not_authorised",
+                                        f"control id {cid!r} belongs to an earlier connection: this one gets no "
+                                        "steering commands")
+            out.add(owner)
+        return out
 
     def _refuse(self, c: _Consumer, command_id: str, request_id: str, error: str) -> None:
         self.ctx.counters.steering_refused += 1
@@ -70,7 +96,8 @@ class Steering:
         targets = {s.producer for s in live if not s.control_id}
         controls = {s.control_id for s in live if s.control_id}
         # A stream may name another producer (its engine's control peer) as the one that applies steering.
-        targets |= {ident for ident, prod in self.peers.producers.items() if prod.name.split("/")[0] in controls}
+        if controls:
+            targets |= self._control_peers(controls)
         if controls and not targets:
             return refuse("producer_unreachable: the engine that owns this request is not connected")
         if not targets:

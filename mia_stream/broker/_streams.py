@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from mia_stream.broker._config import PRODUCERS
-from mia_stream.broker._entry import _EVICT_FIRST, _I64, _PART_KIND, _Entry, _shares
+from mia_stream.broker._entry import _EVICT_FIRST, _I64, _PART_KIND, _Entry, _gap_batch_ranges, _shares
 from mia_stream.broker._late_join import replay
 from mia_stream.broker._shared import Context, _frames_nbytes
 from mia_stream.schemas import StreamEnd, columnar_requests, encode
@@ -39,7 +39,7 @@ _CLOSED_MEMORY = 100_000
 class _Stream:
     __slots__ = ("key", "request_id", "producer", "start", "started", "analysis", "ended", "end_time", "next_seq",
                  "data", "ctl", "buffered", "evicted", "subscribers", "messages", "bytes", "created", "last_time",
-                 "control_id")
+                 "control_id", "gaps", "merged_gaps", "merged_reason")
 
     def __init__(self, key: tuple, producer: bytes, now: float, analysis: bool = False):
         self.key, self.request_id, self.producer = key, key[0], producer
@@ -57,6 +57,9 @@ class _Stream:
         self.subscribers: set[bytes] = set()
         self.messages = self.bytes = 0
         self.created = self.last_time = now
+        self.gaps = 0  # producer gap parts buffered (at most max_gaps_per_stream; the rest is merged)
+        self.merged_gaps: list[list[int]] = []  # producer gaps past that: their ranges, announced before its end
+        self.merged_reason = ""
 
 
 class Streams:
@@ -73,6 +76,9 @@ class Streams:
         # oldest from here in O(1). Scanning the streams for the oldest instead cost the broker so much per
         # message once the total was reached that consumers fell behind (10 s at 2 MiB per step: 35-55% lost)
         self.evictable: collections.deque[tuple] = collections.deque()
+        # bytes of parts evicted or forgotten otherwise that ``evictable`` may still reference: past a bound it is
+        # pruned, so that evicted frames are really freed (12 x 100 MB frames once stayed referenced here)
+        self.unreferenced_bytes = 0
 
     # ------------------------------------------------------------------------------------------ the table
 
@@ -80,7 +86,16 @@ class Streams:
         self.order += 1
         return self.order
 
-    def _new_stream(self, key: tuple, p: _Producer, analysis: bool = False) -> _Stream:
+    def _new_stream(self, key: tuple, p: _Producer, analysis: bool = False) -> _Stream | None:
+        """A new stream owned by producer connection ``p``, or None (refused: ``p`` holds its limit of open
+        streams)."""
+        limit = self.ctx.config.max_streams_per_producer
+        if (p.analysis_streams if analysis else len(p.streams)) >= limit:
+            self.ctx.counters.refused_too_many_streams += 1
+            self.peers.error_to(PRODUCERS, p.identity, "too_many_streams",
+                                f"this producer holds {limit} open streams, the broker's limit "
+                                "(--max-streams-per-producer): a new stream is refused", key[0])
+            return None
         s = self.by_key[key] = _Stream(key, p.identity, self.ctx.now, analysis)
         keys = self.by_request.get(key[0])
         if keys is None:
@@ -88,9 +103,28 @@ class Streams:
         keys.add(key)
         if analysis:
             s.subscribers = {c.identity for c in self.delivery.consumers.values() if c.matches(s.request_id)}
+            p.analysis_streams += 1
         else:
             p.streams.add(key)
         return s
+
+    def refuse_not_owner(self, p: _Producer, s: _Stream) -> None:
+        """A message for stream ``s`` from a connection other than the one that started it: refused."""
+        self.ctx.counters.refused_not_stream_owner += 1
+        self.peers.error_to(PRODUCERS, p.identity, "not_stream_owner",
+                            f"stream {s.key[0]!r} of producer {s.key[1]!r} epoch {s.key[2]} belongs to another "
+                            "connection: only the connection that started a stream may send for it", s.key[0])
+
+    def refuse_too_many_requests(self, p: _Producer, kind: str, n: int) -> bool:
+        """Whether a message naming ``n`` requests is over the limit (then refused and reported)."""
+        limit = self.ctx.config.max_requests_per_message
+        if n <= limit:
+            return False
+        self.ctx.counters.refused_too_many_requests += 1
+        self.peers.error_to(PRODUCERS, p.identity, "too_many_requests",
+                            f"a {kind} message naming {n} requests is refused: the broker's limit is {limit} "
+                            "(--max-requests-per-message)")
+        return True
 
     def _end_stream(self, s: _Stream) -> None:
         s.ended = True
@@ -103,6 +137,12 @@ class Streams:
         """Forget a stream (it ended and lingered, or its start never came): its buffer is freed."""
         s = self.by_key.pop(key)
         self.buffered_total -= s.buffered
+        for part in s.data:
+            self.unreferenced_bytes += part[5]
+        if s.analysis:
+            p = self.peers.producers.get(s.producer)
+            if p is not None and p.analysis_streams:
+                p.analysis_streams -= 1
         keys = self.by_request.get(key[0])
         if keys is not None:
             keys.discard(key)
@@ -142,8 +182,13 @@ class Streams:
                 self.ctx.counters.after_end += 1
                 return
             s = self._new_stream(key, p)
+            if s is None:
+                return
             if kind != "start":  # frames of a stream whose start it has not seen: ask it to re-announce
                 self.peers.heartbeat_to(PRODUCERS, p.identity, known=False)
+        elif s.producer is not p.identity and s.producer != p.identity:
+            self.refuse_not_owner(p, s)
+            return
         elif s.ended:
             self.ctx.counters.after_end += 1
             return
@@ -191,7 +236,10 @@ class Streams:
         selection."""
         kind = h["kind"]
         ids, seqs = columnar_requests(h)
+        if len(ids) > self.ctx.config.max_requests_per_message and self.refuse_too_many_requests(p, kind, len(ids)):
+            return
         pid, epoch = h["producer_id"], h["epoch"]
+        ident = p.identity
         entry = _Entry(kind, self._next_order(), body, nbytes, ring)
         entry.header, entry.ids, entry.seqs = h, ids, seqs
         part_kind = _PART_KIND[kind]
@@ -206,7 +254,7 @@ class Streams:
         # append (measured: scripts/bench_routing.py)
         for i, rid in enumerate(ids):
             s = get((rid, pid, epoch))
-            if s is None or s.ended or s.analysis is not analysis:
+            if s is None or s.ended or s.analysis is not analysis or (s.producer is not ident and s.producer != ident):
                 s = self._columnar_stream(p, (rid, pid, epoch), s, analysis)
                 if s is None:
                     continue
@@ -244,7 +292,9 @@ class Streams:
                 self.ctx.counters.after_end += 1
                 return None
             return self._new_stream(key, p, analysis)
-        if s.ended:
+        if s.producer != p.identity:
+            self.refuse_not_owner(p, s)
+        elif s.ended:
             self.ctx.counters.after_end += 1
         else:
             self.ctx.counters.unexpected_kind += 1
@@ -259,11 +309,18 @@ class Streams:
         if s is None or s.ended:
             self.ctx.counters.gap_for_unknown_stream += 1
             return
+        if s.producer != p.identity:
+            self.refuse_not_owner(p, s)
+            return
         entry = _Entry("gap", self._next_order(), body, nbytes, None)
         entry.key, entry.header = key, h
         part = (entry.order, -1, "gap", entry, -1, nbytes)
         s.last_time = self.ctx.now
-        self._buffer(s, part)
+        if s.gaps >= self.ctx.config.max_gaps_per_stream:  # delivered live, kept merged (item 9 of issue 24)
+            self._merge_gap(s, h.get("missing", ()), h.get("reason", ""))
+        else:
+            s.gaps += 1
+            self._buffer(s, part)
         if s.started:
             self._deliver(s, part)
 
@@ -273,6 +330,9 @@ class Streams:
         columnar message), and each subscribed consumer gets it whole or as a selection of its requests (a
         consumer of schema 2.0: a GapNotice per request)."""
         ids = h["request_ids"]
+        if len(ids) > self.ctx.config.max_requests_per_message and self.refuse_too_many_requests(p, "gap_batch",
+                                                                                                  len(ids)):
+            return
         pid, epoch = h["producer_id"], h["epoch"]
         firsts, lasts = np.frombuffer(h["firsts"], _I64), np.frombuffer(h["lasts"], _I64)
         p.gaps_reported += int((lasts - firsts).sum()) + len(lasts)  # decode_header checked the ranges
@@ -282,14 +342,24 @@ class Streams:
         get, order, now, limit = self.by_key.get, entry.order, self.ctx.now, self.ctx.config.late_join_bytes
         live: list[tuple[int, _Stream]] = []
         unknown = added = 0
+        max_gaps, ranges = self.ctx.config.max_gaps_per_stream, None
         for i, rid in enumerate(ids):
             s = get((rid, pid, epoch))
             if s is None or s.ended:  # as a GapNotice of a stream it does not know
                 unknown += 1
                 continue
+            if s.producer != p.identity:
+                self.refuse_not_owner(p, s)
+                continue
             s.last_time = now
-            s.ctl.append((order, -1, "gap", entry, i, share))  # gaps are never evicted
-            added = self._charge(s, share, added, limit)
+            if s.gaps >= max_gaps:  # delivered live, kept merged
+                if ranges is None:
+                    ranges = _gap_batch_ranges(h)
+                self._merge_gap(s, ranges[i], h.get("reason", ""))
+            else:
+                s.gaps += 1
+                s.ctl.append((order, -1, "gap", entry, i, share))  # gaps are never evicted
+                added = self._charge(s, share, added, limit)
             if s.started:
                 live.append((i, s))
         self.buffered_total += added
@@ -326,6 +396,19 @@ class Streams:
             self._deliver(s, part)
             self._end_stream(s)
         p.streams.clear()
+
+    # ------------------------------------------------------------------------------------------ gap floods
+
+    def _merge_gap(self, s: _Stream, missing, reason: str) -> None:
+        """A producer gap past ``max_gaps_per_stream`` buffered gaps (it was delivered live): its ranges join the
+        stream's merged gaps, which a late joiner gets as one GapNotice after the start. At most 64 x that many
+        ranges are kept; past them, their hull (only a flood of disjoint gaps gets there)."""
+        self.ctx.counters.producer_gaps_merged += 1
+        merged = seqranges.union(s.merged_gaps, missing)
+        if len(merged) > 64 * self.ctx.config.max_gaps_per_stream:
+            merged = [[merged[0][0], merged[-1][1]]]
+        s.merged_gaps = merged
+        s.merged_reason = s.merged_reason or reason
 
     # ------------------------------------------------------------------------------------------ late-join buffers
 
@@ -365,6 +448,7 @@ class Streams:
             s, part = fifo.popleft()
             if s.data and s.data[0] is part and streams.get(s.key) is s:  # else evicted or dropped already
                 self.evict_one(s)
+                self.unreferenced_bytes -= part[5]  # (it left ``evictable`` just now)
         if self.buffered_total > total:
             for other in streams.values():
                 while self.buffered_total > total and self.evict_one(other):
@@ -376,8 +460,10 @@ class Streams:
         """Housekeeping: forget the eviction queue's entries of parts evicted or dropped otherwise (they are
         skipped when they reach its front, but a long-lived stream's part there would keep them all)."""
         streams = self.by_key
-        if len(self.evictable) <= max(4096, 2 * sum(len(s.data) for s in streams.values())):
+        if (self.unreferenced_bytes <= self.ctx.config.late_join_total_bytes // 8
+                and len(self.evictable) <= max(4096, 2 * sum(len(s.data) for s in streams.values()))):
             return
+        self.unreferenced_bytes = 0
         live = {id(pt) for s in streams.values() for pt in s.data}
         self.evictable = collections.deque((s, pt) for s, pt in self.evictable
                                            if id(pt) in live and streams.get(s.key) is s)
@@ -386,6 +472,7 @@ class Streams:
         """Evict the oldest tensor (or analysis) part, then the oldest token part; starts, ends and gaps stay."""
         if s.data:
             part = s.data.popleft()
+            self.unreferenced_bytes += part[5]  # (``evictable`` may still hold it: see prune_evictable)
         else:
             i = next((i for i, pt in enumerate(s.ctl) if pt[2] == "tokens"), None)
             if i is None:

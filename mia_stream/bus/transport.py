@@ -10,12 +10,19 @@ Endpoints. A broker has three endpoints: ``producers`` (ROUTER; publishers' DEAL
 ``MIA_STREAM_BROKER`` holds the address producers and consumers use when none is given; without it the
 default run dir is ``$MIA_STREAM_RUN_DIR`` or ``/tmp/mia_stream-$UID`` (created 0700; socket files 0600).
 
-CURVE. ``mia-stream keys DIR`` writes a key dir::
+CURVE. ``mia-stream keys DIR`` writes a key dir with roles (docs/security.md)::
 
     DIR/broker.key, DIR/broker.key_secret      the broker's pair (peers need only broker.key)
-    DIR/clients/NAME.key, NAME.key_secret      one pair per client (default: producer, consumer)
-    DIR/authorized/NAME.key                    public keys the broker lets connect
-    DIR/steer/NAME.key                         public keys the broker accepts steering commands from
+    DIR/clients/NAME.key, NAME.key_secret      one pair per client (default: producer, consumer, analyzer)
+    DIR/roles/producers/NAME.key               may connect to the producers endpoint and publish streams
+    DIR/roles/consumers/NAME.key               may connect to the consumers and stats endpoints and subscribe
+    DIR/roles/analyzers/NAME.key               may publish ``analysis`` (producers endpoint) and subscribe
+    DIR/steer/NAME.key                         may send steering commands (consumers endpoint)
+    DIR/authorized/NAME.key                    every client above (what a broker without roles reads)
+
+A key dir without ``roles/`` (``mia-stream keys --clients ...``, or one made before roles) keeps its meaning: every
+key in ``authorized/`` may connect to every endpoint and publish any kind (``analysis`` included); only steering
+takes a key in ``steer/``.
 
 ``MIA_STREAM_KEYS`` (a key dir) and ``MIA_STREAM_KEY_NAME`` (a client name) are the defaults of peers.
 """
@@ -29,7 +36,7 @@ import socket
 import stat
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import zmq
 
@@ -43,7 +50,11 @@ ENV_KEY_NAME = "MIA_STREAM_KEY_NAME"
 _ROLES = ("producers", "consumers", "stats")
 _MAX_IPC_PATH = 100  # sun_path is 108 bytes on Linux; keep a margin
 
-ZAP_DOMAIN = "mia_stream"
+ZAP_DOMAIN = "mia_stream"  # one domain for every endpoint (a key dir without roles)
+ROLES = ("producers", "consumers", "analyzers")  # key dirs under DIR/roles/ (steering: DIR/steer/)
+# with roles, each endpoint has its own ZAP domain, and these roles' keys may connect to it
+ENDPOINT_ROLES = {"producers": ("producers", "analyzers"), "consumers": ("consumers", "analyzers", "steer"),
+                  "stats": ("producers", "consumers", "analyzers", "steer")}
 HEARTBEAT_S = 0.5  # application heartbeat interval of every peer
 RECONNECT_IVL_MS = 100
 RECONNECT_IVL_MAX_MS = 1000
@@ -120,6 +131,18 @@ class ServerKeys:
     secret: bytes
     authorized_dir: Path
     steer_public_keys: frozenset[bytes]
+    # role ("producers", "consumers", "analyzers", "steer") -> its z85 public keys; None: no roles (one allow-list)
+    roles: dict[str, frozenset[bytes]] | None = None
+    names: dict[bytes, str] | None = None  # z85 public key -> its file's name (e.g. stamped on analysis messages)
+
+    def ids(self, role: str) -> set[str] | None:
+        """The CURVE User-Ids (z85 strs) of a role; None without roles (every authorised key has every role)."""
+        if self.roles is None:
+            return None
+        return {k.decode("ascii") for k in self.roles.get(role, ())}
+
+    def zap_domain(self, endpoint_role: str) -> str:
+        return ZAP_DOMAIN if self.roles is None else f"{ZAP_DOMAIN}.{endpoint_role}"
 
 
 @dataclass(frozen=True)
@@ -148,8 +171,22 @@ def load_server_keys(key_dir: str | os.PathLike) -> ServerKeys:
     authorized = d / "authorized"
     if not authorized.is_dir():
         raise TransportError(f"key dir {d} has no authorized/ dir of client public keys")
-    steer = frozenset(_read_key(p, secret=False) for p in sorted((d / "steer").glob("*.key")))
-    return ServerKeys(public, secret, authorized, steer)
+    names: dict[bytes, str] = {}
+
+    def keys_in(sub: Path) -> frozenset[bytes]:
+        out = set()
+        for p in sorted(sub.glob("*.key")):
+            key = _read_key(p, secret=False)
+            names.setdefault(key, p.stem)
+            out.add(key)
+        return frozenset(out)
+
+    steer = keys_in(d / "steer")
+    roles = None
+    if (d / "roles").is_dir():
+        roles = {role: keys_in(d / "roles" / role) for role in ROLES}
+        roles["steer"] = steer
+    return ServerKeys(public, secret, authorized, steer, roles, names)
 
 
 def load_client_keys(key_dir: str | os.PathLike, name: str | None = None) -> ClientKeys:
@@ -171,12 +208,16 @@ def resolve_client_keys(keys: Any, default_name: str) -> ClientKeys | None:
     return load_client_keys(keys, settings.get_text(ENV_KEY_NAME) or default_name)
 
 
-def create_keys(key_dir: str | os.PathLike, clients=("producer", "consumer"), steer=("consumer",)) -> Path:
-    """Create a key dir (see the module docstring); existing keys are overwritten."""
+def create_keys(key_dir: str | os.PathLike, clients=("producer", "consumer"), steer=("consumer",),
+                roles: dict[str, Sequence[str]] | None = None) -> Path:
+    """Create a key dir (see the module docstring); existing keys are overwritten. ``roles``: role -> client
+    names (a dir with roles; ``clients`` is then every name in them); None: every client may connect anywhere."""
     import zmq.auth
 
     d = Path(key_dir)
-    for sub in ("", "clients", "authorized", "steer"):
+    if roles is not None:
+        clients = list(dict.fromkeys(n for names in roles.values() for n in names))
+    for sub in ("", "clients", "authorized", "steer", *((f"roles/{r}" for r in ROLES) if roles is not None else ())):
         (d / sub).mkdir(mode=0o700, parents=True, exist_ok=True)
     zmq.auth.create_certificates(str(d), "broker")
     for name in clients:
@@ -184,6 +225,9 @@ def create_keys(key_dir: str | os.PathLike, clients=("producer", "consumer"), st
         shutil.copy(d / "clients" / f"{name}.key", d / "authorized" / f"{name}.key")
         if name in steer:
             shutil.copy(d / "clients" / f"{name}.key", d / "steer" / f"{name}.key")
+        for role, names in (roles or {}).items():
+            if name in names and role in ROLES:
+                shutil.copy(d / "clients" / f"{name}.key", d / "roles" / role / f"{name}.key")
     for p in d.rglob("*.key_secret"):
         os.chmod(p, 0o600)
     return d
@@ -193,26 +237,56 @@ def keys_main(argv: list[str]) -> int:
     """``mia-stream keys DIR``: create the broker's and clients' CURVE key pairs for tcp endpoints."""
     ap = argparse.ArgumentParser(prog="mia-stream keys", description=keys_main.__doc__)
     ap.add_argument("dir", help="key dir to create")
-    ap.add_argument("--clients", default="producer,consumer", help="comma-separated client names")
+    ap.add_argument("--producers", default="producer", help="comma-separated clients that may publish streams")
+    ap.add_argument("--consumers", default="consumer", help="comma-separated clients that may subscribe")
+    ap.add_argument("--analyzers", default="analyzer",
+                    help="comma-separated clients that may publish analysis messages (and subscribe)")
     ap.add_argument("--steer", default="consumer", help="comma-separated clients allowed to steer")
+    ap.add_argument("--clients", default=None,
+                    help="without roles (the layout before roles): comma-separated clients, each of which may "
+                         "connect to every endpoint and publish anything; only --steer clients may steer")
     args = ap.parse_args(argv)
-    clients = [c for c in args.clients.split(",") if c]
-    steer = [c for c in args.steer.split(",") if c]
-    unknown = set(steer) - set(clients)
-    if unknown:
-        ap.error(f"--steer names clients not in --clients: {sorted(unknown)}")
-    d = create_keys(args.dir, clients, steer)
-    print(f"wrote CURVE keys to {d}: broker, clients {clients}, steering allowed for {steer}")
+    names = lambda text: [c for c in text.split(",") if c]  # noqa: E731
+    steer = names(args.steer)
+    if args.clients is not None:
+        clients = names(args.clients)
+        unknown = set(steer) - set(clients)
+        if unknown:
+            ap.error(f"--steer names clients not in --clients: {sorted(unknown)}")
+        d = create_keys(args.dir, clients, steer)
+        print(f"wrote CURVE keys to {d}: broker, clients {clients} (no roles), steering allowed for {steer}")
+        return 0
+    roles = {"producers": names(args.producers), "consumers": names(args.consumers),
+             "analyzers": names(args.analyzers)}
+    d = create_keys(args.dir, steer=steer, roles={**roles, "steer": steer})
+    print(f"wrote CURVE keys to {d}: broker; " + "; ".join(f"{r}: {v}" for r, v in roles.items())
+          + f"; steering: {steer}")
     return 0
 
 
+class _RoleKeys:
+    """ZAP credentials of one endpoint with roles: the keys of the roles that may connect there."""
+
+    def __init__(self, allowed: frozenset[bytes]):
+        self.allowed = allowed
+
+    def callback(self, domain: str, key: bytes) -> bool:
+        return key in self.allowed
+
+
 def start_authenticator(ctx: zmq.Context, keys: ServerKeys):
-    """A ZAP handler on ``ctx`` admitting only CURVE clients whose public key is in ``authorized/``."""
+    """A ZAP handler on ``ctx``: without roles it admits every CURVE client whose public key is in
+    ``authorized/``; with roles, each endpoint (its own ZAP domain) only the roles of ``ENDPOINT_ROLES``."""
     from zmq.auth.thread import ThreadAuthenticator
 
     auth = ThreadAuthenticator(ctx)
     auth.start()
-    auth.configure_curve(domain=ZAP_DOMAIN, location=str(keys.authorized_dir))
+    if keys.roles is None:
+        auth.configure_curve(domain=ZAP_DOMAIN, location=str(keys.authorized_dir))
+        return auth
+    for endpoint, roles in ENDPOINT_ROLES.items():
+        allowed = frozenset(k for r in roles for k in keys.roles.get(r, ()))
+        auth.configure_curve_callback(domain=keys.zap_domain(endpoint), credentials_provider=_RoleKeys(allowed))
     return auth
 
 
@@ -253,14 +327,15 @@ def require_curve_for_tcp(endpoint: str, has_keys: bool, side: str) -> None:
             f"authenticated (create keys with `mia-stream keys DIR`, pass them or set {ENV_KEYS})")
 
 
-def bind(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None) -> None:
-    """Bind as a CURVE server when ``keys`` are given; tcp without keys is refused; ipc files get 0600."""
+def bind(sock: zmq.Socket, endpoint: str, keys: ServerKeys | None, role: str = "") -> None:
+    """Bind as a CURVE server when ``keys`` are given (``role``: which endpoint, "producers" | "consumers" |
+    "stats": its ZAP domain when the keys have roles); tcp without keys is refused; ipc files get 0600."""
     require_curve_for_tcp(endpoint, keys is not None, "bind")
     if keys is not None:
         sock.curve_server = True
         sock.curve_publickey = keys.public
         sock.curve_secretkey = keys.secret
-        sock.zap_domain = ZAP_DOMAIN.encode()
+        sock.zap_domain = (keys.zap_domain(role) if role else ZAP_DOMAIN).encode()
     path = ipc_path(endpoint)
     if path is not None:
         ensure_run_dir(path.parent)

@@ -118,6 +118,35 @@ def _entry_field(e: dict, key: str, kind: type, default: Any = dataclasses.MISSI
     return value
 
 
+# Shapes (spec 4.1): checked before any product, so a header cannot make a receiver do bigint work quadratic in its
+# size (100k dims near 2^64 took a broker 46 s). Real tensors have a handful of dims; every element count is
+# bounded by the message limit anyway (raw_nbytes = elements x itemsize <= max_message_bytes).
+MAX_RANK = 32
+MAX_DIM = 1 << 40
+
+
+def _shape(e: dict, key: str, what: str) -> tuple[int, ...]:
+    """A shape field: at most ``MAX_RANK`` ints, each ``0 <= d <= MAX_DIM``; checked in time linear in its size."""
+    values = e.get(key, dataclasses.MISSING)
+    if type(values) is list and len(values) > MAX_RANK:
+        raise MalformedFrameError(f"{what}: shape has {len(values)} dims, at most {MAX_RANK} are allowed")
+    shape = _int_tuple(e, key)
+    for d in shape:
+        if d < 0 or d > MAX_DIM:
+            raise MalformedFrameError(f"{what}: dimension {d} in shape {list(shape)} is outside 0..{MAX_DIM}")
+    return shape
+
+
+def _elements(shape: tuple[int, ...]) -> int:
+    """The element count of a checked shape (``_shape``): at most ``MAX_RANK`` factors of <= 2^40."""
+    if 0 in shape:
+        return 0
+    count = 1
+    for d in shape:
+        count *= d
+    return count
+
+
 _NO_META: dict = {}  # shared defaults, never mutated
 _SHARD_KEYS = ("tp_rank", "tp_size", "dim", "start", "stop", "total")
 _NO_LAYERS: list = []
@@ -161,12 +190,8 @@ def _parse_entry(e: Any, max_message_bytes: int, has_ring: bool) -> _Entry:
     dtype = e.get("dtype")
     if type(dtype) is not str:
         dtype = _entry_field(e, "dtype", str)
-    shape = _int_tuple(e, "shape")
-    count = 1
-    for d in shape:
-        if d < 0:
-            raise MalformedFrameError(f"tensor {name!r}: negative dimension in shape {list(shape)}")
-        count *= d
+    shape = _shape(e, "shape", f"tensor {name!r}")
+    count = _elements(shape)
     layers = _int_tuple(e, "layers", _NO_LAYERS)
     method = e.get("compression", "none")
     if type(method) is not str:
@@ -200,9 +225,7 @@ def _parse_entry(e: Any, max_message_bytes: int, has_ring: bool) -> _Entry:
     scale = None
     if "scale" in e:
         scale_entry = _entry_field(e, "scale", dict)
-        scale = _int_tuple(scale_entry, "shape")
-        if any(d < 0 for d in scale):
-            raise MalformedFrameError(f"tensor {name!r}: negative dimension in scale shape {list(scale)}")
+        scale = _shape(scale_entry, "shape", f"tensor {name!r} scale")
         if scale_entry.get("dtype", "float32") != "float32":
             raise MalformedFrameError(f"tensor {name!r}: scale dtype must be float32, got {scale_entry['dtype']!r}")
         # spec 4.7: it broadcasts to the tensor's shape (aligned at the trailing dims, each 1 or equal)
@@ -253,9 +276,7 @@ def _check_tensor_entries(entries: Any, sizes: list[int], i: int, has_ring: bool
         if p.scale is not None:
             if i >= len(sizes):
                 raise MalformedFrameError(f"tensor {p.name!r}: its scale buffer is missing")
-            n = 4
-            for d in p.scale:
-                n *= d
+            n = 4 * _elements(p.scale)
             if sizes[i] != n:
                 raise MalformedFrameError(f"tensor {p.name!r}: scale buffer has {sizes[i]} bytes, its shape needs {n}")
             p.scale_buf = i
@@ -391,13 +412,11 @@ def _check_analysis(header: dict) -> None:
         if type(v) is not dict or type(v.get("dtype")) is not str or v["dtype"] not in VALUE_WIRE_DTYPES:
             raise MalformedFrameError(f"{kind}: value {name!r} must be a map with a dtype of "
                                       f"{sorted(VALUE_WIRE_DTYPES)}")
-        shape = _int_tuple(v, "shape")
-        if not shape or shape[0] != n or any(d < 0 for d in shape):
+        shape = _shape(v, "shape", f"{kind}: value {name!r}")
+        if not shape or shape[0] != n:
             raise MalformedFrameError(f"{kind}: value {name!r} has shape {list(shape)}, needs [{n}, ...]")
         data = v.get("data")
-        count = 1
-        for d in shape:
-            count *= d
+        count = _elements(shape)
         if type(data) is not bytes or len(data) != count * VALUE_WIRE_DTYPES[v["dtype"]][1]:
             raise MalformedFrameError(f"{kind}: value {name!r}: data is not {count} {v['dtype']} values")
         if v["dtype"] == "bool" and data and max(data) > 1:

@@ -1,0 +1,484 @@
+"""Security and resource bounds (issue 24): hand-made attacker messages against a real broker process, real
+sockets, real recordings. Each test names the issue's item; each would fail on the code before its fix.
+
+What every test asserts beside the attack's own outcome: the broker process is alive, answers a stats request
+within 2 s, and a legitimate stream published after the attack is delivered whole.
+"""
+
+from __future__ import annotations
+
+import os
+import resource  # noqa: F401  (RSS of the broker is read from /proc)
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from bus_helpers import RawConsumer, RawProducer, processes, run_dir, start_broker, stats, wait_for
+from mia_stream.bus import transport
+from mia_stream.schemas import (ErrorNotice, Heartbeat, StreamEnd, StreamStart, Tensor, TensorFrame, TokenBatch,
+                                TokenFrame, encode)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _rss_mb(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _json_stats(address: str, timeout: float = 2.0) -> bytes:
+    """What the monitor page asks for every second: the stats as JSON."""
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    try:
+        sock.connect(transport.endpoints_for(address).stats)
+        sock.send(b"json")
+        assert sock.poll(int(timeout * 1000)), f"no JSON stats reply within {timeout} s"
+        return sock.recv()
+    finally:
+        sock.close(0)
+
+
+def _legit_stream_is_delivered(address: str, name: str) -> None:
+    """A fresh producer's stream (start, 3 tokens, end) reaches a fresh consumer whole and in order."""
+    consumer = RawConsumer(address, f"legit-reader-{name}", [f"legit-{name}"])
+    try:
+        time.sleep(0.3)
+        prod = RawProducer(address, f"legit-producer-{name}/1")
+        prod.hello()
+        rid = f"legit-{name}"
+        prod.send(StreamStart(rid, f"legit-{name}", 1, 0))
+        for seq in (1, 2, 3):
+            prod.send(TokenFrame(rid, f"legit-{name}", 1, seq, seq, token_ids=[seq]))
+        prod.send(StreamEnd(rid, f"legit-{name}", 1, 4, finish_reason="length"))
+        got = consumer.read(10.0, until=lambda ms: any(m.KIND == "end" for _, m in ms))
+        kinds = [m.KIND for _, m in got if m.KIND != "gap"]
+        assert kinds == ["start", "tokens", "tokens", "tokens", "end"], kinds
+        prod.close()
+    finally:
+        consumer.close()
+
+
+def _healthy(broker: subprocess.Popen, address: str, name: str) -> None:
+    assert broker.poll() is None, f"the broker died: {broker.stderr.read() if broker.stderr else ''}"
+    t0 = time.monotonic()
+    stats(address, timeout=2.0)
+    assert time.monotonic() - t0 < 2.0
+    _legit_stream_is_delivered(address, name)
+
+
+# ---------------------------------------------------------------------------------------------- 1, 12: stats
+
+def test_1_heartbeat_stats_with_bytes_or_deep_nesting_do_not_kill_the_json_stats_reply():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        evil = RawProducer(d, "evil/1")
+        evil.send(Heartbeat("evil", "producer", 1, 0, {"blob": b"\x00\xff" * 8}))
+        deep: dict = {}
+        cur = deep
+        for _ in range(1000):
+            cur["x"] = {}
+            cur = cur["x"]
+        evil.send([encode(Heartbeat("evil2", "producer", 1, 0, {}))[0],
+                   msgpack.packb({**msgpack.unpackb(encode(Heartbeat("evil2", "producer", 1, 0, {}))[1]),
+                                  "stats": deep})])
+        time.sleep(0.5)
+        reply = _json_stats(d)  # the monitor page's request
+        assert reply.startswith(b"{")
+        _healthy(broker, d, "one")
+        evil.close()
+
+
+def test_12_heartbeat_stats_are_bounded_per_peer_and_the_overflow_is_named():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        rss0 = _rss_mb(broker.pid)
+        peers = []
+        for i in range(10):
+            p = RawProducer(d, f"fat-{i}/1")
+            p.send(Heartbeat(f"fat-{i}", "producer", 1, 0, {"junk": "x" * (4 << 20)}))
+            peers.append(p)
+        time.sleep(1.0)
+        s = stats(d, timeout=2.0)
+        assert _rss_mb(broker.pid) - rss0 < 100, "40 MB of stats kept"
+        assert s["totals"].get("refused_stats_too_large", 0) >= 10
+        assert len(msgpack.packb(s)) < (1 << 20)
+        _healthy(broker, d, "twelve")
+        for p in peers:
+            p.close()
+
+
+# ---------------------------------------------------------------------------------------------- 2: shapes
+
+def test_2_a_tensor_shape_with_huge_dims_is_refused_in_milliseconds():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        evil = RawProducer(d, "evil/1")
+        evil.hello()
+        evil.send(StreamStart("victim-2", "evil", 1, 0))
+        frames = encode(TensorFrame("victim-2", "evil", 1, 1, 0,
+                                    tensors=[Tensor.from_array("hs", np.zeros((1, 1, 4), np.float32))]))
+        header = msgpack.unpackb(frames[1])
+        header["tensors"][0]["shape"] = [(1 << 64) - 1 - i for i in range(100_000)]
+        t0 = time.monotonic()
+        evil.send([frames[0], msgpack.packb(header), *frames[2:]])
+        got = evil.poll(3.0, until=lambda m: isinstance(m, ErrorNotice))
+        assert any(isinstance(m, ErrorNotice) for m in got), "no error to the sender"
+        assert time.monotonic() - t0 < 2.0
+        _healthy(broker, d, "two")
+        evil.close()
+
+
+# ---------------------------------------------------------------------------------------------- 4: forgery
+
+def test_4_another_producer_cannot_end_or_feed_a_stream_it_did_not_start():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        reader = RawConsumer(d, "reader", ["owned-*"])
+        time.sleep(0.3)
+        owner = RawProducer(d, "owner/1")
+        owner.hello()
+        owner.send(StreamStart("owned-1", "owner", 7, 0))
+        owner.send(TokenFrame("owned-1", "owner", 7, 1, 1, token_ids=[11]))
+        forger = RawProducer(d, "forger/1")
+        forger.hello()
+        forger.send(TokenFrame("owned-1", "owner", 7, 2, 2, token_ids=[666]))
+        forger.send(TokenBatch("owner", 7, 3, ["owned-1"], [3], token_ids=[667]))
+        forger.send(StreamEnd("owned-1", "owner", 7, 4, finish_reason="stop"))
+        refusals = forger.poll(2.0, until=lambda m: isinstance(m, ErrorNotice))
+        assert any(isinstance(m, ErrorNotice) for m in refusals), "the forger was told nothing"
+        # the owner's own messages still go through, with its seqs
+        owner.send(TokenFrame("owned-1", "owner", 7, 2, 2, token_ids=[12]))
+        owner.send(StreamEnd("owned-1", "owner", 7, 3, finish_reason="length"))
+        got = reader.read(10.0, until=lambda ms: any(m.KIND == "end" for _, m in ms))
+        tokens = [t for _, m in got if m.KIND == "tokens" for t in m.token_ids]
+        ends = [m for _, m in got if m.KIND == "end"]
+        assert tokens == [11, 12] and len(ends) == 1 and ends[0].finish_reason == "length"
+        assert stats(d)["totals"].get("refused_not_stream_owner", 0) >= 3
+        _healthy(broker, d, "four")
+        for p in (owner, forger):
+            p.close()
+        reader.close()
+
+
+# ---------------------------------------------------------------------------------------------- 7, 11: floods
+
+def test_7_a_batch_naming_400k_unknown_requests_is_refused_without_a_stall():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        rss0 = _rss_mb(broker.pid)
+        evil = RawProducer(d, "evil/1")
+        evil.hello()
+        n = 400_000
+        t0 = time.monotonic()
+        evil.send(TokenBatch("evil", 1, 1, [f"r{i}" for i in range(n)], np.ones(n, np.int64),
+                             token_ids=np.zeros(n, np.int64)))
+        got = evil.poll(3.0, until=lambda m: isinstance(m, ErrorNotice))
+        assert any(isinstance(m, ErrorNotice) for m in got)
+        assert time.monotonic() - t0 < 2.0
+        assert _rss_mb(broker.pid) - rss0 < 150
+        _healthy(broker, d, "seven")
+        evil.close()
+
+
+def test_7_streams_a_producer_may_hold_open_are_bounded():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d, "--max-streams-per-producer", "1000")
+        procs.append(broker)
+        evil = RawProducer(d, "evil/1")
+        evil.hello()
+        for i in range(1500):
+            evil.send(StreamStart(f"never-ends-{i}", "evil", 1, 0))
+        wait_for(lambda: stats(d)["totals"].get("refused_too_many_streams", 0) >= 500, timeout=20)
+        assert any(isinstance(m, ErrorNotice) for m in evil.poll(1.0))
+        _healthy(broker, d, "seven-b")
+        evil.close()
+
+
+def test_11_a_subscribe_with_100k_patterns_is_refused():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        evil = RawConsumer(d, "evil-consumer", [f"p{i}-*" for i in range(100_000)])
+        got = evil.read(3.0, until=lambda ms: any(isinstance(m, ErrorNotice) for _, m in ms))
+        assert any(isinstance(m, ErrorNotice) for _, m in got)
+        _healthy(broker, d, "eleven")
+        evil.close()
+
+
+# ---------------------------------------------------------------------------------------------- 16: split bus
+
+def test_16_a_second_broker_on_a_live_run_dir_refuses_to_start():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        second = subprocess.run([sys.executable, "-m", "mia_stream.broker", "--address", d], capture_output=True,
+                                text=True, timeout=30, env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert second.returncode != 0
+        assert "in use" in second.stderr and "Traceback" not in second.stderr
+        _healthy(broker, d, "sixteen")
+
+
+# ---------------------------------------------------------------------------------------------- 15: recordings
+
+def _recording(path: Path) -> Path:
+    from mia_stream.consumers.recorder import Recorder
+
+    with Recorder(path, chunk_bytes=1024) as rec:
+        rec.write(encode(StreamStart("rec-1", "p", 1, 0)))
+        for seq in range(1, 40):
+            rec.write(encode(TokenFrame("rec-1", "p", 1, seq, seq, token_ids=[seq])))
+        rec.write(encode(StreamEnd("rec-1", "p", 1, 40, finish_reason="length")))
+    return path
+
+
+def test_15_recording_files_are_private_like_the_bus(tmp_path):
+    rec = _recording(tmp_path / "rec")
+    files = list(rec.glob("*.mcap"))
+    assert files
+    for f in files:
+        assert f.stat().st_mode & 0o077 == 0, oct(f.stat().st_mode)
+    assert rec.stat().st_mode & 0o077 == 0, oct(rec.stat().st_mode)
+
+
+def test_15_replay_of_a_non_mcap_file_is_a_one_line_error(tmp_path):
+    bogus = tmp_path / "not-a-recording.mcap"
+    bogus.write_bytes(b"hello, this is not mcap" * 10)
+    r = subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(bogus)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and r.stderr.strip(), r.stderr
+
+
+def test_15_a_recording_with_flipped_bytes_says_so(tmp_path):
+    rec = _recording(tmp_path / "rec")
+    (part,) = rec.glob("*.mcap")
+    data = bytearray(part.read_bytes())
+    for i in range(200, len(data) - 200, 97):
+        data[i] ^= 0xFF
+    part.write_bytes(bytes(data))
+    r = subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(rec)], capture_output=True, text=True,
+                       timeout=60, cwd=ROOT)
+    assert r.returncode != 0 and "Traceback" not in r.stderr and r.stderr.strip(), (r.returncode, r.stderr)
+
+
+# ---------------------------------------------------------------------------------------------- 3: roles on tcp
+
+def _free_base_port() -> int:
+    import socket
+
+    for _ in range(50):
+        socks = []
+        try:
+            for i in range(3):
+                s = socket.socket()
+                s.bind(("127.0.0.1", 0 if i == 0 else base + i))
+                if i == 0:
+                    base = s.getsockname()[1]
+                socks.append(s)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port triple")
+
+
+def _curve_dealer(endpoint: str, keys, identity: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.IDENTITY, identity.encode())
+    transport.connect(sock, endpoint, keys)
+    return sock
+
+
+def _analysis(producer_id: str, rid: str, seq: int = 0):
+    from mia_stream.schemas import AnalysisBatch
+
+    return AnalysisBatch(producer_id, 1, "risk", [rid], [seq], alerts=[1], labels={"why": ["forged?"]})
+
+
+def _drain(sock: zmq.Socket, timeout: float) -> list:
+    from mia_stream.schemas import decode, split_batch
+
+    got, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not sock.poll(50):
+            continue
+        frames = sock.recv_multipart()
+        for m in split_batch(frames) or [frames]:
+            got.append(decode(m))
+    return got
+
+
+def test_3_on_tcp_each_role_has_its_own_keys_and_only_analyzer_keys_publish_analysis(tmp_path):
+    from mia_stream.schemas import AnalysisBatch, Subscribe
+
+    keys = tmp_path / "keys"
+    assert transport.keys_main([str(keys)]) == 0  # roles: producer, consumer (steers), analyzer
+    for role in ("producers", "consumers", "analyzers"):
+        assert list((keys / "roles" / role).glob("*.key")), role
+    load = lambda name: transport.load_client_keys(keys, name)  # noqa: E731
+    address = f"tcp://127.0.0.1:{_free_base_port()}"
+    eps = transport.endpoints_for(address)
+    with processes() as procs:
+        procs.append(start_broker(address, "--keys", str(keys)))
+        reader = _curve_dealer(eps.consumers, load("consumer"), "reader")
+        reader.send_multipart(encode(Subscribe(["*"])))
+        time.sleep(0.5)
+        # a consumer key on the producers endpoint: ZAP refuses the connection, nothing it sends arrives
+        viewer = _curve_dealer(eps.producers, load("consumer"), "viewer-as-producer/1")
+        viewer.send_multipart(encode(_analysis("viewer", "victim-3")))
+        # a producer key may publish streams, not analysis
+        prod = _curve_dealer(eps.producers, load("producer"), "prod/1")
+        prod.send_multipart(encode(StreamStart("victim-3", "prod", 1, 0)))
+        prod.send_multipart(encode(_analysis("prod", "victim-3")))
+        assert any(isinstance(m, ErrorNotice) and m.code == "not_authorised" for m in _drain(prod, 2.0))
+        # an analyzer key publishes analysis under its own name only
+        ana = _curve_dealer(eps.producers, load("analyzer"), "ana/1")
+        ana.send_multipart(encode(_analysis("someone-else/risk", "victim-3")))
+        ana.send_multipart(encode(_analysis("analyzer/risk/host:1", "victim-3")))
+        assert any(isinstance(m, ErrorNotice) and m.code == "not_authorised" for m in _drain(ana, 2.0))
+        got = [m for m in _drain(reader, 2.0) if isinstance(m, AnalysisBatch)]
+        assert [m.producer_id for m in got] == ["analyzer/risk/host:1"], [m.producer_id for m in got]
+        from mia_stream.broker import fetch_stats  # (stats on tcp need a key)
+
+        s = fetch_stats(address, keys=load("consumer"))
+        assert s["totals"].get("refused_role", 0) >= 2
+        assert "viewer-as-producer/1" not in s["producers"]
+        for sock in (reader, viewer, prod, ana):
+            sock.close(0)
+
+
+# ---------------------------------------------------------------------------------------------- 5: control identity
+
+def test_5_a_second_connection_named_after_an_engines_control_id_gets_no_steering():
+    from mia_stream.schemas import SteeringCommand
+
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        control = RawProducer(d, "host:42:engine/1")  # the engine's control peer, connected first
+        control.hello()
+        worker = RawProducer(d, "host:42:tp0/1")
+        worker.hello()
+        worker.send(StreamStart("steered-5", "host:42:tp0", 1, 0, control_id="host:42:engine"))
+        thief = RawProducer(d, "host:42:engine/evil")  # takes the predictable control id
+        thief.hello()
+        steerer = RawConsumer(d, "steerer", ["nothing-*"])
+        time.sleep(0.3)
+        steerer.sock.send_multipart(encode(SteeringCommand("c5", "steered-5", "abort")))
+        assert any(m.KIND == "steer" for m in control.poll(3.0, until=lambda m: m.KIND == "steer"))
+        assert not [m for m in thief.poll(1.0) if m.KIND == "steer"], "the thief got the steering command"
+        assert stats(d)["totals"].get("refused_control_claim", 0) >= 1
+        _healthy(broker, d, "five")
+        for p in (control, worker, thief):
+            p.close()
+        steerer.close()
+
+
+# ---------------------------------------------------------------------------------------------- 8: consumer pipe
+
+def test_8_a_never_reading_consumer_with_window_0_pins_a_bounded_amount_of_broker_memory():
+    from mia_stream.schemas import Subscribe
+
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d, "--consumer-queue-bytes", str(4 << 20))
+        procs.append(broker)
+        stuck = zmq.Context.instance().socket(zmq.DEALER)  # subscribes to everything, then never reads
+        stuck.setsockopt(zmq.LINGER, 0)
+        stuck.setsockopt(zmq.RCVHWM, 1)
+        stuck.setsockopt(zmq.RCVBUF, 4096)
+        stuck.setsockopt(zmq.IDENTITY, b"stuck")
+        stuck.connect(transport.endpoints_for(d).consumers)
+        stuck.send_multipart(encode(Subscribe(["*"], window_bytes=0, batch=True)))
+        time.sleep(0.5)
+        rss0 = _rss_mb(broker.pid)
+        prod = RawProducer(d, "big/1")
+        prod.hello()
+        prod.send(StreamStart("flood-8", "big", 1, 0))
+        payload = np.zeros((1, 1, 64 << 10), np.float32)  # 256 KiB a frame, 300 MiB in all
+        for seq in range(1, 1201):
+            prod.send(TensorFrame("flood-8", "big", 1, seq, seq, tensors=[Tensor.from_array("hs", payload)]))
+            if seq % 100 == 0:
+                time.sleep(0.05)
+        wait_for(lambda: stats(d)["streams"].get("flood-8|big|1", {}).get("next_seq", 0) >= 1201, timeout=30)
+        time.sleep(0.5)
+        grown = _rss_mb(broker.pid) - rss0
+        assert grown < 220, f"the broker holds {grown:.0f} MB for a consumer that never reads"
+        assert stats(d)["consumers"]["stuck"]["dropped"] > 0
+        _healthy(broker, d, "eight")
+        prod.close()
+        stuck.close(0)
+
+
+# ---------------------------------------------------------------------------------------------- 9: gap floods
+
+def test_9_a_flood_of_gap_notices_into_one_stream_is_merged_and_bounded():
+    from mia_stream.schemas import GapNotice
+
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d, "--late-join-bytes", str(1 << 20))
+        procs.append(broker)
+        prod = RawProducer(d, "gappy/1")
+        prod.hello()
+        prod.send(StreamStart("gaps-9", "gappy", 1, 0))
+        n = 20_000
+        for seq in range(1, n + 1):
+            prod.send(GapNotice("gaps-9", "gappy", 1, [[seq, seq]], "queue_full", "producer"))
+        prod.send(TokenFrame("gaps-9", "gappy", 1, n + 1, 0, token_ids=[1]))
+        wait_for(lambda: stats(d)["streams"].get("gaps-9|gappy|1", {}).get("next_seq", 0) > n, timeout=60)
+        s = stats(d)
+        assert s["streams"]["gaps-9|gappy|1"]["buffered_bytes"] <= 1 << 20, "the stream's buffer passed its limit"
+        assert s["totals"].get("producer_gaps_merged", 0) >= n - 1024
+        # a late joiner still learns every missing seq
+        late = RawConsumer(d, "late-9", ["gaps-9"], from_start=True)
+        got = late.read(10.0, until=lambda ms: any(m.KIND == "tokens" for _, m in ms))
+        named = set()
+        for _, m in got:
+            if m.KIND == "gap":
+                for a, b in m.missing:
+                    named.update(range(a, b + 1))
+        assert named == set(range(1, n + 1))
+        _healthy(broker, d, "nine")
+        prod.close()
+        late.close()
+
+
+# ---------------------------------------------------------------------------------------------- 10: late join
+
+def test_10_evicted_late_join_parts_are_freed():
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d, "--late-join-bytes", str(20 << 20), "--late-join-total-bytes", str(20 << 20))
+        procs.append(broker)
+        prod = RawProducer(d, "fat/1")
+        prod.hello()
+        prod.send(StreamStart("fat-10", "fat", 1, 0))
+        time.sleep(0.3)
+        rss0 = _rss_mb(broker.pid)
+        payload = np.zeros((1, 1, 4 << 20), np.float32)  # 16 MiB a frame
+        for seq in range(1, 13):
+            prod.send(TensorFrame("fat-10", "fat", 1, seq, seq, tensors=[Tensor.from_array("hs", payload)]))
+            time.sleep(0.1)
+        wait_for(lambda: stats(d)["streams"].get("fat-10|fat|1", {}).get("next_seq", 0) >= 13, timeout=30)
+        time.sleep(0.5)  # a few housekeeping ticks
+        s = stats(d)
+        assert s["broker"]["late_join_buffer_bytes"] <= 20 << 20
+        grown = _rss_mb(broker.pid) - rss0
+        assert grown < 100, f"{grown:.0f} MB held with a 20 MB late-join budget"
+        _healthy(broker, d, "ten")
+        prod.close()
