@@ -10,7 +10,7 @@ the chosen score over positions, and the broker's throughput and drop counters. 
 server (``_state``): the browser never gets a tensor. Steering is not offered.
 
 Bound to 127.0.0.1 by default. ``--host`` anything else requires a token on every request (``--token``, or a
-random one printed at start in the page's URL).
+random one printed at start in the page's URL). At most ``--max-pages`` pages (64) are served at once.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Any
 
 from mia_stream import settings
 from mia_stream.monitor._ingest import Ingest
-from mia_stream.monitor._server import MonitorServer, is_loopback
+from mia_stream.monitor._server import DEFAULT_MAX_PAGES, MonitorServer, is_loopback
 from mia_stream.monitor._state import MonitorState
 
 __all__ = ["Ingest", "MonitorServer", "MonitorState", "build", "main"]
@@ -39,14 +39,14 @@ def _is_recording(source: Any) -> bool:
 
 def build(source: Any, *, patterns=("*",), keys: Any = None, token: str | None = None, score: str | None = None,
           tokenizer: str | None = None, keep_ended: int = 256, max_rate: float = 10.0, list_rate: float = 2.0,
-          from_start: bool = True) -> tuple[MonitorState, Ingest, MonitorServer]:
+          from_start: bool = True, max_pages: int = DEFAULT_MAX_PAGES) -> tuple[MonitorState, Ingest, MonitorServer]:
     """The monitor's three parts for ``source`` (a broker address or a recording path); not started."""
     recording = _is_recording(source)
     state = MonitorState(recording=recording, keep_ended=keep_ended, score_key=score, tokenizer=tokenizer)
     ingest = Ingest(state, source, patterns=patterns, keys=keys, from_start=from_start,
                     consumer_id=f"monitor-{os.getpid()}")
     server = MonitorServer(state, token=token, max_rate=max_rate, list_rate=list_rate,
-                           source=str(source or "default broker"))
+                           source=str(source or "default broker"), max_pages=max_pages)
     return state, ingest, server
 
 
@@ -70,6 +70,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         "requires a token")
     ap.add_argument("--token", help="require this token on every request (default: none on loopback, a "
                                     "random one otherwise)")
+    ap.add_argument("--max-pages", type=int, default=DEFAULT_MAX_PAGES,
+                    help=f"pages (event streams) served at once; one more is answered 503 (default "
+                         f"{DEFAULT_MAX_PAGES})")
     ap.add_argument("--patterns", nargs="+", default=["*"], help="request-id globs to watch (default *)")
     ap.add_argument("--keys", help="CURVE key dir (tcp brokers)")
     ap.add_argument("--score", help="colour tokens by this analysis value, ANALYZER.VALUE (default: the first "
@@ -98,6 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     token = args.token
     if token is None and not is_loopback(args.host):
         token = secrets.token_urlsafe(24)
+    if args.max_pages < 1:
+        print("mia-stream monitor: --max-pages must be at least 1", file=sys.stderr)
+        return 2
     if token is not None and len(token) < 8:
         print("mia-stream monitor: --token must be at least 8 characters", file=sys.stderr)
         return 2
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     state, ingest, server = build(source, patterns=args.patterns, keys=args.keys, token=token, score=args.score,
                                   tokenizer=args.tokenizer, keep_ended=args.keep, max_rate=args.max_rate,
-                                  list_rate=args.list_rate)
+                                  list_rate=args.list_rate, max_pages=args.max_pages)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
