@@ -1,6 +1,6 @@
 """``mia-stream monitor``: a local web page to watch a broker's requests live, or to scrub through a recording.
 
-    mia-stream monitor --source /tmp/mia-run --port 8765          # live: http://127.0.0.1:8765/
+    mia-stream monitor --source /tmp/mia-run --port 8765          # live: http://127.0.0.1:8765/?token=...
     mia-stream monitor --source runs/rec1 --port 8765             # a recording, with a timeline
 
 The page lists live and recent requests (id, tags, state, tokens/s, drops, lag, alerts, top score); for the
@@ -9,8 +9,11 @@ chosen one it shows the text as it is generated, tokens coloured by a score from
 the chosen score over positions, and the broker's throughput and drop counters. Everything is reduced on the
 server (``_state``): the browser never gets a tensor. Steering is not offered.
 
-Bound to 127.0.0.1 by default. ``--host`` anything else requires a token on every request (``--token``, or a
-random one printed at start in the page's URL). At most ``--max-pages`` pages (64) are served at once.
+Access: bound to 127.0.0.1 by default, and every request must carry a token, on loopback too (the page shows
+every request's text, and other users of this machine can reach loopback ports): ``--token``, else a random one
+made at start and printed in the page's URL (``?token=``; the page then keeps it in an HttpOnly cookie).
+``--no-token`` serves without one (loopback only; any local user can then read the page); any other
+``--host`` always requires a token. At most ``--max-pages`` pages (64) are served at once.
 """
 
 from __future__ import annotations
@@ -66,10 +69,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", help="broker address (run dir, ipc://, tcp://) or recording path "
                                      "(default $MIA_STREAM_BROKER or the default run dir)")
     ap.add_argument("--port", type=int, default=8765, help="HTTP port (0: any free one; default 8765)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1); any other "
-                                                        "requires a token")
-    ap.add_argument("--token", help="require this token on every request (default: none on loopback, a "
-                                    "random one otherwise)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    ap.add_argument("--token", help="require this token (8+ characters) on every request (default: a random "
+                                    "one made at start and printed in the URL, on loopback too)")
+    ap.add_argument("--no-token", action="store_true",
+                    help="serve without a token (loopback --host only): any user of this machine can then read "
+                         "every request's text on the page (the default requires the printed token)")
     ap.add_argument("--max-pages", type=int, default=DEFAULT_MAX_PAGES,
                     help=f"pages (event streams) served at once; one more is answered 503 (default "
                          f"{DEFAULT_MAX_PAGES})")
@@ -99,7 +104,17 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     token = args.token
-    if token is None and not is_loopback(args.host):
+    if args.no_token:
+        if token is not None:
+            print("mia-stream monitor: --no-token and --token contradict each other: give one", file=sys.stderr)
+            return 2
+        if not is_loopback(args.host):
+            print(f"mia-stream monitor: --no-token is allowed only on loopback (--host {args.host} would serve "
+                  f"every request's text to anyone who can reach it): drop --no-token", file=sys.stderr)
+            return 2
+        print("mia-stream monitor: --no-token: any local user of this machine can read every request's text on "
+              "this page (the bus itself is for this user only)", file=sys.stderr, flush=True)
+    elif token is None:
         token = secrets.token_urlsafe(24)
     if args.max_pages < 1:
         print("mia-stream monitor: --max-pages must be at least 1", file=sys.stderr)

@@ -17,10 +17,11 @@ Pushes are coalesced: a page gets an update when something changed, at most ``ma
 request list at most ``list_rate`` per second), holding only what changed since its last one (request rows by
 version; for the chosen request the tokens, scores, alerts and norms appended since).
 
-With a token (``--token``, or generated when bound beyond loopback) every request must carry it: ``?token=``
-once (it is then kept in an HttpOnly cookie), the cookie, or an ``Authorization: Bearer`` header. Without one,
-only ``Host`` headers naming a loopback address are served (a page on another site cannot reach the monitor
-through DNS rebinding).
+With a token (``--token``, else one generated at start, on loopback too) every request must carry it:
+``?token=`` once (it is then kept in an HttpOnly cookie named for the port, so monitors on two ports keep their
+own), the cookie, or an ``Authorization: Bearer`` header. Without one (``--no-token``, loopback only), only
+``Host`` headers naming a loopback address are served (a page on another site cannot reach the monitor through
+DNS rebinding).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from sse_starlette.sse import EventSourceResponse
 from mia_stream.monitor import _safe
 from mia_stream.monitor._state import MonitorState
 
-COOKIE = "mia_monitor_token"
+COOKIE = "mia_monitor_token"  # + "_PORT": one cookie per monitor (cookies are per host, not per port)
 MAX_BODY = 64 << 10  # bytes of a POST body
 DEFAULT_MAX_PAGES = 64  # event streams (open pages) served at once
 log = logging.getLogger("mia_stream.monitor")
@@ -183,13 +184,18 @@ class MonitorServer:
 
     # ------------------------------------------------------------------------------------------ auth
 
+    @staticmethod
+    def cookie_name(request: Request) -> str:
+        server = request.scope.get("server") or ("", 0)
+        return f"{COOKIE}_{server[1]}"
+
     def _check(self, request: Request) -> Response | None:
         if self.token is None:
             if not is_loopback(_host_of(request.headers.get("host", ""))):
                 return Response("mia-stream monitor: only served to loopback Host names without --token\n",
                                 status_code=403, media_type="text/plain")
             return None
-        given = request.query_params.get("token") or request.cookies.get(COOKIE) or ""
+        given = request.query_params.get("token") or request.cookies.get(self.cookie_name(request)) or ""
         auth = request.headers.get("authorization", "")
         if auth.lower().startswith("bearer "):
             given = given or auth[7:].strip()
@@ -293,7 +299,7 @@ class MonitorServer:
                 return refused
             response = await call_next(request)
             if server.token and request.query_params.get("token"):
-                response.set_cookie(COOKIE, server.token, httponly=True, samesite="strict")
+                response.set_cookie(server.cookie_name(request), server.token, httponly=True, samesite="strict")
             return response
 
         @app.exception_handler(BadInput)
