@@ -30,7 +30,6 @@ import asyncio
 import hmac
 import ipaddress
 import json
-import logging
 import secrets
 import time
 import weakref
@@ -48,7 +47,6 @@ from mia_stream.monitor._state import MonitorState
 COOKIE = "mia_monitor_token"  # + "_PORT": one cookie per monitor (cookies are per host, not per port)
 MAX_BODY = 64 << 10  # bytes of a POST body
 DEFAULT_MAX_PAGES = 64  # event streams (open pages) served at once
-log = logging.getLogger("mia_stream.monitor")
 _LOOPBACK_NAMES = {"localhost", "localhost.localdomain"}
 
 
@@ -192,7 +190,7 @@ class MonitorServer:
     def _check(self, request: Request) -> Response | None:
         if self.token is None:
             if not is_loopback(_host_of(request.headers.get("host", ""))):
-                return Response("mia-stream monitor: only served to loopback Host names without --token\n",
+                return Response("mia-stream monitor: only served to loopback Host names with --no-token\n",
                                 status_code=403, media_type="text/plain")
             return None
         given = request.query_params.get("token") or request.cookies.get(self.cookie_name(request)) or ""
