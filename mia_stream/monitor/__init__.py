@@ -1,6 +1,6 @@
 """``mia-stream monitor``: a local web page to watch a broker's requests live, or to scrub through a recording.
 
-    mia-stream monitor --source /tmp/mia-run --port 8765          # live: http://127.0.0.1:8765/
+    mia-stream monitor --source /tmp/mia-run --port 8765          # live: http://127.0.0.1:8765/?token=...
     mia-stream monitor --source runs/rec1 --port 8765             # a recording, with a timeline
 
 The page lists live and recent requests (id, tags, state, tokens/s, drops, lag, alerts, top score); for the
@@ -9,8 +9,11 @@ chosen one it shows the text as it is generated, tokens coloured by a score from
 the chosen score over positions, and the broker's throughput and drop counters. Everything is reduced on the
 server (``_state``): the browser never gets a tensor. Steering is not offered.
 
-Bound to 127.0.0.1 by default. ``--host`` anything else requires a token on every request (``--token``, or a
-random one printed at start in the page's URL).
+Access: bound to 127.0.0.1 by default, and every request must carry a token, on loopback too (the page shows
+every request's text, and other users of this machine can reach loopback ports): ``--token``, else a random one
+made at start and printed in the page's URL (``?token=``; the page then keeps it in an HttpOnly cookie).
+``--no-token`` serves without one (loopback only; any local user can then read the page); any other
+``--host`` always requires a token. At most ``--max-pages`` pages (64) are served at once.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from typing import Any
 
 from mia_stream import settings
 from mia_stream.monitor._ingest import Ingest
-from mia_stream.monitor._server import MonitorServer, is_loopback
+from mia_stream.monitor._server import DEFAULT_MAX_PAGES, MonitorServer, is_loopback
 from mia_stream.monitor._state import MonitorState
 
 __all__ = ["Ingest", "MonitorServer", "MonitorState", "build", "main"]
@@ -39,14 +42,14 @@ def _is_recording(source: Any) -> bool:
 
 def build(source: Any, *, patterns=("*",), keys: Any = None, token: str | None = None, score: str | None = None,
           tokenizer: str | None = None, keep_ended: int = 256, max_rate: float = 10.0, list_rate: float = 2.0,
-          from_start: bool = True) -> tuple[MonitorState, Ingest, MonitorServer]:
+          from_start: bool = True, max_pages: int = DEFAULT_MAX_PAGES) -> tuple[MonitorState, Ingest, MonitorServer]:
     """The monitor's three parts for ``source`` (a broker address or a recording path); not started."""
     recording = _is_recording(source)
     state = MonitorState(recording=recording, keep_ended=keep_ended, score_key=score, tokenizer=tokenizer)
     ingest = Ingest(state, source, patterns=patterns, keys=keys, from_start=from_start,
                     consumer_id=f"monitor-{os.getpid()}")
     server = MonitorServer(state, token=token, max_rate=max_rate, list_rate=list_rate,
-                           source=str(source or "default broker"))
+                           source=str(source or "default broker"), max_pages=max_pages)
     return state, ingest, server
 
 
@@ -66,10 +69,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", help="broker address (run dir, ipc://, tcp://) or recording path "
                                      "(default $MIA_STREAM_BROKER or the default run dir)")
     ap.add_argument("--port", type=int, default=8765, help="HTTP port (0: any free one; default 8765)")
-    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1); any other "
-                                                        "requires a token")
-    ap.add_argument("--token", help="require this token on every request (default: none on loopback, a "
-                                    "random one otherwise)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    ap.add_argument("--token", help="require this token (8+ characters) on every request (default: a random "
+                                    "one made at start and printed in the URL, on loopback too)")
+    ap.add_argument("--no-token", action="store_true",
+                    help="serve without a token (loopback --host only): any user of this machine can then read "
+                         "every request's text on the page (the default requires the printed token)")
+    ap.add_argument("--max-pages", type=int, default=DEFAULT_MAX_PAGES,
+                    help=f"pages (event streams) served at once; one more is answered 503 (default "
+                         f"{DEFAULT_MAX_PAGES})")
     ap.add_argument("--patterns", nargs="+", default=["*"], help="request-id globs to watch (default *)")
     ap.add_argument("--keys", help="CURVE key dir (tcp brokers)")
     ap.add_argument("--score", help="colour tokens by this analysis value, ANALYZER.VALUE (default: the first "
@@ -96,8 +104,21 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     token = args.token
-    if token is None and not is_loopback(args.host):
+    if args.no_token:
+        if token is not None:
+            print("mia-stream monitor: --no-token and --token contradict each other: give one", file=sys.stderr)
+            return 2
+        if not is_loopback(args.host):
+            print(f"mia-stream monitor: --no-token is allowed only on loopback (--host {args.host} would serve "
+                  f"every request's text to anyone who can reach it): drop --no-token", file=sys.stderr)
+            return 2
+        print("mia-stream monitor: --no-token: any local user of this machine can read every request's text on "
+              "this page (the bus itself is for this user only)", file=sys.stderr, flush=True)
+    elif token is None:
         token = secrets.token_urlsafe(24)
+    if args.max_pages < 1:
+        print("mia-stream monitor: --max-pages must be at least 1", file=sys.stderr)
+        return 2
     if token is not None and len(token) < 8:
         print("mia-stream monitor: --token must be at least 8 characters", file=sys.stderr)
         return 2
@@ -110,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
 
     state, ingest, server = build(source, patterns=args.patterns, keys=args.keys, token=token, score=args.score,
                                   tokenizer=args.tokenizer, keep_ended=args.keep, max_rate=args.max_rate,
-                                  list_rate=args.list_rate)
+                                  list_rate=args.list_rate, max_pages=args.max_pages)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     url = f"http://{shown}:{port}/" + (f"?token={token}" if token else "")

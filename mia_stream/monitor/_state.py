@@ -8,6 +8,10 @@ step), at the latest ``tau`` of that step's tokens and frames; the view at a tic
 ``tau`` at or before it. A live view holds everything. A message without a time (``time_ns`` 0, e.g. from a
 synthetic producer) takes the time it was received (live) or the previous message's time (recording).
 
+What a producer sends is made JSON-safe and bounded here, at intake (``_safe``: bytes, NaN, non-string keys,
+deep nesting and oversized values in tags, names and error strings), so every view built from the state can be
+served as strict JSON; what was altered is counted (``counters["unsafe_*"]``).
+
 Thread model: the ingest thread calls the ``on_*`` methods, the server's event loop calls ``rows`` / ``detail``;
 both hold ``lock``. ``on_change`` (set by the server) is called after every change, from the ingest thread.
 """
@@ -23,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from mia_stream.monitor import _safe
 from mia_stream.monitor._detok import PieceDecoder, Tokenizers
 from mia_stream.monitor._scores import choose_score_key, new_score_keys, scalar_column
 
@@ -196,12 +201,14 @@ class MonitorState:
             first = not rec.started
             rec.stream_key = (start.producer_id, start.epoch)
             rec.started = True
-            rec.tags = dict(start.tags or {})
-            rec.model, rec.tokenizer_name = start.model, start.tokenizer
-            rec.producer_id, rec.tp_size = start.producer_id, start.tp_size
+            c = self.counters
+            tags = _safe.safe(start.tags if isinstance(start.tags, dict) else {"tags": start.tags}, c)
+            rec.tags = _safe.fit(tags, _safe.MAX_TAGS_CHARS, c)
+            rec.model, rec.tokenizer_name = _safe.text(start.model, c), _safe.text(start.tokenizer, c)
+            rec.producer_id, rec.tp_size = _safe.text(start.producer_id, c), start.tp_size
             rec.t_start = rec.t_start or self._tau(start.time_ns, received_ns)
             if first:
-                self.tokenizers.lookup(start.tokenizer, start.model)  # starts loading it, if new
+                self.tokenizers.lookup(rec.tokenizer_name, rec.model)  # starts loading it, if new
                 prompt = list(start.prompt_token_ids)
                 rec.n_prompt = len(prompt)
                 rec.tok_ids = prompt + rec.tok_ids
@@ -339,7 +346,8 @@ class MonitorState:
                     if alerts[i]:
                         parts = [f"{k}={v[i]:.4g}" for k, v in scalars.items()]
                         parts += [f"{k}={v[i]}" for k, v in labels.items() if i < len(v) and v[i] is not None]
-                        rec.alerts.append((positions[i], analyzer, ", ".join(parts), tau))
+                        rec.alerts.append((positions[i], _safe.text(analyzer, self.counters),
+                                           _safe.text(", ".join(parts), self.counters), tau))
                 rec.version += 1
             self.counters["analysis_rows"] += n
             self.version += 1
@@ -349,7 +357,8 @@ class MonitorState:
         with self.lock:
             rec = self._record(gap.request_id)
             tau = self._tau(gap.time_ns, received_ns)
-            rec.gaps.append((int(gap.count), gap.reason or "?", gap.origin or "?", tau))
+            rec.gaps.append((int(gap.count), _safe.text(gap.reason, self.counters) or "?",
+                             _safe.text(gap.origin, self.counters) or "?", tau))
             self.counters["gap_seqs"] += int(gap.count)
             self._touch(rec)
         self._changed()
@@ -358,10 +367,11 @@ class MonitorState:
         with self.lock:
             rec = self._record(end.request_id)
             rec.t_end = max(self._tau(end.time_ns, received_ns), rec.tok_tau[-1] if rec.tok_tau else 0)
-            rec.finish = end.finish_reason
-            rec.end_info = {"generated": end.num_generated_tokens, "frames_sent": end.frames_sent,
-                            "frames_dropped": end.frames_dropped, "drops": dict(end.drops or {}),
-                            "error": end.error}
+            c = self.counters
+            rec.finish = _safe.text(end.finish_reason, c) if end.finish_reason is not None else None
+            rec.end_info = _safe.safe({"generated": end.num_generated_tokens, "frames_sent": end.frames_sent,
+                                       "frames_dropped": end.frames_dropped, "drops": dict(end.drops or {}),
+                                       "error": end.error}, c)
             self.counters["ends"] += 1
             self._touch(rec)
             if not self.recording:
@@ -374,7 +384,7 @@ class MonitorState:
 
     def set_broker_stats(self, stats: dict | None, note: str | None = None) -> None:
         with self.lock:
-            self.broker_stats = summarize_broker_stats(stats, note)
+            self.broker_stats = _safe.safe(summarize_broker_stats(stats, note), self.counters, nodes=1 << 16)
             self.version += 1
         self._changed()
 

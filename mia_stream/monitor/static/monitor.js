@@ -486,7 +486,8 @@
   function readHash() {
     const p = new URLSearchParams(location.hash.slice(1));
     if (p.get("request")) { M.select = p.get("request"); setText($("detail-title"), M.select); }
-    if (p.get("tick") !== null && p.get("tick") !== "") M.tick = +p.get("tick");
+    const tick = parseInt(p.get("tick") ?? "", 10);  // a whole number, or no tick (the server takes no other)
+    if (!Number.isNaN(tick)) M.tick = tick;
   }
   window.addEventListener("resize", schedulePlots);
 
