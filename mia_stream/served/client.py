@@ -254,15 +254,23 @@ class _ClientBase:
     says how a call is made (``_call``) and which request shell runs it (``_request_class``)."""
 
     _request_class: type
+    _openai_class: str  # the openai client class of the flavour ("OpenAI" or "AsyncOpenAI")
 
-    def __init__(self, broker: Any, model: str | None, keep_frames: bool, end_timeout: float,
-                 idle_timeout: float, stream_options: dict | None):
+    def __init__(self, base_url: str = "http://127.0.0.1:8000/v1", broker: Any = None, *, model: str | None = None,
+                 api_key: str = "EMPTY", openai_client: Any = None, keep_frames: bool = False,
+                 end_timeout: float = 60.0, idle_timeout: float = 30.0, stream_options: dict | None = None,
+                 **openai_kwargs: Any):
         self.broker = broker
         self.model = model
         self.keep_frames = keep_frames
         self.end_timeout = end_timeout
         self.idle_timeout = idle_timeout
         self.stream_options = dict(stream_options or {})
+        if openai_client is None:
+            import openai
+
+            openai_client = getattr(openai, self._openai_class)(base_url=base_url, api_key=api_key, **openai_kwargs)
+        self.openai = openai_client
 
     def _request(self, kind: str, capture, steer, tags, request_id, spec, extra_body,
                  create_kwargs: dict) -> tuple[str, dict]:
@@ -327,17 +335,7 @@ class StreamClient(_ClientBase):
     """
 
     _request_class = ServedRequest
-
-    def __init__(self, base_url: str = "http://127.0.0.1:8000/v1", broker: Any = None, *, model: str | None = None,
-                 api_key: str = "EMPTY", openai_client: Any = None, keep_frames: bool = False,
-                 end_timeout: float = 60.0, idle_timeout: float = 30.0, stream_options: dict | None = None,
-                 **openai_kwargs: Any):
-        super().__init__(broker, model, keep_frames, end_timeout, idle_timeout, stream_options)
-        if openai_client is None:
-            import openai
-
-            openai_client = openai.OpenAI(base_url=base_url, api_key=api_key, **openai_kwargs)
-        self.openai = openai_client
+    _openai_class = "OpenAI"
 
     def _model(self) -> str:
         if self.model is None:
@@ -534,17 +532,7 @@ class AsyncStreamClient(_ClientBase):
     """``StreamClient`` for asyncio: the request goes through ``openai.AsyncOpenAI``; same arguments."""
 
     _request_class = AsyncServedRequest
-
-    def __init__(self, base_url: str = "http://127.0.0.1:8000/v1", broker: Any = None, *, model: str | None = None,
-                 api_key: str = "EMPTY", openai_client: Any = None, keep_frames: bool = False,
-                 end_timeout: float = 60.0, idle_timeout: float = 30.0, stream_options: dict | None = None,
-                 **openai_kwargs: Any):
-        super().__init__(broker, model, keep_frames, end_timeout, idle_timeout, stream_options)
-        if openai_client is None:
-            import openai
-
-            openai_client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, **openai_kwargs)
-        self.openai = openai_client
+    _openai_class = "AsyncOpenAI"
 
     async def _model(self) -> str:
         if self.model is None:
