@@ -246,33 +246,210 @@ def _recording(path: Path) -> Path:
     return path
 
 
+def _replay_cli(path: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``mia-stream replay PATH --consumer ...`` as a user runs it (a real consumer class, so that the run gets
+    past argument parsing and reads the recording)."""
+    return subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(path), "--consumer",
+                           "mia_stream.consumers:Consumer", *extra], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> str:
+    """A failed run whose stderr is one line naming what is wrong (no traceback)."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(lines) == 1, (r.returncode, r.stderr)
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+def _mcap_records(data: bytes) -> list[tuple[int, int, bytes]]:
+    """(offset, opcode, body) of each top-level record of an MCAP file's bytes, up to the footer."""
+    import struct
+
+    out, pos = [], 8
+    while pos + 9 <= len(data):
+        opcode, length = struct.unpack_from("<BQ", data, pos)
+        out.append((pos, opcode, data[pos + 9:pos + 9 + length]))
+        pos += 9 + length
+        if opcode == 0x02:  # footer
+            break
+    return out
+
+
+def _chunk_record(inner_size: int, inner_crc: int, compression: str, payload: bytes) -> bytes:
+    """A hand-made MCAP chunk record (opcode 0x06) declaring ``inner_size`` bytes uncompressed."""
+    import struct
+
+    body = (struct.pack("<QQQI", 1, 2, inner_size, inner_crc) + struct.pack("<I", len(compression))
+            + compression.encode() + struct.pack("<Q", len(payload)) + payload)
+    return struct.pack("<BQ", 0x06, len(body)) + body
+
+
 def test_15_recording_files_are_private_like_the_bus(tmp_path):
-    rec = _recording(tmp_path / "rec")
+    old = os.umask(0)  # umask-independent: even a umask of 0 must not open them up
+    try:
+        rec = _recording(tmp_path / "deep" / "rec")
+    finally:
+        os.umask(old)
     files = list(rec.glob("*.mcap"))
     assert files
     for f in files:
-        assert f.stat().st_mode & 0o077 == 0, oct(f.stat().st_mode)
-    assert rec.stat().st_mode & 0o077 == 0, oct(rec.stat().st_mode)
+        assert f.stat().st_mode & 0o777 == 0o600, oct(f.stat().st_mode)
+    assert rec.stat().st_mode & 0o777 == 0o700, oct(rec.stat().st_mode)
 
 
-def test_15_replay_of_a_non_mcap_file_is_a_one_line_error(tmp_path):
-    bogus = tmp_path / "not-a-recording.mcap"
-    bogus.write_bytes(b"hello, this is not mcap" * 10)
-    r = subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(bogus)], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
-    assert r.returncode != 0 and "Traceback" not in r.stderr and r.stderr.strip(), r.stderr
+@pytest.mark.parametrize("case", ["file", "dir_of_non_mcap", "empty_file", "dir_without_parts", "missing"])
+def test_15_replay_of_a_non_mcap_file_is_a_one_line_error(tmp_path, case):
+    from mia_stream.consumers.recording import RecordingError, iter_recording
+
+    target = tmp_path / "target"
+    if case == "file":
+        target = tmp_path / "not-a-recording.mcap"
+        target.write_bytes(b"hello, this is not mcap" * 10)
+    elif case == "dir_of_non_mcap":
+        target.mkdir()
+        for i in range(3):
+            (target / f"part-{i:05d}.mcap").write_bytes(b"GIF89a not mcap either" * 20)
+    elif case == "empty_file":
+        target = tmp_path / "empty.mcap"
+        target.write_bytes(b"")
+    elif case == "dir_without_parts":
+        target.mkdir()
+        (target / "notes.txt").write_text("no parts here")
+    _one_line_error(_replay_cli(target), str(target.name))
+    with pytest.raises(RecordingError):
+        list(iter_recording(target))
 
 
-def test_15_a_recording_with_flipped_bytes_says_so(tmp_path):
-    rec = _recording(tmp_path / "rec")
-    (part,) = rec.glob("*.mcap")
+def _flip_bytes_as_the_issue_did(part: Path) -> None:
     data = bytearray(part.read_bytes())
     for i in range(200, len(data) - 200, 97):
         data[i] ^= 0xFF
     part.write_bytes(bytes(data))
-    r = subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(rec)], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
-    assert r.returncode != 0 and "Traceback" not in r.stderr and r.stderr.strip(), (r.returncode, r.stderr)
+
+
+def test_15_a_recording_with_flipped_bytes_says_so(tmp_path):
+    from mia_stream.consumers.recording import CorruptRecordingError, Recording, iter_recording
+
+    rec = _recording(tmp_path / "rec")
+    assert len(list(iter_recording(rec))) == 41  # intact: every message
+    (part,) = rec.glob("*.mcap")
+    _flip_bytes_as_the_issue_did(part)
+    line = _one_line_error(_replay_cli(rec), part.name, "CRC")
+    assert "byte" in line or "summary" in line
+    with pytest.raises(CorruptRecordingError, match="part-00000.mcap"):
+        list(iter_recording(rec))
+    with pytest.raises(CorruptRecordingError):
+        Recording(rec).summary()
+    # asked to, it skips what is damaged and says how much: never "0 events, exit 0, no error"
+    r = _replay_cli(rec, "--skip-corrupt")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "damaged record(s) skipped" in r.stderr, r.stderr
+    assert "skipped:" in r.stderr and "CRC mismatch" in r.stderr
+
+
+def test_15_one_flipped_byte_in_one_chunk_is_named_and_skippable(tmp_path):
+    """A single bit of damage inside one message's bytes (nothing else touched: footer, summary and index
+    intact) is caught by the chunk CRC: the indexed read names the chunk; with skip_corrupt every other chunk's
+    messages are read and the skipped chunk is counted."""
+    from mia_stream.consumers.recording import CorruptRecordingError, ReadReport, Recording, iter_recording
+
+    rec = _recording(tmp_path / "rec")
+    (part,) = rec.glob("*.mcap")
+    data = bytearray(part.read_bytes())
+    chunks = [(off, body) for off, op, body in _mcap_records(bytes(data)) if op == 0x06]
+    assert len(chunks) > 3
+    off, body = chunks[2]
+    data[off + 9 + len(body) - 3] ^= 0x01  # a token id byte inside the third chunk's last message
+    part.write_bytes(bytes(data))
+    with pytest.raises(CorruptRecordingError, match=rf"part-00000.mcap at byte {off}: chunk CRC mismatch"):
+        list(iter_recording(rec))
+    with pytest.raises(CorruptRecordingError, match="chunk CRC mismatch"):
+        Recording(rec).messages("rec-1")
+    report = ReadReport()
+    got = list(iter_recording(rec, skip_corrupt=True, report=report))
+    assert 0 < len(got) < 41 and len(report.corrupt) == 1 and f"at byte {off}" in report.corrupt[0]
+    r = _replay_cli(rec)
+    _one_line_error(r, "part-00000.mcap", f"at byte {off}", "chunk CRC mismatch")
+
+
+def test_15_a_truncated_recording_still_reads_to_its_last_complete_chunk_and_says_so(tmp_path):
+    rec = _recording(tmp_path / "rec")
+    (part,) = rec.glob("*.mcap")
+    data = part.read_bytes()
+    chunks = [(off, body) for off, op, body in _mcap_records(data) if op == 0x06]
+    off, body = chunks[5]
+    part.write_bytes(data[:off + 9 + len(body) // 2])  # cut inside the sixth chunk: no footer, as after a kill
+    from mia_stream.consumers.recording import ReadReport, iter_recording
+
+    report = ReadReport()
+    got = list(iter_recording(rec, report=report))
+    assert 0 < len(got) < 41 and report.corrupt == [] and len(report.truncated) == 1
+    r = _replay_cli(rec)
+    assert r.returncode == 0 and "cut short" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _bomb_file(tmp_path: Path, *, declared_honestly: bool) -> Path:
+    """A recorder-made part whose first chunk is replaced by a hand-made lz4 chunk: the original records
+    followed by zeros, 570 MB uncompressed, about 2 MB compressed (made streaming: the test never holds it
+    whole). ``declared_honestly``: the chunk declares its 570 MB; else it claims the original records' size."""
+    import zlib
+
+    import lz4.frame
+
+    rec = _recording(tmp_path / "src")
+    (part,) = rec.glob("*.mcap")
+    data = part.read_bytes()
+    off, _, body = next(r for r in _mcap_records(data) if r[1] == 0x06)
+    import struct
+
+    inner_size = struct.unpack_from("<Q", body, 16)[0]
+    clen = struct.unpack_from("<I", body, 28)[0]
+    inner = body[32 + clen + 8:]
+    assert len(inner) == inner_size
+    total = 570 * 10**6
+    comp = lz4.frame.LZ4FrameCompressor()
+    pieces, crc = [comp.begin(), comp.compress(inner)], zlib.crc32(inner)
+    zeros = bytes(1 << 20)
+    left = total - len(inner)
+    while left:
+        n = min(left, len(zeros))
+        pieces.append(comp.compress(zeros[:n]))
+        crc = zlib.crc32(zeros[:n], crc)
+        left -= n
+    pieces.append(comp.flush())
+    payload = b"".join(pieces)
+    chunk = (_chunk_record(total, crc, "lz4", payload) if declared_honestly
+             else _chunk_record(inner_size, zlib.crc32(inner), "lz4", payload))
+    bomb = tmp_path / ("bomb" if declared_honestly else "liar")
+    bomb.mkdir()
+    (bomb / "part-00000.mcap").write_bytes(data[:off] + chunk)  # no footer: read by streaming, as a killed part
+    assert (bomb / "part-00000.mcap").stat().st_size < 4 << 20
+    return bomb
+
+
+_READ_WITH_RSS = """
+import resource, sys
+from mia_stream.consumers.recording import RecordingError, iter_recording
+try:
+    n = len(list(iter_recording(sys.argv[1])))
+    print("READ", n)
+except RecordingError as e:
+    print("ERROR", e)
+print("MAXRSS_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+"""
+
+
+@pytest.mark.parametrize("declared_honestly", [True, False], ids=["declares_570MB", "declares_less"])
+def test_15_an_lz4_chunk_bomb_is_refused_with_bounded_memory(tmp_path, declared_honestly):
+    bomb = _bomb_file(tmp_path, declared_honestly=declared_honestly)
+    r = subprocess.run([sys.executable, "-c", _READ_WITH_RSS, str(bomb)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split(" ", 1) for line in r.stdout.strip().splitlines())
+    assert "ERROR" in out and "part-00000.mcap" in out["ERROR"] and "lz4 chunk" in out["ERROR"], r.stdout
+    assert float(out["MAXRSS_MB"]) < 250, out  # the 570 MB were never allocated
+    _one_line_error(_replay_cli(bomb), "part-00000.mcap", "lz4 chunk")
 
 
 # ---------------------------------------------------------------------------------------------- 3: roles on tcp
