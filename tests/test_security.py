@@ -541,6 +541,89 @@ def test_3_on_tcp_each_role_has_its_own_keys_and_only_analyzer_keys_publish_anal
             sock.close(0)
 
 
+# ------------------------------------------------------------------- 3: acting on alerts takes only trusted analyzers
+
+def _steers(peer: RawProducer, timeout: float) -> list:
+    return [m for m in peer.poll(timeout, until=lambda m: m.KIND == "steer") if m.KIND == "steer"]
+
+
+@pytest.mark.parametrize("watcher_policy", [False, True], ids=["alerts_column", "watcher_policy"])
+def test_3_a_forged_alert_from_a_producer_is_not_acted_on_and_a_trusted_one_is(watcher_policy):
+    """A real broker; an engine's control peer (a RawProducer under the control id the stream names); an
+    ``AlertWatcher`` with an abort ``AlertActor`` on the bus (the confused deputy of item 3). A plain producer
+    publishes an ``analysis`` with an alert for the request: it reaches the watcher, which ignores and counts
+    it, and no steering command reaches the engine side. The same alert from an analyzer runner's id
+    (``analyzer/...``) aborts the request."""
+    import threading
+
+    from mia_stream.analyzers._actions import AlertActor, AlertWatcher
+    from mia_stream.analyzers._alerts import AlertAction, AlertPolicy
+    from mia_stream.schemas import AnalysisBatch, SteeringAck
+
+    def alert(producer_id: str, seq: int = 0) -> AnalysisBatch:
+        return AnalysisBatch(producer_id, 1, "risk", ["victim-3t"], [seq], [1], [5],
+                             {"risk": np.asarray([0.99], np.float32)}, {}, [1], step=3)
+
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        control = RawProducer(d, "host:77:engine/1")  # the engine's control peer: steering commands land here
+        control.hello()
+        worker = RawProducer(d, "host:77:tp0/1")
+        worker.hello()
+        worker.send(StreamStart("victim-3t", "host:77:tp0", 1, 0, control_id="host:77:engine"))
+        actor = AlertActor(d, AlertAction.parse("abort"), publish=False, timeout=5.0)
+        policy = AlertPolicy.from_config({"value": "risk", "threshold": 0.5}) if watcher_policy else None
+        watcher = AlertWatcher("risk", policy, actor)
+        t = threading.Thread(target=watcher.run, args=(d,), kwargs={"idle_timeout": 6.0}, daemon=True)
+        t.start()
+        time.sleep(1.0)  # subscribed (from_start: the start is replayed to it anyway)
+
+        forger = RawProducer(d, "vllm-lookalike/1")  # any producer peer: no analyzer key needed on ipc
+        forger.hello()
+        forger.send(alert("vllm-lookalike"))
+        wait_for(lambda: watcher.counters["untrusted_analyses_ignored"] >= 1, timeout=5)  # it did arrive
+        assert not _steers(control, 1.5), "a forged alert steered the request"
+        assert actor.records == {} and watcher.alerts == []
+        assert watcher.trust.ignored == {"vllm-lookalike": 1}
+
+        analyzer = RawProducer(d, "analyzer-risk/1")
+        analyzer.hello()
+        analyzer.send(alert("analyzer/risk/host:1"))
+        (cmd,) = _steers(control, 5.0)
+        assert (cmd.request_id, cmd.action) == ("victim-3t", "abort")
+        control.send(SteeringAck(cmd.command_id, cmd.request_id, True, applied_step=4, producer_id="host:77:engine"))
+        assert actor.wait(["victim-3t"], timeout=10)
+        assert actor.records["victim-3t"].ok and actor.counters["alerts_acted_on"] == 1
+        assert actor.counters.get("untrusted_alerts_ignored", 0) == 0  # the watcher stopped the forgery first
+        t.join(15)
+        actor.close()
+        _healthy(broker, d, "three-trust")
+        for peer in (control, worker, forger, analyzer):
+            peer.close()
+
+
+def test_3_trusted_analyzers_are_prefixes_or_key_names(monkeypatch):
+    """``MIA_STREAM_TRUSTED_ANALYZERS`` entries are prefixes (``NAME/``) or analyzer key names (``NAME`` and
+    ``NAME/...``, as the broker's roles check them); ``own`` ids (an analyzer runner's) are trusted too."""
+    from mia_stream.analyzers._actions import AnalysisTrust
+    from mia_stream.schemas import AnalysisBatch
+
+    def batch(pid: str) -> AnalysisBatch:
+        return AnalysisBatch(pid, 1, "risk", ["r"], [0], [1], [0], {}, {}, [1])
+
+    default = AnalysisTrust()
+    assert default.prefixes == ("analyzer/",)
+    assert default(batch("analyzer/risk/h:1")) and not default(batch("analyzer"))
+    assert not default(batch("evil/1")) and not default(batch("analyzerX/risk")) and default.ignored["evil/1"] == 1
+    monkeypatch.setenv("MIA_STREAM_TRUSTED_ANALYZERS", "risk-key, lab/")
+    named = AnalysisTrust(own=("analyzer/mine/h:2",))
+    assert named(batch("risk-key")) and named(batch("risk-key/a")) and named(batch("lab/x"))
+    assert named(batch("analyzer/mine/h:2")) and not named(batch("risk-key2/a")) and not named(batch("analyzer/x"))
+    monkeypatch.setenv("MIA_STREAM_TRUSTED_ANALYZERS", "*")
+    assert AnalysisTrust()(batch("anyone"))
+
+
 # ---------------------------------------------------------------------------------------------- 5: control identity
 
 def test_5_a_second_connection_named_after_an_engines_control_id_gets_no_steering():
