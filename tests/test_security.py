@@ -429,14 +429,16 @@ def _bomb_file(tmp_path: Path, *, declared_honestly: bool) -> Path:
 
 
 _READ_WITH_RSS = """
-import resource, sys
+import sys
 from mia_stream.consumers.recording import RecordingError, iter_recording
 try:
     n = len(list(iter_recording(sys.argv[1])))
     print("READ", n)
 except RecordingError as e:
     print("ERROR", e)
-print("MAXRSS_MB", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+# VmHWM: this process image's peak RSS (ru_maxrss would carry over the forking pytest's peak across exec)
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print("MAXRSS_MB", int(hwm.split()[1]) / 1024)
 """
 
 
