@@ -35,6 +35,7 @@ SCOPES = {
     "engine": "vLLM engine processes (the plugin); fixed at engine start",
     "bus": "every peer of the bus: publishers, broker, consumers",
     "broker": "the broker process (`mia-stream broker`): per-peer limits (docs/security.md); each has a flag",
+    "consumers": "consumers: reading recordings, acting on alerts (docs/security.md)",
     "files": "caches and models",
     "setup": "scripts/setup.sh, demo.sh, test.sh (shell)",
     "tests": "the test suite",
@@ -182,6 +183,17 @@ SETTINGS: dict[str, Setting] = _table(
             "one, at most 1 MiB). With a credit window the window bounds it by bytes; a consumer with window 0 "
             "that never reads pins at most this many. Flag `--consumer-pipe-messages`.", default=64,
             minimum=1),
+    # ---- consumers
+    Setting("MIA_STREAM_RECORDING_MAX_CHUNK_BYTES", "size", "consumers",
+            "Bytes a compressed MCAP chunk of a recording may declare uncompressed; a larger one is refused "
+            "before it is decompressed (`CorruptRecordingError`), and none decompresses past what it declares. "
+            "`mia-stream record` writes uncompressed chunks (their size is their file bytes).",
+            default=64 * MiB, minimum=1),
+    Setting("MIA_STREAM_TRUSTED_ANALYZERS", "text", "consumers",
+            "Comma-separated `producer_id` prefixes of the analyses whose alerts may be acted on (abort, steer: "
+            "`AlertWatcher`, `AlertActor`); other analyses are ignored, counted (`untrusted_analyses_ignored`) "
+            "and logged. With CURVE roles a prefix names the analyzer key (docs/security.md).",
+            default="analyzer/"),
     # ---- files
     Setting("MIA_STREAM_CACHE", "path", "files", "Root of mia_stream's caches (models, vectors).",
             default_doc="~/.cache/mia_stream"),

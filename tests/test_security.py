@@ -246,33 +246,212 @@ def _recording(path: Path) -> Path:
     return path
 
 
+def _replay_cli(path: Path, *extra: str) -> subprocess.CompletedProcess:
+    """``mia-stream replay PATH --consumer ...`` as a user runs it (a real consumer class, so that the run gets
+    past argument parsing and reads the recording)."""
+    return subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(path), "--consumer",
+                           "mia_stream.consumers:Consumer", *extra], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+
+
+def _one_line_error(r: subprocess.CompletedProcess, *words: str) -> str:
+    """A failed run whose stderr is one line naming what is wrong (no traceback)."""
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(lines) == 1, (r.returncode, r.stderr)
+    for w in words:
+        assert w in lines[0], (w, lines[0])
+    return lines[0]
+
+
+def _mcap_records(data: bytes) -> list[tuple[int, int, bytes]]:
+    """(offset, opcode, body) of each top-level record of an MCAP file's bytes, up to the footer."""
+    import struct
+
+    out, pos = [], 8
+    while pos + 9 <= len(data):
+        opcode, length = struct.unpack_from("<BQ", data, pos)
+        out.append((pos, opcode, data[pos + 9:pos + 9 + length]))
+        pos += 9 + length
+        if opcode == 0x02:  # footer
+            break
+    return out
+
+
+def _chunk_record(inner_size: int, inner_crc: int, compression: str, payload: bytes) -> bytes:
+    """A hand-made MCAP chunk record (opcode 0x06) declaring ``inner_size`` bytes uncompressed."""
+    import struct
+
+    body = (struct.pack("<QQQI", 1, 2, inner_size, inner_crc) + struct.pack("<I", len(compression))
+            + compression.encode() + struct.pack("<Q", len(payload)) + payload)
+    return struct.pack("<BQ", 0x06, len(body)) + body
+
+
 def test_15_recording_files_are_private_like_the_bus(tmp_path):
-    rec = _recording(tmp_path / "rec")
+    old = os.umask(0)  # umask-independent: even a umask of 0 must not open them up
+    try:
+        rec = _recording(tmp_path / "deep" / "rec")
+    finally:
+        os.umask(old)
     files = list(rec.glob("*.mcap"))
     assert files
     for f in files:
-        assert f.stat().st_mode & 0o077 == 0, oct(f.stat().st_mode)
-    assert rec.stat().st_mode & 0o077 == 0, oct(rec.stat().st_mode)
+        assert f.stat().st_mode & 0o777 == 0o600, oct(f.stat().st_mode)
+    assert rec.stat().st_mode & 0o777 == 0o700, oct(rec.stat().st_mode)
 
 
-def test_15_replay_of_a_non_mcap_file_is_a_one_line_error(tmp_path):
-    bogus = tmp_path / "not-a-recording.mcap"
-    bogus.write_bytes(b"hello, this is not mcap" * 10)
-    r = subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(bogus)], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
-    assert r.returncode != 0 and "Traceback" not in r.stderr and r.stderr.strip(), r.stderr
+@pytest.mark.parametrize("case", ["file", "dir_of_non_mcap", "empty_file", "dir_without_parts", "missing"])
+def test_15_replay_of_a_non_mcap_file_is_a_one_line_error(tmp_path, case):
+    from mia_stream.consumers.recording import RecordingError, iter_recording
+
+    target = tmp_path / "target"
+    if case == "file":
+        target = tmp_path / "not-a-recording.mcap"
+        target.write_bytes(b"hello, this is not mcap" * 10)
+    elif case == "dir_of_non_mcap":
+        target.mkdir()
+        for i in range(3):
+            (target / f"part-{i:05d}.mcap").write_bytes(b"GIF89a not mcap either" * 20)
+    elif case == "empty_file":
+        target = tmp_path / "empty.mcap"
+        target.write_bytes(b"")
+    elif case == "dir_without_parts":
+        target.mkdir()
+        (target / "notes.txt").write_text("no parts here")
+    _one_line_error(_replay_cli(target), str(target.name))
+    with pytest.raises(RecordingError):
+        list(iter_recording(target))
 
 
-def test_15_a_recording_with_flipped_bytes_says_so(tmp_path):
-    rec = _recording(tmp_path / "rec")
-    (part,) = rec.glob("*.mcap")
+def _flip_bytes_as_the_issue_did(part: Path) -> None:
     data = bytearray(part.read_bytes())
     for i in range(200, len(data) - 200, 97):
         data[i] ^= 0xFF
     part.write_bytes(bytes(data))
-    r = subprocess.run([sys.executable, "-m", "mia_stream.cli", "replay", str(rec)], capture_output=True, text=True,
-                       timeout=60, cwd=ROOT)
-    assert r.returncode != 0 and "Traceback" not in r.stderr and r.stderr.strip(), (r.returncode, r.stderr)
+
+
+def test_15_a_recording_with_flipped_bytes_says_so(tmp_path):
+    from mia_stream.consumers.recording import CorruptRecordingError, Recording, iter_recording
+
+    rec = _recording(tmp_path / "rec")
+    assert len(list(iter_recording(rec))) == 41  # intact: every message
+    (part,) = rec.glob("*.mcap")
+    _flip_bytes_as_the_issue_did(part)
+    line = _one_line_error(_replay_cli(rec), part.name, "CRC")
+    assert "byte" in line or "summary" in line
+    with pytest.raises(CorruptRecordingError, match="part-00000.mcap"):
+        list(iter_recording(rec))
+    with pytest.raises(CorruptRecordingError):
+        Recording(rec).summary()
+    # asked to, it skips what is damaged and says how much: never "0 events, exit 0, no error"
+    r = _replay_cli(rec, "--skip-corrupt")
+    assert r.returncode == 1 and "Traceback" not in r.stderr and "damaged record(s) skipped" in r.stderr, r.stderr
+    assert "skipped:" in r.stderr and "CRC mismatch" in r.stderr
+
+
+def test_15_one_flipped_byte_in_one_chunk_is_named_and_skippable(tmp_path):
+    """A single bit of damage inside one message's bytes (nothing else touched: footer, summary and index
+    intact) is caught by the chunk CRC: the indexed read names the chunk; with skip_corrupt every other chunk's
+    messages are read and the skipped chunk is counted."""
+    from mia_stream.consumers.recording import CorruptRecordingError, ReadReport, Recording, iter_recording
+
+    rec = _recording(tmp_path / "rec")
+    (part,) = rec.glob("*.mcap")
+    data = bytearray(part.read_bytes())
+    chunks = [(off, body) for off, op, body in _mcap_records(bytes(data)) if op == 0x06]
+    assert len(chunks) > 3
+    off, body = chunks[2]
+    data[off + 9 + len(body) - 3] ^= 0x01  # a token id byte inside the third chunk's last message
+    part.write_bytes(bytes(data))
+    with pytest.raises(CorruptRecordingError, match=rf"part-00000.mcap at byte {off}: chunk CRC mismatch"):
+        list(iter_recording(rec))
+    with pytest.raises(CorruptRecordingError, match="chunk CRC mismatch"):
+        Recording(rec).messages("rec-1")
+    report = ReadReport()
+    got = list(iter_recording(rec, skip_corrupt=True, report=report))
+    assert 0 < len(got) < 41 and len(report.corrupt) == 1 and f"at byte {off}" in report.corrupt[0]
+    r = _replay_cli(rec)
+    _one_line_error(r, "part-00000.mcap", f"at byte {off}", "chunk CRC mismatch")
+
+
+def test_15_a_truncated_recording_still_reads_to_its_last_complete_chunk_and_says_so(tmp_path):
+    rec = _recording(tmp_path / "rec")
+    (part,) = rec.glob("*.mcap")
+    data = part.read_bytes()
+    chunks = [(off, body) for off, op, body in _mcap_records(data) if op == 0x06]
+    off, body = chunks[5]
+    part.write_bytes(data[:off + 9 + len(body) // 2])  # cut inside the sixth chunk: no footer, as after a kill
+    from mia_stream.consumers.recording import ReadReport, iter_recording
+
+    report = ReadReport()
+    got = list(iter_recording(rec, report=report))
+    assert 0 < len(got) < 41 and report.corrupt == [] and len(report.truncated) == 1
+    r = _replay_cli(rec)
+    assert r.returncode == 0 and "cut short" in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def _bomb_file(tmp_path: Path, *, declared_honestly: bool) -> Path:
+    """A recorder-made part whose first chunk is replaced by a hand-made lz4 chunk: the original records
+    followed by zeros, 570 MB uncompressed, about 2 MB compressed (made streaming: the test never holds it
+    whole). ``declared_honestly``: the chunk declares its 570 MB; else it claims the original records' size."""
+    import zlib
+
+    import lz4.frame
+
+    rec = _recording(tmp_path / "src")
+    (part,) = rec.glob("*.mcap")
+    data = part.read_bytes()
+    off, _, body = next(r for r in _mcap_records(data) if r[1] == 0x06)
+    import struct
+
+    inner_size = struct.unpack_from("<Q", body, 16)[0]
+    clen = struct.unpack_from("<I", body, 28)[0]
+    inner = body[32 + clen + 8:]
+    assert len(inner) == inner_size
+    total = 570 * 10**6
+    comp = lz4.frame.LZ4FrameCompressor()
+    pieces, crc = [comp.begin(), comp.compress(inner)], zlib.crc32(inner)
+    zeros = bytes(1 << 20)
+    left = total - len(inner)
+    while left:
+        n = min(left, len(zeros))
+        pieces.append(comp.compress(zeros[:n]))
+        crc = zlib.crc32(zeros[:n], crc)
+        left -= n
+    pieces.append(comp.flush())
+    payload = b"".join(pieces)
+    chunk = (_chunk_record(total, crc, "lz4", payload) if declared_honestly
+             else _chunk_record(inner_size, zlib.crc32(inner), "lz4", payload))
+    bomb = tmp_path / ("bomb" if declared_honestly else "liar")
+    bomb.mkdir()
+    (bomb / "part-00000.mcap").write_bytes(data[:off] + chunk)  # no footer: read by streaming, as a killed part
+    assert (bomb / "part-00000.mcap").stat().st_size < 4 << 20
+    return bomb
+
+
+_READ_WITH_RSS = """
+import sys
+from mia_stream.consumers.recording import RecordingError, iter_recording
+try:
+    n = len(list(iter_recording(sys.argv[1])))
+    print("READ", n)
+except RecordingError as e:
+    print("ERROR", e)
+# VmHWM: this process image's peak RSS (ru_maxrss would carry over the forking pytest's peak across exec)
+hwm = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print("MAXRSS_MB", int(hwm.split()[1]) / 1024)
+"""
+
+
+@pytest.mark.parametrize("declared_honestly", [True, False], ids=["declares_570MB", "declares_less"])
+def test_15_an_lz4_chunk_bomb_is_refused_with_bounded_memory(tmp_path, declared_honestly):
+    bomb = _bomb_file(tmp_path, declared_honestly=declared_honestly)
+    r = subprocess.run([sys.executable, "-c", _READ_WITH_RSS, str(bomb)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr
+    out = dict(line.split(" ", 1) for line in r.stdout.strip().splitlines())
+    assert "ERROR" in out and "part-00000.mcap" in out["ERROR"] and "lz4 chunk" in out["ERROR"], r.stdout
+    assert float(out["MAXRSS_MB"]) < 250, out  # the 570 MB were never allocated
+    _one_line_error(_replay_cli(bomb), "part-00000.mcap", "lz4 chunk")
 
 
 # ---------------------------------------------------------------------------------------------- 3: roles on tcp
@@ -362,6 +541,89 @@ def test_3_on_tcp_each_role_has_its_own_keys_and_only_analyzer_keys_publish_anal
         assert "viewer-as-producer/1" not in s["producers"]
         for sock in (reader, viewer, prod, ana):
             sock.close(0)
+
+
+# ------------------------------------------------------------------- 3: acting on alerts takes only trusted analyzers
+
+def _steers(peer: RawProducer, timeout: float) -> list:
+    return [m for m in peer.poll(timeout, until=lambda m: m.KIND == "steer") if m.KIND == "steer"]
+
+
+@pytest.mark.parametrize("watcher_policy", [False, True], ids=["alerts_column", "watcher_policy"])
+def test_3_a_forged_alert_from_a_producer_is_not_acted_on_and_a_trusted_one_is(watcher_policy):
+    """A real broker; an engine's control peer (a RawProducer under the control id the stream names); an
+    ``AlertWatcher`` with an abort ``AlertActor`` on the bus (the confused deputy of item 3). A plain producer
+    publishes an ``analysis`` with an alert for the request: it reaches the watcher, which ignores and counts
+    it, and no steering command reaches the engine side. The same alert from an analyzer runner's id
+    (``analyzer/...``) aborts the request."""
+    import threading
+
+    from mia_stream.analyzers._actions import AlertActor, AlertWatcher
+    from mia_stream.analyzers._alerts import AlertAction, AlertPolicy
+    from mia_stream.schemas import AnalysisBatch, SteeringAck
+
+    def alert(producer_id: str, seq: int = 0) -> AnalysisBatch:
+        return AnalysisBatch(producer_id, 1, "risk", ["victim-3t"], [seq], [1], [5],
+                             {"risk": np.asarray([0.99], np.float32)}, {}, [1], step=3)
+
+    with run_dir() as d, processes() as procs:
+        broker = start_broker(d)
+        procs.append(broker)
+        control = RawProducer(d, "host:77:engine/1")  # the engine's control peer: steering commands land here
+        control.hello()
+        worker = RawProducer(d, "host:77:tp0/1")
+        worker.hello()
+        worker.send(StreamStart("victim-3t", "host:77:tp0", 1, 0, control_id="host:77:engine"))
+        actor = AlertActor(d, AlertAction.parse("abort"), publish=False, timeout=5.0)
+        policy = AlertPolicy.from_config({"value": "risk", "threshold": 0.5}) if watcher_policy else None
+        watcher = AlertWatcher("risk", policy, actor)
+        t = threading.Thread(target=watcher.run, args=(d,), kwargs={"idle_timeout": 6.0}, daemon=True)
+        t.start()
+        time.sleep(1.0)  # subscribed (from_start: the start is replayed to it anyway)
+
+        forger = RawProducer(d, "vllm-lookalike/1")  # any producer peer: no analyzer key needed on ipc
+        forger.hello()
+        forger.send(alert("vllm-lookalike"))
+        wait_for(lambda: watcher.counters["untrusted_analyses_ignored"] >= 1, timeout=5)  # it did arrive
+        assert not _steers(control, 1.5), "a forged alert steered the request"
+        assert actor.records == {} and watcher.alerts == []
+        assert watcher.trust.ignored == {"vllm-lookalike": 1}
+
+        analyzer = RawProducer(d, "analyzer-risk/1")
+        analyzer.hello()
+        analyzer.send(alert("analyzer/risk/host:1"))
+        (cmd,) = _steers(control, 5.0)
+        assert (cmd.request_id, cmd.action) == ("victim-3t", "abort")
+        control.send(SteeringAck(cmd.command_id, cmd.request_id, True, applied_step=4, producer_id="host:77:engine"))
+        assert actor.wait(["victim-3t"], timeout=10)
+        assert actor.records["victim-3t"].ok and actor.counters["alerts_acted_on"] == 1
+        assert actor.counters.get("untrusted_alerts_ignored", 0) == 0  # the watcher stopped the forgery first
+        t.join(15)
+        actor.close()
+        _healthy(broker, d, "three-trust")
+        for peer in (control, worker, forger, analyzer):
+            peer.close()
+
+
+def test_3_trusted_analyzers_are_prefixes_or_key_names(monkeypatch):
+    """``MIA_STREAM_TRUSTED_ANALYZERS`` entries are prefixes (``NAME/``) or analyzer key names (``NAME`` and
+    ``NAME/...``, as the broker's roles check them); ``own`` ids (an analyzer runner's) are trusted too."""
+    from mia_stream.analyzers._actions import AnalysisTrust
+    from mia_stream.schemas import AnalysisBatch
+
+    def batch(pid: str) -> AnalysisBatch:
+        return AnalysisBatch(pid, 1, "risk", ["r"], [0], [1], [0], {}, {}, [1])
+
+    default = AnalysisTrust()
+    assert default.prefixes == ("analyzer/",)
+    assert default(batch("analyzer/risk/h:1")) and not default(batch("analyzer"))
+    assert not default(batch("evil/1")) and not default(batch("analyzerX/risk")) and default.ignored["evil/1"] == 1
+    monkeypatch.setenv("MIA_STREAM_TRUSTED_ANALYZERS", "risk-key, lab/")
+    named = AnalysisTrust(own=("analyzer/mine/h:2",))
+    assert named(batch("risk-key")) and named(batch("risk-key/a")) and named(batch("lab/x"))
+    assert named(batch("analyzer/mine/h:2")) and not named(batch("risk-key2/a")) and not named(batch("analyzer/x"))
+    monkeypatch.setenv("MIA_STREAM_TRUSTED_ANALYZERS", "*")
+    assert AnalysisTrust()(batch("anyone"))
 
 
 # ---------------------------------------------------------------------------------------------- 5: control identity

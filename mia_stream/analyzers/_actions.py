@@ -15,6 +15,13 @@ recordings show what was done.
 ``AlertWatcher`` is a consumer that applies an ``AlertPolicy`` to the rows of any analyzer's stream (a
 per-row score column), for analyzers that flag no alerts themselves or with a policy of the watcher's own, and
 acts through an ``AlertActor``.
+
+Trust (docs/security.md, issue 24): an ``analysis`` message names its publisher (``producer_id``; an analyzer
+runner's is ``analyzer/<name>/<host>:<pid>``), and on tcp with roles the broker accepts it only from an analyzer
+key whose name is that id or its prefix ``NAME/``. Both classes act only on analyses from trusted publishers
+(``AnalysisTrust``: ``MIA_STREAM_TRUSTED_ANALYZERS``, default ``analyzer/``); any other analysis (a producer's
+forged alert, say) is ignored, counted (``untrusted_analyses_ignored`` / ``untrusted_alerts_ignored``) and
+logged once per publisher.
 """
 
 from __future__ import annotations
@@ -38,6 +45,49 @@ from mia_stream.schemas import AnalysisBatch, SteeringAck, SteeringCommand
 log = logging.getLogger("mia_stream.analyzers.actions")
 
 ACTION_ANALYZER = "alert_action"  # the analyzer name of the actor's outcome messages
+_MAX_NAMED_PUBLISHERS = 1024  # untrusted publishers counted by name; past it, as one "<others>"
+
+
+def trusted_prefixes(text: str | None = None) -> tuple[str, ...]:
+    """The entries of ``MIA_STREAM_TRUSTED_ANALYZERS`` (or of ``text``): comma-separated, blanks dropped."""
+    if text is None:
+        from mia_stream import settings
+
+        text = settings.get_text("MIA_STREAM_TRUSTED_ANALYZERS") or ""
+    return tuple(p.strip() for p in text.split(",") if p.strip())
+
+
+class AnalysisTrust:
+    """Whether an analysis message's alerts may be acted on: its ``producer_id`` matches an entry of
+    ``prefixes`` (default: ``MIA_STREAM_TRUSTED_ANALYZERS``, itself ``analyzer/`` by default) or is one of
+    ``own`` (the ids of this process's own publishers).
+
+    An entry ending in ``/`` is a prefix (``analyzer/`` trusts every analyzer runner's id); any other entry is
+    an analyzer key's name as the broker's roles check it, matching the id ``NAME`` and the ids ``NAME/...``;
+    ``*`` trusts every publisher (on a bus where anyone may publish analyses, e.g. ipc, that trusts them all).
+    Untrusted publishers are counted in ``ignored`` (by producer id) and logged once each."""
+
+    def __init__(self, prefixes: Iterable[str] | None = None, *, own: Iterable[str] = ()):
+        self.prefixes = trusted_prefixes() if prefixes is None else tuple(prefixes)
+        self.any = "*" in self.prefixes
+        self._starts = tuple(p if p.endswith("/") else p + "/" for p in self.prefixes if p != "*")
+        self._exact = frozenset(p for p in self.prefixes if not p.endswith("/")) | frozenset(own)
+        self.ignored: collections.Counter[str] = collections.Counter()
+
+    def __call__(self, batch: Any) -> bool:
+        producer_id = getattr(batch, "producer_id", None)
+        if self.any or (isinstance(producer_id, str)
+                        and (producer_id in self._exact or producer_id.startswith(self._starts))):
+            return True
+        name = producer_id if isinstance(producer_id, str) else repr(producer_id)
+        if name not in self.ignored and len(self.ignored) >= _MAX_NAMED_PUBLISHERS:
+            name = "<others>"
+        if name not in self.ignored:
+            log.warning("ignoring the alerts of analyzer %r published by %r: not a trusted analyzer "
+                        "(MIA_STREAM_TRUSTED_ANALYZERS: %s)", getattr(batch, "analyzer", "?"), name[:200],
+                        ",".join(self.prefixes) or "none")
+        self.ignored[name] += 1
+        return False
 
 
 @dataclass
@@ -80,14 +130,17 @@ class AlertActor:
     ``address``: the broker the requests' engine publishes to. ``value``: the score column whose value at the
     alert row is recorded (optional). ``publish``: publish each outcome as an ``alert_action`` analysis message.
     ``on_record(record)`` is called from the worker thread after each ack (or failure). ``records`` holds every
-    action by request id (read it under ``lock``, or after ``close``)."""
+    action by request id (read it under ``lock``, or after ``close``). ``trust``: whose analyses it acts on
+    (default ``AnalysisTrust()``: ``MIA_STREAM_TRUSTED_ANALYZERS``); others are counted as
+    ``untrusted_alerts_ignored``."""
 
     def __init__(self, address: Any, action: AlertAction, *, keys: Any = None, value: str | None = None,
                  publish: bool = True, timeout: float = 10.0,
-                 on_record: Callable[[ActionRecord], Any] | None = None):
+                 on_record: Callable[[ActionRecord], Any] | None = None, trust: AnalysisTrust | None = None):
         if action is None:
             raise ValueError("AlertActor needs an action")
         self.address, self.action, self.keys, self.value = address, action, keys, value
+        self.trust = trust if trust is not None else AnalysisTrust()
         self.timeout = timeout
         self.on_record = on_record
         self.records: dict[str, ActionRecord] = {}
@@ -115,7 +168,12 @@ class AlertActor:
             self.act_on(batch, alerts.astype(bool), batch.values.get(self.value) if self.value else None)
 
     def act_on(self, batch: AnalysisBatch, alerts: np.ndarray, score: Any = None) -> None:
-        """Act on the rows of ``batch`` where ``alerts`` (bool per row) is set: each request once."""
+        """Act on the rows of ``batch`` where ``alerts`` (bool per row) is set: each request once; nothing
+        when ``batch`` comes from an untrusted publisher (counted, logged)."""
+        if not self.trust(batch):
+            with self.lock:
+                self.counters["untrusted_alerts_ignored"] += 1
+            return
         now = time.time_ns()
         owner = np.repeat(np.arange(len(batch.request_ids)), batch.rows)
         for row in np.flatnonzero(alerts).tolist():
@@ -220,10 +278,17 @@ class AlertWatcher:
 
     For analyzers that flag no alerts themselves, or to act on a policy of one's own: ``policy.value`` names
     the score column (one float per row; NaN rows are not scored). ``policy`` None: act on the analyzer's own
-    ``alerts`` column. Feed it SDK batch events (``feed``) or run it on a broker (``run``)."""
+    ``alerts`` column. Feed it SDK batch events (``feed``) or run it on a broker (``run``).
 
-    def __init__(self, analyzer: str, policy: Any, actor: AlertActor | None):
+    Only analyses from trusted publishers are judged (``trust``; default: the actor's, else
+    ``AnalysisTrust()``: ``MIA_STREAM_TRUSTED_ANALYZERS``): any other one is ignored before the policy sees it
+    (so it cannot move a request's debounce state either), counted as ``untrusted_analyses_ignored`` and
+    logged once per publisher."""
+
+    def __init__(self, analyzer: str, policy: Any, actor: AlertActor | None, *,
+                 trust: AnalysisTrust | None = None):
         self.analyzer, self.policy, self.actor = analyzer, policy, actor
+        self.trust = trust if trust is not None else (actor.trust if actor is not None else AnalysisTrust())
         self.alerts: list[tuple[str, int, int, float]] = []  # (request, step, position, risk) of each alert row
         self.counters: collections.Counter[str] = collections.Counter()
 
@@ -234,6 +299,9 @@ class AlertWatcher:
             return
         batch = ev.batch
         self.counters["analysis_messages"] += 1
+        if not self.trust(batch):
+            self.counters["untrusted_analyses_ignored"] += 1
+            return
         if self.policy is None:
             alerts, score = batch.alerts.astype(bool), None
         else:
@@ -248,7 +316,7 @@ class AlertWatcher:
             for row in np.flatnonzero(alerts).tolist():
                 self.alerts.append((batch.request_ids[int(owner[row])], int(batch.step), int(batch.positions[row]),
                                     float(score[row]) if score is not None else float("nan")))
-            if self.actor is not None:
+            if self.actor is not None:  # checks again with its own trust (the last word, if it differs)
                 self.actor.act_on(batch, alerts, score)
 
     def run(self, source: Any, patterns=("*",), *, keys: Any = None, max_streams: int | None = None,

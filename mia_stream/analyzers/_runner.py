@@ -274,7 +274,7 @@ def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = (
         publisher = AnalysisPublisher(publish, producer_id, keys)
         sinks.append(publisher)
     live = not _is_recording(source)
-    actor = _alert_actor(analyzer, source, keys, live)  # issue 15: the analyzer's alert policy may act
+    actor = _alert_actor(analyzer, source, keys, live, producer_id)  # issue 15: the analyzer's alert policy may act
     if actor is not None:
         sinks.append(actor)
     runner = AnalyzerRunner(analyzer, sinks, producer_id=producer_id,
@@ -303,9 +303,10 @@ def run_analyzer(analyzer: Analyzer, source: Any, *, patterns: Sequence[str] = (
             runner.counters.update({f"actions_{k}": v for k, v in actor.counters.items()})
 
 
-def _alert_actor(analyzer: Analyzer, source: Any, keys: Any, live: bool) -> Any:
+def _alert_actor(analyzer: Analyzer, source: Any, keys: Any, live: bool, producer_id: str = "") -> Any:
     """An ``AlertActor`` for an analyzer whose alert policy names an action (``alert_policy.action``), on a
-    live source; None otherwise (a recording cannot be steered: its alerts are only flagged)."""
+    live source; None otherwise (a recording cannot be steered: its alerts are only flagged). It is this
+    runner's own sink, so it trusts this runner's ``producer_id`` besides ``MIA_STREAM_TRUSTED_ANALYZERS``."""
     policy = getattr(analyzer, "alert_policy", None)
     action = getattr(policy, "action", None)
     if action is None:
@@ -314,9 +315,10 @@ def _alert_actor(analyzer: Analyzer, source: Any, keys: Any, live: bool) -> Any:
         log.warning("analyzer %s: its alert action (%s) is not taken on a recording", analyzer.name,
                     action.describe())
         return None
-    from mia_stream.analyzers._actions import AlertActor
+    from mia_stream.analyzers._actions import AlertActor, AnalysisTrust
 
-    return AlertActor(source, action, keys=keys, value=policy.value)
+    return AlertActor(source, action, keys=keys, value=policy.value,
+                      trust=AnalysisTrust(own=(producer_id,) if producer_id else ()))
 
 
 # ------------------------------------------------------------------------------------------------ CLI

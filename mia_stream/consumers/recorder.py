@@ -83,7 +83,7 @@ class Recorder:
         self.out_dir = Path(out_dir)
         if self.out_dir.suffix == ".mcap":
             raise ValueError(f"{self.out_dir} looks like a file: a recording is a directory of part-NNNNN.mcap files")
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        _private_dir(self.out_dir)
         self.chunk_bytes, self.rotate_bytes, self.max_channels = chunk_bytes, rotate_bytes, max_channels
         self.flush_interval_s = flush_interval_s
         self._patterns, self._source = list(patterns), source
@@ -242,7 +242,9 @@ class Recorder:
         from mcap.writer import CompressionType, Writer
 
         path = self.out_dir / f"part-{self._part_index:05d}.mcap"
-        self._file = open(path, "xb")  # never overwrite a part
+        # never overwrite a part; 0600 whatever the umask (the bus is 0600: a recording holds the same text)
+        self._file = open(path, "xb", opener=lambda p, flags: os.open(p, flags, 0o600))
+        os.fchmod(self._file.fileno(), 0o600)
         # Chunks are closed by this class (size and age), so the Writer's own threshold is disabled.
         self._writer = Writer(self._file, chunk_size=_UNBOUNDED, compression=CompressionType.NONE)
         self._writer.start(profile="", library=f"mia_stream {_mia_stream_version()}")
@@ -320,6 +322,25 @@ class Recorder:
     def _rotate(self) -> None:
         self._finish_part()
         self._open_part()
+
+
+def _private_dir(path: Path) -> None:
+    """Create the recording directory 0700 whatever the umask (the parents it needs as ``mkdir -p`` would).
+    An existing directory is left as it is, with a warning when others may read it."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileExistsError:
+        if not path.is_dir():
+            raise
+        mode = path.stat().st_mode & 0o777
+        if mode & 0o077:
+            log.warning("recorder: %s is mode %o: other users may read the recording (new parts are 0600)",
+                        path, mode)
+        return
+    except FileNotFoundError:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.mkdir(mode=0o700, exist_ok=True)
+    os.chmod(path, 0o700)
 
 
 # ---------------------------------------------------------------------------------------------- CLI

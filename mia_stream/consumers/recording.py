@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import fnmatch
 import io
+import logging
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -36,11 +38,23 @@ INDEX_ATTACHMENT = "mia_stream.request_index"  # per part: which producer-channe
 INDEX_MEDIA_TYPE = "application/msgpack"
 METADATA_NAME = "mia_stream"
 PART_GLOB = "part-*.mcap"
+log = logging.getLogger(__name__)
+
 _MCAP_MAGIC = b"\x89MCAP0\r\n"
+_FOOTER_RECORD = 1 + 8 + 8 + 8 + 4  # opcode, length, summary start, summary offset start, summary crc
+# MCAP opcodes: 0x01..0x0F are the spec's records, 0x80..0xFF private ones (skipped); others mean damage
+_OP_HEADER, _OP_FOOTER, _OP_SCHEMA, _OP_CHANNEL, _OP_MESSAGE, _OP_CHUNK = 1, 2, 3, 4, 5, 6
+_OP_ATTACHMENT, _OP_METADATA, _OP_DATA_END = 9, 12, 15
 
 
 class RecordingError(MiaStreamError):
     """A recording that cannot be read (missing, not MCAP, or not written by mia_stream)."""
+
+
+class CorruptRecordingError(RecordingError):
+    """A recording whose bytes were damaged after they were written: a chunk whose CRC does not match, a
+    record that does not parse, a compressed chunk past the bound. Its message names the file, the byte offset
+    and what is wrong."""
 
 
 def pack_frames(frames: Sequence[Any]) -> bytes:
@@ -75,10 +89,12 @@ def part_files(path: str | os.PathLike) -> list[Path]:
     if p.is_dir():
         parts = sorted(p.glob(PART_GLOB)) or sorted(p.glob("*.mcap"))
         if not parts:
-            raise RecordingError(f"{p} holds no .mcap files")
+            raise RecordingError(f"{p} holds no .mcap files: not a recording")
         return parts
     if not p.exists():
-        raise RecordingError(f"no recording at {p}")
+        raise RecordingError(f"{p}: no such file or directory")
+    if not p.is_file():
+        raise RecordingError(f"{p}: not a recording (neither a file nor a directory)")
     return [p]
 
 
@@ -103,10 +119,99 @@ def _kind(channel: Any) -> str:
 def _has_footer(f: io.BufferedReader) -> bool:
     f.seek(0, io.SEEK_END)
     size = f.tell()
-    if size < 2 * len(_MCAP_MAGIC) + 29:
+    if size < 2 * len(_MCAP_MAGIC) + _FOOTER_RECORD:
         return False
     f.seek(size - len(_MCAP_MAGIC))
     return f.read(len(_MCAP_MAGIC)) == _MCAP_MAGIC
+
+
+def max_chunk_bytes() -> int:
+    """The most bytes a compressed chunk may declare (and decompress to):
+    ``MIA_STREAM_RECORDING_MAX_CHUNK_BYTES``."""
+    from mia_stream import settings
+
+    return settings.get_size("MIA_STREAM_RECORDING_MAX_CHUNK_BYTES")
+
+
+def _decompress(chunk: Any, limit: int) -> bytes:
+    """A compressed chunk's records, never more than its declared size (itself at most ``limit``): a chunk
+    that declares more is refused before any decompression, one that decompresses to more is corrupt."""
+    declared = chunk.uncompressed_size
+    if declared > limit:
+        raise _Damage(f"a {chunk.compression} chunk declares {declared} bytes uncompressed, more than "
+                      f"MIA_STREAM_RECORDING_MAX_CHUNK_BYTES ({limit}); refused before decompressing it "
+                      "(mia-stream record writes no compressed chunks)")
+    try:
+        if chunk.compression == "lz4":
+            import lz4.frame
+
+            data = lz4.frame.LZ4FrameDecompressor().decompress(chunk.data, max_length=declared + 1)
+        elif chunk.compression == "zstd":
+            import zstandard
+
+            reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(chunk.data))
+            parts, got = [], 0
+            while got <= declared:
+                part = reader.read(declared + 1 - got)
+                if not part:
+                    break
+                parts.append(part)
+                got += len(part)
+            data = b"".join(parts)
+        else:
+            raise _Damage(f"a chunk compressed with {chunk.compression!r}, which mia_stream does not read")
+    except _Damage:
+        raise
+    except Exception as e:  # noqa: BLE001 (lz4/zstd errors on a damaged frame)
+        raise _Damage(f"a {chunk.compression} chunk does not decompress ({type(e).__name__}: {e})") from None
+    if len(data) != declared:
+        more = "more" if len(data) > declared else f"{len(data)}"
+        raise _Damage(f"a {chunk.compression} chunk declares {declared} bytes uncompressed and decompresses to "
+                      f"{more} bytes")
+    return data
+
+
+def _chunk_records(body: bytes, limit: int) -> list[Any]:
+    """The records of one chunk record's body (after opcode and length), with its CRC checked: an
+    uncompressed chunk costs its own bytes, a compressed one at most ``limit``."""
+    from mcap.data_stream import ReadDataStream
+    from mcap.records import Chunk
+    from mcap.stream_reader import breakup_chunk
+
+    try:
+        chunk = Chunk.read(ReadDataStream(io.BytesIO(body)))
+    except Exception as e:  # noqa: BLE001 (a damaged length or string field)
+        raise _Damage(f"an unreadable chunk header ({type(e).__name__}: {e})") from None
+    if chunk.compression:
+        data = _decompress(chunk, limit)
+    else:
+        data = chunk.data
+        if chunk.uncompressed_size != len(data):
+            raise _Damage(f"a chunk declares {chunk.uncompressed_size} bytes and holds {len(data)}")
+    if chunk.uncompressed_crc:
+        crc = zlib.crc32(data)
+        if crc != chunk.uncompressed_crc:
+            raise _Damage(f"chunk CRC mismatch (stored {chunk.uncompressed_crc:#010x}, computed {crc:#010x})")
+    try:
+        return breakup_chunk(Chunk(compression="", data=data, message_end_time=chunk.message_end_time,
+                                   message_start_time=chunk.message_start_time, uncompressed_crc=0,
+                                   uncompressed_size=len(data)))
+    except Exception as e:  # noqa: BLE001 (records that do not parse, CRC unset)
+        raise _Damage(f"chunk records do not parse ({type(e).__name__}: {e})") from None
+
+
+class _Damage(Exception):
+    """What is wrong with one record of a part (``_Part._damaged`` adds the file and the offset)."""
+
+
+@dataclass
+class ReadReport:
+    """What reading a recording skipped: ``corrupt`` (with ``skip_corrupt``; else the first one raised
+    ``CorruptRecordingError``) and ``truncated`` (parts cut short, e.g. a killed recorder: read up to their last
+    complete chunk), one line each naming the file and what is wrong."""
+
+    corrupt: list[str] = field(default_factory=list)
+    truncated: list[str] = field(default_factory=list)
 
 
 class RequestIndex:
@@ -134,27 +239,86 @@ class RequestIndex:
 
 
 class _Part:
-    """One MCAP file: indexed reads when it has a summary, a streaming read of complete chunks otherwise."""
+    """One MCAP file: indexed reads when it has a summary, a streaming read of complete chunks otherwise.
 
-    def __init__(self, path: Path):
+    Every chunk read has its CRC checked, and a compressed chunk is bounded (``max_chunk_bytes``). Damage
+    raises ``CorruptRecordingError`` naming the file, the offset and what is wrong; with ``skip_corrupt`` the
+    damaged chunk (or, where the file cannot be followed past it, the rest of the part) is skipped and
+    described in ``report.corrupt``. A part without a footer (a killed recorder) is read up to its last
+    complete record and noted in ``report.truncated``: that is not damage."""
+
+    def __init__(self, path: Path, *, skip_corrupt: bool = False, report: ReadReport | None = None):
         self.path = path
         self.truncated = False  # set once a read found it cut short (recorder killed)
+        self.skip_corrupt = skip_corrupt
+        self.report = report if report is not None else ReadReport()
+        self._noted: set[str] = set()  # report lines already added (a part is read more than once)
         self._summary: Any = None
         self._index: Any = False  # not loaded yet
-        with open(path, "rb") as f:
-            if f.read(len(_MCAP_MAGIC)) != _MCAP_MAGIC:
-                raise RecordingError(f"{path} is not an MCAP file")
-            if _has_footer(f):
-                from mcap.reader import SeekingReader
-
+        self._limit = max_chunk_bytes()
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise RecordingError(f"{path}: cannot open it: {e.strerror or e}") from None
+        with f:
+            head = f.read(len(_MCAP_MAGIC))
+            if head != _MCAP_MAGIC:
+                what = "an empty file" if not head else "no MCAP magic at its start"
+                raise RecordingError(f"{path} is not an MCAP file ({what})")
+            self.complete = _has_footer(f)  # the writer finished it: reading stops short only on damage
+            self.size = f.seek(0, io.SEEK_END)
+            if self.complete:
                 try:
-                    f.seek(0)
-                    self._summary = SeekingReader(f).get_summary()
-                except Exception:  # a damaged summary: fall back to streaming the chunks
+                    self._summary = self._read_summary(f)
+                except _Damage as e:  # the chunks themselves may be intact: read them in order
+                    self._damaged(str(e) + ("; its chunks are read in file order instead" if skip_corrupt else ""),
+                                  None)
                     self._summary = None
         self.indexed = self._summary is not None and bool(self._summary.chunk_indexes)
         if not self.indexed:
-            self.truncated = not self._summary
+            self.truncated = not self.complete
+
+    def _damaged(self, what: str, offset: int | None) -> None:
+        where = f"{self.path}" + (f" at byte {offset}" if offset is not None else "")
+        line = f"{where}: {what}"
+        if not self.skip_corrupt:
+            raise CorruptRecordingError(line)
+        if line not in self._noted:
+            self._noted.add(line)
+            self.report.corrupt.append(line)
+            log.warning("recording: skipped: %s", line)
+
+    def _cut_short(self, offset: int) -> None:
+        self.truncated = True
+        line = (f"{self.path}: cut short at byte {offset} (no footer: its recorder did not finish it); read up "
+                f"to its last complete chunk, {self.size - offset} bytes after it not read")
+        if line not in self._noted:
+            self._noted.add(line)
+            self.report.truncated.append(line)
+
+    def _read_summary(self, f: Any) -> Any:
+        """The summary section, its CRC checked (the footer's ``summary_crc``)."""
+        from mcap.reader import SeekingReader
+
+        f.seek(self.size - len(_MCAP_MAGIC) - _FOOTER_RECORD)
+        footer = f.read(_FOOTER_RECORD)
+        opcode, _, summary_start, _, summary_crc = struct.unpack("<BQQQI", footer)
+        if opcode != _OP_FOOTER:
+            raise _Damage("no footer record before the closing magic")
+        if summary_start == 0:
+            return None
+        if not len(_MCAP_MAGIC) <= summary_start <= self.size - len(_MCAP_MAGIC) - _FOOTER_RECORD:
+            raise _Damage(f"the footer's summary offset {summary_start} is outside the file")
+        if summary_crc:
+            f.seek(summary_start)
+            crc = zlib.crc32(f.read(self.size - len(_MCAP_MAGIC) - 4 - summary_start))
+            if crc != summary_crc:
+                raise _Damage(f"summary CRC mismatch (stored {summary_crc:#010x}, computed {crc:#010x})")
+        try:
+            f.seek(0)
+            return SeekingReader(f, record_size_limit=self.size).get_summary()
+        except Exception as e:  # noqa: BLE001 (a summary without a CRC that does not parse)
+            raise _Damage(f"unreadable summary ({type(e).__name__}: {e})") from None
 
     def channels(self) -> list[Any]:
         if self.indexed:
@@ -165,16 +329,38 @@ class _Part:
         """The part's request index, or None (a part without columnar messages, or cut short by a kill)."""
         if self._index is False:
             self._index = None
-            if self.indexed and any(a.name == INDEX_ATTACHMENT for a in self._summary.attachment_indexes):
-                from mcap.reader import SeekingReader
-
-                with open(self.path, "rb") as f:
-                    reader = SeekingReader(f)
-                    reader._summary = self._summary
-                    for attachment in reader.iter_attachments():
-                        if attachment.name == INDEX_ATTACHMENT:
-                            self._index = RequestIndex(attachment.data)
+            for entry in (self._summary.attachment_indexes if self.indexed else ()):
+                if entry.name == INDEX_ATTACHMENT:
+                    data = self._attachment(entry.offset)
+                    if data is not None:
+                        self._index = RequestIndex(data)
         return self._index
+
+    def _attachment(self, offset: int) -> bytes | None:
+        """An attachment record's data, its CRC checked (None when damaged and skipped)."""
+        from mcap.data_stream import ReadDataStream
+        from mcap.records import Attachment
+
+        with open(self.path, "rb") as f:
+            f.seek(offset)
+            head = f.read(9)
+            try:
+                if len(head) < 9:
+                    raise _Damage("the request index's attachment is outside the file")
+                opcode, length = struct.unpack("<BQ", head)
+                if opcode != _OP_ATTACHMENT or offset + 9 + length > self.size or length < 4:
+                    raise _Damage(f"no attachment record where the summary says (opcode {opcode:#04x})")
+                body = f.read(length)
+                (stored,) = struct.unpack_from("<I", body, length - 4)
+                if stored and zlib.crc32(memoryview(body)[:-4]) != stored:
+                    raise _Damage("the request index's attachment CRC does not match")
+                try:
+                    return Attachment.read(ReadDataStream(io.BytesIO(body))).data
+                except Exception as e:  # noqa: BLE001
+                    raise _Damage(f"unreadable attachment ({type(e).__name__}: {e})") from None
+            except _Damage as e:
+                self._damaged(str(e), offset)
+                return None
 
     def messages(self, topics: Iterable[str] | None = None, *, kinds: Iterable[str] | None = None,
                  start: int | None = None, end: int | None = None) -> Iterator[_RecordedMessage]:
@@ -195,31 +381,101 @@ class _Part:
 
     def _indexed(self, wanted: set[str] | None, kinds: set[str] | None, start: int | None,
                  end: int | None) -> Iterator[_RecordedMessage]:
-        from mcap.reader import SeekingReader
-
+        """The chunks the summary's chunk index names for these topics and times, in file order (the recorder
+        writes increasing log times within a part: file order is log-time order), each read here with its
+        CRC checked and its decompression bounded."""
+        summary = self._summary
+        channels = summary.channels
+        ids = None if wanted is None else {cid for cid, c in channels.items() if c.topic in wanted}
         with open(self.path, "rb") as f:
-            reader = SeekingReader(f)
-            reader._summary = self._summary  # already read and validated in __init__
-            # log_time order == file order: the recorder writes increasing log times within a part.
-            for _, channel, record in reader.iter_messages(topics=None if wanted is None else sorted(wanted),
-                                                          log_time_order=True, **_time_range(start, end)):
-                if self._keep(channel, wanted, kinds):
-                    yield _RecordedMessage(channel.topic, _kind(channel), record.log_time, record.data)
+            for ci in sorted(summary.chunk_indexes, key=lambda c: c.chunk_start_offset):
+                if start is not None and ci.message_end_time < start:
+                    continue
+                if end is not None and ci.message_start_time >= end:
+                    continue
+                if ids is not None and ci.message_index_offsets and not ids.intersection(ci.message_index_offsets):
+                    continue
+                records = self._chunk_at(f, ci.chunk_start_offset, ci.chunk_length)
+                found = []
+                for record in records:
+                    if type(record).__name__ != "Message":
+                        continue
+                    channel = channels.get(record.channel_id)
+                    if channel is None:
+                        self._damaged(f"a message on channel {record.channel_id}, which the summary does not "
+                                      "list", ci.chunk_start_offset)
+                        continue
+                    if ((start is None or record.log_time >= start) and (end is None or record.log_time < end)
+                            and self._keep(channel, wanted, kinds)):
+                        found.append(_RecordedMessage(channel.topic, _kind(channel), record.log_time, record.data))
+                found.sort(key=lambda r: r.log_time)  # stable: file order among equal times
+                yield from found
+
+    def _chunk_at(self, f: Any, offset: int, length: int) -> list[Any]:
+        """The records of the chunk the chunk index places at ``offset`` ([] when damaged and skipped)."""
+        try:
+            if not len(_MCAP_MAGIC) <= offset or offset + length > self.size or length < 9:
+                raise _Damage(f"the chunk index names bytes {offset}..{offset + length}, outside the file")
+            f.seek(offset)
+            opcode, body_length = struct.unpack("<BQ", f.read(9))
+            if opcode != _OP_CHUNK or body_length != length - 9:
+                raise _Damage(f"no chunk record where the chunk index says (opcode {opcode:#04x}, "
+                              f"{body_length} bytes)")
+            return _chunk_records(f.read(body_length), self._limit)
+        except _Damage as e:
+            self._damaged(str(e), offset)
+            return []
 
     def _records(self) -> Iterator[Any]:
-        from mcap.stream_reader import StreamReader
+        """The part's records in file order (chunks opened, their CRCs checked). A record cut short by the end
+        of a file without footer ends the readable part of a killed recorder's file; anything else that does
+        not parse is damage."""
+        from mcap.data_stream import ReadDataStream
+        from mcap.records import Channel, Message as McapMessage, Metadata, Schema
 
+        simple = {_OP_CHANNEL: Channel.read, _OP_SCHEMA: Schema.read, _OP_METADATA: Metadata.read}
         with open(self.path, "rb") as f:
-            records = StreamReader(f, skip_magic=False).records
+            pos = f.seek(len(_MCAP_MAGIC))
             while True:
-                try:
-                    record = next(records)
-                except StopIteration:
+                head = f.read(9)
+                if len(head) < 9:
+                    if self.complete:
+                        self._damaged("the records end before the footer", pos)
+                    else:
+                        self._cut_short(pos)
                     return
-                except Exception:  # a record cut short by a crash ends the readable part of the file
-                    self.truncated = True
+                opcode, length = struct.unpack("<BQ", head)
+                if pos + 9 + length > self.size:
+                    if self.complete:
+                        self._damaged(f"a record (opcode {opcode:#04x}) claims {length} bytes, past the end of "
+                                      "the file; the rest of the part is not read", pos)
+                    else:
+                        self._cut_short(pos)
                     return
-                yield record
+                if opcode == _OP_FOOTER:
+                    return
+                if not (_OP_HEADER <= opcode <= _OP_DATA_END or opcode >= 0x80):
+                    self._damaged(f"an unknown record opcode {opcode:#04x}; the rest of the part is not read", pos)
+                    return
+                if opcode == _OP_CHUNK:
+                    try:
+                        records = _chunk_records(f.read(length), self._limit)
+                    except _Damage as e:
+                        self._damaged(str(e), pos)
+                        records = []
+                    yield from records
+                elif opcode in simple or opcode == _OP_MESSAGE:
+                    body = f.read(length)
+                    try:
+                        stream = ReadDataStream(io.BytesIO(body))
+                        record = McapMessage.read(stream, length) if opcode == _OP_MESSAGE else simple[opcode](stream)
+                    except Exception as e:  # noqa: BLE001
+                        self._damaged(f"an unreadable record (opcode {opcode:#04x}: {type(e).__name__}: {e})", pos)
+                    else:
+                        yield record
+                else:
+                    f.seek(length, io.SEEK_CUR)
+                pos += 9 + length
 
     def _stream_channels(self) -> Iterator[Any]:
         from mcap.records import Channel
@@ -239,7 +495,9 @@ class _Part:
             elif isinstance(record, McapMessage):
                 channel = channels.get(record.channel_id)
                 if channel is None:
-                    raise RecordingError(f"{self.path}: message on unknown channel {record.channel_id}")
+                    self._damaged(f"a message on channel {record.channel_id}, which no channel record declares",
+                                  None)
+                    continue
                 if ((start is None or record.log_time >= start) and (end is None or record.log_time < end)
                         and self._keep(channel, wanted, kinds)):
                     yield _RecordedMessage(channel.topic, _kind(channel), record.log_time, record.data)
@@ -250,30 +508,20 @@ class _Part:
         if self.indexed:
             from mcap.reader import SeekingReader
 
-            with open(self.path, "rb") as f:
-                reader = SeekingReader(f)
-                reader._summary = self._summary
-                for record in reader.iter_metadata():
-                    if record.name == METADATA_NAME:
-                        return dict(record.metadata)
+            try:
+                with open(self.path, "rb") as f:
+                    reader = SeekingReader(f, record_size_limit=self.size)
+                    reader._summary = self._summary
+                    for record in reader.iter_metadata():
+                        if record.name == METADATA_NAME:
+                            return dict(record.metadata)
+            except Exception as e:  # noqa: BLE001 (a metadata record that does not parse: no CRC covers it)
+                self._damaged(f"unreadable metadata ({type(e).__name__}: {e})", None)
             return {}
         for record in self._records():
             if isinstance(record, Metadata) and record.name == METADATA_NAME:
                 return dict(record.metadata)
         return {}
-
-
-def _time_range(start: int | None, end: int | None) -> dict:
-    """``iter_messages`` keywords of a log-time range [start, end): mcap 1.6 renamed them."""
-    if start is None and end is None:
-        return {}
-    import inspect
-
-    from mcap.reader import SeekingReader
-
-    if "starting_at" in inspect.signature(SeekingReader.iter_messages).parameters:
-        return {"starting_at": start, "ending_before": end}
-    return {"start_time": start, "end_time": end}
 
 
 def _matches(request_id: str, patterns: Sequence[str]) -> bool:
@@ -319,17 +567,24 @@ def narrow(frames: list, matcher: Callable[[str], bool], where: str = "") -> lis
 
 
 def iter_recording(path: str | os.PathLike, patterns: Sequence[str] = ("*",), *,
-                   include_bus: bool = False, with_log_time: bool = False) -> Iterator[tuple]:
+                   include_bus: bool = False, with_log_time: bool = False, skip_corrupt: bool = False,
+                   report: ReadReport | None = None) -> Iterator[tuple]:
     """Each recorded message, in recorded order: ``(frames, message)`` (``(frames, message, log_time_ns)``
     with ``with_log_time``). ``patterns`` are globs on request ids (a columnar message is narrowed to the
     matching requests, and skipped when none match); messages of the ``_bus`` channel (heartbeats and other
     messages without a request id) are yielded only with ``include_bus``.
+
+    A damaged part (a chunk whose CRC does not match, a record that does not parse, a compressed chunk past
+    ``MIA_STREAM_RECORDING_MAX_CHUNK_BYTES``) raises ``CorruptRecordingError`` when the reader reaches it; with
+    ``skip_corrupt`` it is skipped and described in ``report.corrupt``. Parts cut short by a killed recorder
+    are read up to their last complete chunk and listed in ``report.truncated``.
     """
+    report = report if report is not None else ReadReport()
     patterns = tuple(patterns)
     kinds = ("request", "producer", "bus") if include_bus else ("request", "producer")
     matcher = None if patterns == ("*",) else _Matcher(patterns)
     for part_path in part_files(path):
-        part = _Part(part_path)
+        part = _Part(part_path, skip_corrupt=skip_corrupt, report=report)
         topics = None
         if matcher is not None:
             topics = [c.topic for c in part.channels()
@@ -360,6 +615,7 @@ class RecordingSummary:
     end_ns: int
     truncated_parts: list[str] = field(default_factory=list)
     metadata: dict[str, str] = field(default_factory=dict)
+    corrupt: list[str] = field(default_factory=list)  # what was skipped as damaged (``skip_corrupt``)
 
     @property
     def duration_s(self) -> float:
@@ -369,9 +625,12 @@ class RecordingSummary:
 class Recording:
     """A recording on disk: its request ids, one request's messages (via the MCAP and request indexes), a summary."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, *, skip_corrupt: bool = False):
+        """``skip_corrupt``: skip damaged chunks (described in ``report.corrupt``) instead of raising
+        ``CorruptRecordingError``."""
         self.path = Path(path)
-        self._parts = [_Part(p) for p in part_files(self.path)]
+        self.report = ReadReport()
+        self._parts = [_Part(p, skip_corrupt=skip_corrupt, report=self.report) for p in part_files(self.path)]
 
     @property
     def parts(self) -> list[Path]:
@@ -460,4 +719,4 @@ class Recording:
                 truncated.append(part.path.name)
         meta = self._parts[0].metadata() if self._parts else {}
         return RecordingSummary(len(self._parts), messages, nbytes, len(requests), bus, start or 0, end,
-                                truncated, meta)
+                                truncated, meta, list(self.report.corrupt))

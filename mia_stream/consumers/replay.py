@@ -12,13 +12,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Sequence
 
-from mia_stream.consumers.recording import iter_recording
+from mia_stream.consumers.recording import ReadReport, RecordingError, iter_recording
+from mia_stream.errors import MiaStreamError
 from mia_stream.schemas import GapBatch, Message
 
 PACES = ("full", "recorded")
@@ -33,17 +35,22 @@ class ReplayStats:
     bytes: int = 0
     seconds: float = 0.0
     dropped: int = 0  # refused by the publisher (broker replay only; announced to consumers as gaps)
+    report: ReadReport = field(default_factory=ReadReport)  # what the read skipped: corrupt chunks, cut-short parts
+    skip_corrupt: bool = False  # skip damaged chunks (listed in report.corrupt) instead of raising
 
 
 def iter_replay(path: str | os.PathLike, *, pace: str = "full", patterns: Sequence[str] = ("*",),
                 clock: Callable[[], float] = time.monotonic,
-                sleep: Callable[[float], None] = time.sleep) -> Iterator[tuple[list[bytes], Message]]:
+                sleep: Callable[[float], None] = time.sleep, skip_corrupt: bool = False,
+                report: ReadReport | None = None) -> Iterator[tuple[list[bytes], Message]]:
     """``iter_recording`` at the chosen pace: with ``"recorded"``, message i is released
-    ``log_time[i] - log_time[0]`` after the first."""
+    ``log_time[i] - log_time[0]`` after the first. A damaged recording raises ``CorruptRecordingError``
+    (``skip_corrupt``: its damaged chunks are skipped and described in ``report``)."""
     if pace not in PACES:
         raise ValueError(f"pace must be one of {PACES}, got {pace!r}")
     t0 = first = None
-    for frames, msg, log_time in iter_recording(path, patterns, with_log_time=True):
+    for frames, msg, log_time in iter_recording(path, patterns, with_log_time=True, skip_corrupt=skip_corrupt,
+                                                report=report):
         if pace == "recorded":
             if first is None:
                 t0, first = clock(), log_time
@@ -71,7 +78,8 @@ def _replay_into_consumer(path, consumer, pace, patterns, stats: ReplayStats) ->
     if sdk_consumer is not None and isinstance(consumer, sdk_consumer):
         _replay_into_sdk_consumer(path, consumer, pace, patterns, stats)
         return
-    for frames, msg in iter_replay(path, pace=pace, patterns=patterns):
+    for frames, msg in iter_replay(path, pace=pace, patterns=patterns, skip_corrupt=stats.skip_corrupt,
+                                    report=stats.report):
         _deliver(consumer, msg)
         stats.messages += 1
         stats.bytes += sum(len(f) for f in frames)
@@ -94,7 +102,8 @@ def _replay_into_sdk_consumer(path, consumer, pace, patterns, stats: ReplayStats
     from mia_stream.consumers import StreamAssembler, dispatch, wants_batches
 
     assembler = StreamAssembler(batches=wants_batches(consumer))
-    for frames, msg in iter_replay(path, pace=pace, patterns=patterns):
+    for frames, msg in iter_replay(path, pace=pace, patterns=patterns, skip_corrupt=stats.skip_corrupt,
+                                    report=stats.report):
         stats.messages += 1
         stats.bytes += sum(len(f) for f in frames)
         for event in assembler.feed(msg):
@@ -109,7 +118,8 @@ def _replay_into_broker(path, address: str, pace, patterns, stats: ReplayStats, 
     with FramePublisher(address, producer_id=publisher_options.pop("producer_id", "replay"),
                         **publisher_options) as pub:
         budget = pub.queue_bytes // 2
-        for frames, msg in iter_replay(path, pace=pace, patterns=patterns):
+        for frames, msg in iter_replay(path, pace=pace, patterns=patterns, skip_corrupt=stats.skip_corrupt,
+                                    report=stats.report):
             # The publisher never blocks (it drops instead); a replay can afford to wait for room.
             while pub.stats()["queue_bytes"] > budget:
                 time.sleep(0.001)
@@ -123,11 +133,15 @@ def _replay_into_broker(path, address: str, pace, patterns, stats: ReplayStats, 
 
 
 def replay(path: str | os.PathLike, *, into: Any, pace: str = "full", patterns: Sequence[str] = ("*",),
-           **publisher_options: Any) -> ReplayStats:
-    """Deliver a recording to ``into``: a Consumer instance, or a broker address (str / path) to publish to."""
+           skip_corrupt: bool = False, **publisher_options: Any) -> ReplayStats:
+    """Deliver a recording to ``into``: a Consumer instance, or a broker address (str / path) to publish to.
+
+    A damaged recording raises ``CorruptRecordingError`` (a ``RecordingError``) where the read reaches the
+    damage; with ``skip_corrupt`` its damaged chunks are skipped and listed in ``stats.report.corrupt``.
+    Parts cut short by a killed recorder are read up to their last complete chunk (``stats.report.truncated``)."""
     if pace not in PACES:
         raise ValueError(f"pace must be one of {PACES}, got {pace!r}")
-    stats = ReplayStats()
+    stats = ReplayStats(skip_corrupt=skip_corrupt)
     t0 = time.perf_counter()
     if isinstance(into, (str, os.PathLike)):
         _replay_into_broker(path, str(into), pace, patterns, stats, publisher_options)
@@ -157,10 +171,28 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("--consumer", metavar="MODULE:Class", help="run this Consumer class on the recording")
     p.add_argument("--pace", choices=PACES, default="full", help="full speed, or the recorded pace")
     p.add_argument("--patterns", nargs="+", default=["*"], metavar="GLOB", help="request-id globs (default: *)")
+    p.add_argument("--skip-corrupt", action="store_true",
+                   help="replay what is intact, skipping damaged chunks (each named on stderr; the exit status "
+                        "is still 1)")
     args = p.parse_args(argv)
+    prog = "mia-stream replay"
+    logging.getLogger("mia_stream.consumers.recording").setLevel(logging.ERROR)  # its skips are printed below
     into = args.broker if args.broker else _load_consumer(args.consumer)
-    stats = replay(args.recording, into=into, pace=args.pace, patterns=args.patterns)
+    try:
+        stats = replay(args.recording, into=into, pace=args.pace, patterns=args.patterns,
+                       skip_corrupt=args.skip_corrupt)
+    except RecordingError as e:  # not a recording, or damaged: one line naming the file and what is wrong
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 1
+    except (MiaStreamError, OSError) as e:  # a message that does not decode, a file that cannot be read
+        print(f"{prog}: {args.recording}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     rate = stats.bytes / stats.seconds / 1e6 if stats.seconds else 0.0
-    print(f"mia-stream replay: {stats.messages} messages, {stats.bytes} bytes in {stats.seconds:.2f} s "
-          f"({rate:.0f} MB/s), {stats.dropped} dropped", file=sys.stderr)
-    return 0 if not stats.dropped else 1
+    for line in stats.report.truncated:
+        print(f"{prog}: {line}", file=sys.stderr)
+    for line in stats.report.corrupt:
+        print(f"{prog}: skipped: {line}", file=sys.stderr)
+    print(f"{prog}: {stats.messages} messages, {stats.bytes} bytes in {stats.seconds:.2f} s "
+          f"({rate:.0f} MB/s), {stats.dropped} dropped, {len(stats.report.corrupt)} damaged record(s) skipped",
+          file=sys.stderr)
+    return 0 if not (stats.dropped or stats.report.corrupt) else 1
