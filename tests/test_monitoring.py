@@ -98,11 +98,19 @@ class Run:
                 col.wait_ended([self.rid])
                 assert analyzer.wait(60) == 0, analyzer.stderr.read()
                 self.analyzer_stderr = analyzer.stderr.read()
-                deadline = time.monotonic() + 10  # the action's outcome message may come after the request's end
-                while not col.kinds(self.rid, "analysis") or not any(
-                        e.analysis.analyzer == "alert_action" for e in col.kinds(self.rid, "analysis")):
-                    if time.monotonic() > deadline:
-                        break
+                # The action's outcome and the analyzer's last rows may come after the request's end: the analyzer
+                # has exited, so everything it published is on its way; read until the outcome and a row for every
+                # position it printed have come (each analyzer's results are a stream of their own).
+                printed = {p for line in (tmp / "live.jsonl").read_text().splitlines()
+                           for p in json.loads(line)["positions"]}
+
+                def complete() -> bool:
+                    got = col.kinds(self.rid, "analysis")
+                    risk = {p for e in got if e.analysis.analyzer == "projection_risk" for p in e.analysis.positions}
+                    return any(e.analysis.analyzer == "alert_action" for e in got) and printed <= risk
+
+                deadline = time.monotonic() + 10
+                while not complete() and time.monotonic() < deadline:
                     for ev in col._stream._source.events(timeout=0.2):
                         col.events[ev.stream.request_id].append(ev)
             self.col = col
