@@ -92,7 +92,7 @@ class EngineControl:
                     self.aborts.add(eid)
                 elif out.changed:
                     self.ops[eid] = (out.ops, version)
-                    updates.append((eid, [o.to_wire(compact=True) for o in out.ops], version))
+                    updates.append((eid, [o.to_wire(compact=True, digest=True) for o in out.ops], version))
                     on_change(eid, version)
             self.publisher.ack(SteeringAck(
                 command_id=cmd.command_id, request_id=cmd.request_id, ok=err is None,
