@@ -21,6 +21,7 @@ import hashlib
 import json
 import math
 import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -304,16 +305,20 @@ class _OpCache:
         self.sizes: dict[tuple, int] = {}
         self.bytes = 0
         self.hits = self.misses = self.uncached = 0
+        self._lock = threading.Lock()  # misses only: an in-process engine parses in more than one thread
 
     def put(self, key: tuple, op: SteerOp) -> None:
         size = len(op.vector) + sum(len(x) for x in key[2] if isinstance(x, bytes))
-        while self.entries and (len(self.entries) >= self.MAX_ENTRIES or self.bytes + size > self.MAX_BYTES):
-            old = next(iter(self.entries))
-            del self.entries[old]
-            self.bytes -= self.sizes.pop(old)
-        self.entries[key] = op
-        self.sizes[key] = size
-        self.bytes += size
+        with self._lock:
+            if key in self.entries:
+                return
+            while self.entries and (len(self.entries) >= self.MAX_ENTRIES or self.bytes + size > self.MAX_BYTES):
+                old = next(iter(self.entries))
+                del self.entries[old]
+                self.bytes -= self.sizes.pop(old)
+            self.entries[key] = op
+            self.sizes[key] = size
+            self.bytes += size
 
 
 _op_cache = _OpCache()
