@@ -216,6 +216,11 @@ SETTINGS: dict[str, Setting] = _table(
     # ---- internal
     Setting("MIA_STREAM_DEMO_OUT", "path", "internal", "The file the demo's consumer process writes its lines to."),
     Setting("MIA_STREAM_DEMO_TAG", "text", "internal", "The demo consumer's line tag.", default="live"),
+    Setting("MIA_STREAM_CONTROL_TOKEN", "text", "internal",
+            "The random part of an engine's control id (`host:pid:engine:TOKEN`, StreamStart.control_id): made "
+            "(16 hex digits) by the first vLLM process that loads the plugin, inherited by the engine core and its "
+            "workers, so a peer cannot guess the id to take the engine's steering commands (docs/security.md). "
+            "Letters, digits, `_` and `-` only.", default_doc="random, per launching process"),
 )
 
 _TRUE = frozenset(("1", "true", "yes", "on"))

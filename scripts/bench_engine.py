@@ -4,14 +4,19 @@
     python3 scripts/bench_engine.py --model /tmp/models/llama8b-shape --dummy --n 256 --tokens 128 \\
         --prompt-len 64 --out $OUT                                                # the H200 (8B shape)
 
-Two engines run in one driver process, both with vLLM's default multiprocess engine core: ``plain`` (the
-plugin inactive: no ``MIA_STREAM_BROKER`` in its environment) and ``plugin``. The broker (``mia-stream
-broker``) and the consumers, each subscribed to ``*``, run as their own processes. Each round draws fresh random
-prompts and runs every row on the plugin engine and the same prompts on the plain engine, back to back, so
-no row gets prefix-cache hits the other does not and clock drift spreads over the rows; the ``shared_prefix``
-row gives all prompts one shared system prompt (``--shared-prefix`` tokens) that both engines cache.
+Two engines run in one driver process, both with vLLM's default multiprocess engine core and vLLM's default
+scheduler settings (no ``max_num_seqs`` override; on CUDA each engine gets ``--gpu-mem``): ``plain`` (the plugin
+inactive: no ``MIA_STREAM_BROKER`` in its environment) and ``plugin``. The broker (``mia-stream broker``) and
+the consumers, each subscribed to ``*``, run as their own processes. Each row runs ``--pairs`` pairs in A-B-A-B
+order (plugin, plain, plugin, plain): a pair draws fresh random prompts and runs them on the plugin engine, then
+the same prompts on the plain engine, so no run gets prefix-cache hits the other does not. A run lasts at least
+``--min-run-s`` (3 s): it repeats batches of fresh prompts, as many as the plain engine needed for that long in
+a calibration batch of the row's kind (issue 26: ratios from runs under ~3 s, or from a fixed engine order, moved
+by 5%). The ``shared_prefix`` row gives all prompts one shared system prompt (``--shared-prefix`` tokens) that
+both engines cache.
 
-Per row: generated tokens/s of each engine and their ratio, the decode step time of the plain engine, and
+Per row: generated tokens/s of each engine (median over the pairs) and the median of the pairs' ratios with
+their spread (min-max over the pairs), the decode step time of the plain engine, and
 from the consumer: request-steps delivered, seqs lost (gaps + producer drops), and the latency from a frame's
 ``time_ns`` (its step's rows reached the host) to the consumer callback, p50 and p99, also in decode steps:
 over all frames, over decode frames (a request's first frame carries its whole prompt), and in steady decode
@@ -191,7 +196,7 @@ def make_llm(a: argparse.Namespace, plugin: bool, address: str):
     if plugin:
         os.environ["MIA_STREAM_BROKER"] = address
     kw = dict(model=a.model, dtype=a.dtype, max_model_len=a.max_len, enforce_eager=a.eager, seed=0,
-              max_num_seqs=max(a.n, 8), enable_prefix_caching=True)
+              enable_prefix_caching=True)  # vLLM's default scheduler limits: no max_num_seqs override
     if a.gpu_mem:
         kw["gpu_memory_utilization"] = a.gpu_mem
     if a.dummy:
@@ -279,14 +284,24 @@ def summarize_pyspy(raw: str, title: str, top: int = 25) -> str:
 
 def run_batch(llm, prompts: list, params) -> tuple[int, float, int]:
     """Generated tokens, seconds, prompt tokens served from the prefix cache."""
+    return run_batches(llm, [prompts], [params])
+
+
+def run_batches(llm, prompt_sets: list, param_sets: list) -> tuple[int, float, int]:
+    """One run: the batches back to back. Generated tokens, seconds (the batches' own), cached prompt tokens."""
     from vllm import SamplingParams
 
-    t0 = time.perf_counter()
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    dt = time.perf_counter() - t0
+    gen = cached = 0
+    dt = 0.0
+    for prompts, params in zip(prompt_sets, param_sets):
+        t0 = time.perf_counter()
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        dt += time.perf_counter() - t0
+        gen += sum(len(o.outputs[0].token_ids) for o in outs)
+        cached += sum(o.num_cached_tokens or 0 for o in outs)
     # the worker learns of finished requests at the next step: one more tiny request ends the last streams
-    llm.generate([{"prompt_token_ids": prompts[0][:4]}], SamplingParams(max_tokens=1), use_tqdm=False)
-    return sum(len(o.outputs[0].token_ids) for o in outs), dt, sum(o.num_cached_tokens or 0 for o in outs)
+    llm.generate([{"prompt_token_ids": prompt_sets[0][0][:4]}], SamplingParams(max_tokens=1), use_tqdm=False)
+    return gen, dt, cached
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -302,6 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shared-prefix", type=int, default=1024)
     ap.add_argument("--rows", default="idle,hs_1layer_all", help="comma list, or 'all'")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--pairs", type=int, default=2, help="plugin-plain pairs per row, in A-B-A-B order")
+    ap.add_argument("--min-run-s", type=float, default=3.0,
+                    help="each run repeats batches of fresh prompts to last at least this long")
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--gpu-mem", type=float, default=None, help="gpu_memory_utilization of EACH engine")
     ap.add_argument("--consumer-api", default="events,batches", help="comma list of: events, batches")
@@ -379,56 +397,87 @@ def main(argv: list[str] | None = None) -> int:
         warm = prompts_for("decode")
         for llm in (plugin, plain):  # one-time costs (allocations, lazy init, compile of new shapes)
             run_batch(llm, warm, SamplingParams(**base))
+        reps_of: dict[str, int] = {}
+
+        def reps_for(kind: str) -> int:
+            """Batches per run: enough for the plain engine to run ``--min-run-s`` (one timed batch of the kind)."""
+            if kind not in reps_of:
+                _, dt, _ = run_batch(plain, prompts_for(kind), SamplingParams(**base))
+                reps_of[kind] = max(1, int(np.ceil(a.min_run_s / max(dt, 1e-3))))
+            return reps_of[kind]
+
+        def params_for(spec, tag: str, n: int):
+            if spec is None:
+                return SamplingParams(**base)
+            if spec == "distinct":
+                out = []
+                for i in range(n):
+                    v = rng.standard_normal(H).astype(np.float32)
+                    out.append(SamplingParams(**base, extra_args={"mia_stream": {
+                        "steer": [{"layer": L // 2, "op": "add", "vector": (v / np.linalg.norm(v)).tolist(),
+                                   "scale": 0.5}], "id": f"{tag}-{i}"}}))
+                return out
+            return [SamplingParams(**base, extra_args={"mia_stream": dict(spec, id=f"{tag}-{i}")}) for i in range(n)]
+
         for rnd in range(a.rounds):
             for name in names:
                 spec, kind = table[name]
-                prompts = prompts_for(kind)
+                reps = reps_for(kind)
                 if kind == "shared":  # both engines cache the shared prefix first (a real server has it warm)
                     for llm in (plugin, plain):
-                        run_batch(llm, prompts[:1], SamplingParams(**base))
-                tag = f"r{rnd}-{name}"
-                if spec is None:
-                    params = SamplingParams(**base)
-                elif spec == "distinct":
-                    params = []
-                    for i in range(len(prompts)):
-                        v = rng.standard_normal(H).astype(np.float32)
-                        params.append(SamplingParams(**base, extra_args={"mia_stream": {
-                            "steer": [{"layer": L // 2, "op": "add", "vector": (v / np.linalg.norm(v)).tolist(),
-                                       "scale": 0.5}], "id": f"{tag}-{i}"}}))
-                else:
-                    params = [SamplingParams(**base, extra_args={"mia_stream": dict(spec, id=f"{tag}-{i}")})
-                              for i in range(len(prompts))]
-                ids = {f"{tag}-{i}" for i in range(len(prompts))} if spec is not None else set()
-                order = [("plugin", plugin), ("plain", plain)] if rnd % 2 == 0 else [("plain", plain), ("plugin", plugin)]
-                row = {}
+                        run_batch(llm, prompts_for(kind)[:1], SamplingParams(**base))
+                ids: set = set()
+                pairs = []
                 row_t0_ns = time.time_ns()
-                for which, llm in order:
-                    spies = []
-                    if which == "plugin" and core_pid and name in a.profile.split(",") and rnd == a.rounds - 1:
-                        # the engine core, this process (vLLM's frontend, which admits the requests), the
-                        # broker and each consumer: every process between a step and a consumer's callback
-                        procs = [("plugin engine core", core_pid, True), ("frontend (driver process)", os.getpid(), False),
-                                 ("broker", broker.pid, False)]
-                        procs += [(f"{api} consumer", c.pid, False) for api, c in consumers.items()]
-                        for title, pid, children in procs:
-                            raw = str(out / f"pyspy-{name}-{pid}.raw")
-                            spies.append((title, raw, start_pyspy(a.pyspy, pid, a.pyspy_s, raw, children)))
-                        time.sleep(0.3)  # attached before the batch starts
-                    gen, dt, cached = run_batch(llm, prompts, params if which == "plugin" else SamplingParams(**base))
-                    row[which] = {"tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1),
-                                  "cached_prompt_tokens": cached, "prompt_tokens": sum(map(len, prompts))}
-                    for title, raw, spy in spies:
-                        spy.wait(a.pyspy_s + 30)
-                        with open(out / "pyspy.txt", "a") as f:
-                            f.write(summarize_pyspy(raw, f"{name}: {title}, {a.pyspy_s:g} s from the "
-                                                         f"batch's start ({dt:.2f} s run)"))
-                        os.replace(raw, raw.removesuffix(".raw") + ".stacks")  # for a flame graph
-                        row["profiled"] = True
-                steps = row["plain"]["tokens"] / max(len(prompts), 1)
-                step_ms = 1e3 * row["plain"]["s"] / max(steps, 1)
-                row.update(ratio=round(row["plugin"]["tok_s"] / row["plain"]["tok_s"], 3),
-                           plain_step_ms=round(step_ms, 2), streams=len(ids))
+                for pair in range(a.pairs):
+                    prompt_sets = [prompts_for(kind) for _ in range(reps)]
+                    tags = [f"r{rnd}-{name}-p{pair}-b{b}" for b in range(reps)]
+                    param_sets = [params_for(spec, tag, len(ps)) for tag, ps in zip(tags, prompt_sets)]
+                    if spec is not None:
+                        ids |= {f"{tag}-{i}" for tag, ps in zip(tags, prompt_sets) for i in range(len(ps))}
+                    runs = {}
+                    for which, llm in (("plugin", plugin), ("plain", plain)):  # A-B, pair after pair: A-B-A-B
+                        spies = []
+                        last = rnd == a.rounds - 1 and pair == a.pairs - 1
+                        if which == "plugin" and core_pid and name in a.profile.split(",") and last:
+                            # the engine core, this process (vLLM's frontend, which admits the requests), the
+                            # broker and each consumer: every process between a step and a consumer's callback
+                            procs = [("plugin engine core", core_pid, True),
+                                     ("frontend (driver process)", os.getpid(), False), ("broker", broker.pid, False)]
+                            procs += [(f"{api} consumer", c.pid, False) for api, c in consumers.items()]
+                            for title, pid, children in procs:
+                                raw = str(out / f"pyspy-{name}-{pid}.raw")
+                                spies.append((title, raw, start_pyspy(a.pyspy, pid, a.pyspy_s, raw, children)))
+                            time.sleep(0.3)  # attached before the batch starts
+                        plain_sets = [SamplingParams(**base)] * reps
+                        gen, dt, cached = run_batches(llm, prompt_sets, param_sets if which == "plugin" else plain_sets)
+                        runs[which] = {"tokens": gen, "s": round(dt, 3), "tok_s": round(gen / dt, 1),
+                                       "cached_prompt_tokens": cached,
+                                       "prompt_tokens": sum(len(p) for ps in prompt_sets for p in ps)}
+                        for title, raw, spy in spies:
+                            spy.wait(a.pyspy_s + 30)
+                            with open(out / "pyspy.txt", "a") as f:
+                                f.write(summarize_pyspy(raw, f"{name}: {title}, {a.pyspy_s:g} s from the "
+                                                             f"batch's start ({dt:.2f} s run)"))
+                            os.replace(raw, raw.removesuffix(".raw") + ".stacks")  # for a flame graph
+                            runs["profiled"] = True
+                    runs["ratio"] = round(runs["plugin"]["tok_s"] / runs["plain"]["tok_s"], 3)
+                    pairs.append(runs)
+                ratios = [p["ratio"] for p in pairs]
+                row = {"pairs": pairs, "batches_per_run": reps, "ratio": round(float(np.median(ratios)), 3),
+                       "ratio_min": min(ratios), "ratio_max": max(ratios),
+                       "shortest_run_s": min(min(p["plugin"]["s"], p["plain"]["s"]) for p in pairs)}
+                for which in ("plugin", "plain"):
+                    row[which] = {"tok_s": round(float(np.median([p[which]["tok_s"] for p in pairs])), 1),
+                                  "tokens": sum(p[which]["tokens"] for p in pairs),
+                                  "s": round(sum(p[which]["s"] for p in pairs), 3),
+                                  "cached_prompt_tokens": sum(p[which]["cached_prompt_tokens"] for p in pairs)}
+                if any(p.get("profiled") for p in pairs):
+                    row["profiled"] = True
+                prompts = prompt_sets[0]
+                steps = row["plain"]["tokens"] / max(len(prompts) * reps * a.pairs, 1)
+                step_ms = 1e3 * row["plain"]["s"] / (reps * a.pairs) / max(steps, 1)
+                row.update(plain_step_ms=round(step_ms, 2), streams=len(ids))
                 for api, consumer in consumers.items():
                     if consumer.poll() is not None:
                         raise RuntimeError(f"the {api} consumer exited ({consumer.returncode}); see its stderr above")
@@ -471,17 +520,22 @@ def main(argv: list[str] | None = None) -> int:
 
 def print_table(results: dict) -> None:
     apis = results["args"]["consumer_api"].split(",")
-    head = f"{'row':28s} {'ratio':>6s} {'plugin tok/s':>12s} {'plain tok/s':>11s} {'step ms':>8s} {'cached plugin/plain':>19s}"
+    head = (f"{'row':28s} {'ratio':>6s} {'min-max':>11s} {'plugin tok/s':>12s} {'plain tok/s':>11s} {'run s':>5s} "
+            f"{'step ms':>8s} {'cached plugin/plain':>19s}")
     for api in apis:
         head += (f" | {api + ': frames':>15s} {'gaps':>5s} {'drop':>5s} {'p50 ms':>7s} {'p99 ms':>7s}"
                  f" {'dec p99':>7s} {'dec st':>6s} {'stdy p99':>8s} {'stdy st':>7s} {'gc max':>6s}")
     print("\n" + head)
+    print("(ratio: median of the pairs' plugin/plain tok/s; min-max: over the pairs; tok/s: medians; run s: the "
+          "shortest run)")
     nan = float("nan")
     for name, runs in results["rows"].items():
         for r in runs:
             cached = f"{r['plugin'].get('cached_prompt_tokens', 0)}/{r['plain'].get('cached_prompt_tokens', 0)}"
-            line = (f"{name:28s} {r['ratio']:6.3f} {r['plugin']['tok_s']:12.1f} {r['plain']['tok_s']:11.1f} "
-                    f"{r['plain_step_ms']:8.2f} {cached:>19s}")
+            spread = f"{r.get('ratio_min', r['ratio']):.3f}-{r.get('ratio_max', r['ratio']):.3f}"
+            line = (f"{name:28s} {r['ratio']:6.3f} {spread:>11s} {r['plugin']['tok_s']:12.1f} "
+                    f"{r['plain']['tok_s']:11.1f} {r.get('shortest_run_s', 0.0):5.1f} {r['plain_step_ms']:8.2f} "
+                    f"{cached:>19s}")
             for api in apis:
                 c = r.get(api, {})
                 line += (f" | {c.get('frames', 0):15d} {c.get('gap_seqs', 0):5d} {c.get('dropped', 0):5d} "

@@ -50,10 +50,10 @@ def _runtime(pub, hold: bool) -> ProducerRuntime:
     return rt
 
 
-def _step(rt, step, first_pos, token_ids):
-    """One engine step of request e1: route, 'forward' (the in-graph ops on known values), drain."""
+def _step(rt, step, first_pos, token_ids, rid="e1"):
+    """One engine step of request ``rid``: route, 'forward' (the in-graph ops on known values), drain."""
     n = len(token_ids)
-    rt.begin_step(StepBatch(step=step, req_ids=["e1"], query_start=np.array([0, n]),
+    rt.begin_step(StepBatch(step=step, req_ids=[rid], query_start=np.array([0, n]),
                             num_computed=np.array([first_pos]), num_tokens=n, token_ids=np.array(token_ids)))
     st = rt.state
     for layer in range(GEO.num_layers):
@@ -390,3 +390,90 @@ def test_the_sidecar_gets_the_parents_sys_path_after_its_own_pythonpath(monkeypa
     monkeypatch.setattr(sys, "path", ["", "/added/at/run/time", "/first", *sys.path])
     entries = _child_env()["PYTHONPATH"].split(os.pathsep)
     assert entries[:2] == ["/first", "/added/at/run/time"] and "" not in entries and len(entries) == len(set(entries))
+
+
+def _broken_mia_stream(tmp_path, monkeypatch):
+    """A mia_stream copy that cannot be imported, for a sidecar's PYTHONPATH (its entries come first; and the
+    working directory, which ``python -m`` puts before them, is one without a mia_stream)."""
+    monkeypatch.chdir(tmp_path)
+    pkg = tmp_path / "broken" / "mia_stream"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("raise ImportError('this mia_stream copy is broken on purpose')\n")
+    return str(tmp_path / "broken")
+
+
+def _sidecar_runtime(producer_id: str) -> ProducerRuntime:
+    cfg = RuntimeConfig(aperture_rows=16, host_ring_bytes=1 << 20, steer_slots=4, max_ops_per_layer=2,
+                        capture_qk=False, steering=True)
+    return ProducerRuntime(geo=GEO, model_name="toy", tokenizer="toy", dtype=torch.float32,
+                           device=torch.device("cpu"), max_tokens=8, tp_rank=0, tp_size=1, dp_rank=0,
+                           producer_id=producer_id, cfg=cfg)
+
+
+def test_a_sidecar_that_cannot_start_fails_the_engines_start_with_its_stderr(monkeypatch, tmp_path):
+    """Issue 26: a sidecar that exits at start (here a real process importing a broken mia_stream) is an error
+    when the runtime starts (in the engine: when the worker loads the model, so vLLM's start fails), naming the
+    cause from the sidecar's stderr; not a restart loop under an engine that publishes nothing."""
+    from mia_stream.errors import MiaStreamError
+
+    monkeypatch.setenv("MIA_STREAM_BROKER", tempfile.mkdtemp(prefix="mia-rt-nostart-", dir="/tmp"))
+    monkeypatch.setenv("PYTHONPATH", _broken_mia_stream(tmp_path, monkeypatch))
+    t0 = time.monotonic()
+    with pytest.raises(MiaStreamError, match=r"(?s)exited at start \(exit 1\).*broken on purpose"):
+        _sidecar_runtime("rt-nostart:tp0")
+    assert time.monotonic() - t0 < 30
+
+
+def test_a_sidecar_that_dies_later_is_replaced_a_bounded_number_of_times_then_the_engine_publishes(monkeypatch,
+                                                                                                   tmp_path):
+    """Issue 26: the running sidecar is killed (-9) and every replacement fails at start (a real process, a broken
+    mia_stream on its path): three replacements are tried and counted, then the drain runs in the engine process;
+    the next stream is published whole, and the producer's heartbeat stats say how the drain runs."""
+    import os
+    import signal
+
+    from mia_stream.broker import run_broker_in_thread
+    from mia_stream.consumers import open_stream
+    from mia_stream.producer import _runtime
+
+    run_dir = tempfile.mkdtemp(prefix="mia-rt-dies-", dir="/tmp")
+    monkeypatch.setenv("MIA_STREAM_BROKER", run_dir)
+    spec = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, GEO)
+    try:
+        with run_broker_in_thread(address=run_dir):
+            stream = open_stream(run_dir, patterns=["rt-dies-*"], timeout=30.0)
+            time.sleep(0.2)
+            rt = _sidecar_runtime("rt-dies:tp0")
+            try:
+                rt.add_request("e1", "rt-dies-1", spec, [1, 2, 3])
+                _step(rt, 1, 0, [1, 2, 3]); rt.on_sampled(1, ["e1"], [[4]])
+                assert rt.wait_drained(60)
+                # from here every new sidecar fails at start
+                monkeypatch.setenv("PYTHONPATH", _broken_mia_stream(tmp_path, monkeypatch))
+                dead = rt._sidecar.proc
+                os.kill(dead.pid, signal.SIGKILL)
+                dead.wait(10)
+                rt.finish_request("e1", "length", num_tokens=5)  # its end goes to the dead sidecar
+                rt.add_request("e2", "rt-dies-2", spec, [5, 6, 7])
+                _step(rt, 2, 0, [5, 6, 7], rid="e2"); rt.on_sampled(2, ["e2"], [[8]])  # finds it dead
+                _step(rt, 3, 3, [8], rid="e2"); rt.on_sampled(3, ["e2"], [[9]])
+                rt.finish_request("e2", "length", num_tokens=5)
+                assert rt.wait_drained(60)
+                stats = dict(rt.stats)
+                events = []
+                for ev in stream:
+                    if ev.stream is not None and ev.stream.request_id == "rt-dies-2":
+                        events.append(ev)
+                        if ev.kind == "end":
+                            break
+                heartbeat = rt._own_publisher.stats()
+            finally:
+                rt.close()
+                stream.close()
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    assert stats["sidecar_restarts"] == _runtime._SIDECAR_RESTARTS and stats["drain_in_engine"] == 1
+    assert heartbeat["sidecar_restarts"] == _runtime._SIDECAR_RESTARTS and heartbeat["drain_in_engine"] == 1
+    kinds = [e.kind for e in events]
+    assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("frame") == 2
+    assert events[-1].end.frames_dropped == 0

@@ -3,12 +3,13 @@ their vector is unchanged, and bad lists are refused (the fast list conversion m
 
 from __future__ import annotations
 
+import msgpack
 import numpy as np
 import pytest
 
 from mia_stream.errors import SteeringSpecError
-from mia_stream.spec import ModelGeometry, parse_spec
-from mia_stream.spec.vectors import register_vector
+from mia_stream.spec import ModelGeometry, op_cache_info, parse_spec
+from mia_stream.spec.vectors import register_vector, vector_digest
 
 GEO = ModelGeometry(num_layers=4, hidden_size=16, num_heads=4, num_kv_heads=2, head_dim=4)
 
@@ -113,3 +114,63 @@ def test_a_vector_file_placed_by_hand_gets_its_digest_copy_on_first_use(vectors_
     digest = _op({"name": "hand"}).to_wire(compact=True)["vector"]["digest"]
     assert (vectors_dir / ".by-digest" / f"{digest}.npy").exists()
     assert np.array_equal(_op({"name": "hand", "digest": digest}).array, v)
+
+
+def _hits_misses():
+    info = op_cache_info()
+    return info["hits"], info["misses"]
+
+
+@pytest.mark.parametrize("form", ["list", "tuple", "ndarray", "ndarray f64", "f32"])
+def test_an_inline_vector_is_parsed_once_and_found_by_its_digest_downstream(form):
+    """Issue 26: an inline vector costs what a named one does. The frontend's second request with equal content
+    (another object, as a caller builds it anew) hits the parsed-op cache; the engine side finds the op by the
+    digest the frontend put beside the bytes, without hashing them (and its second parse is a hit too)."""
+    v = np.random.default_rng(7).standard_normal(16).astype(np.float32)
+    make = {"list": lambda: v.tolist(), "tuple": lambda: tuple(v.tolist()), "ndarray": lambda: v.copy(),
+            "ndarray f64": lambda: v.astype(np.float64), "f32": lambda: {"f32": v.tobytes()}}[form]
+    spec = lambda: {"steer": [{"layer": 2, "op": "cap", "vector": make(), "threshold": 0.25}]}  # noqa: E731
+    first = parse_spec(spec(), GEO)
+    before = _hits_misses()
+    again = parse_spec(spec(), GEO)
+    assert _hits_misses() == (before[0] + 1, before[1]) and again.steer[0] is first.steer[0]
+    wire = first.to_wire()["steer"][0]["vector"]  # what the frontend hands the engine core (and it the workers)
+    assert wire.keys() == {"f32", "digest"} and wire["digest"] == vector_digest(first.steer[0].array)
+    engine = parse_spec(msgpack.unpackb(msgpack.packb(first.to_wire())), GEO)  # fresh objects, as from vLLM's IPC
+    assert engine.steer[0].vector == first.steer[0].vector and engine.steer[0].key() == first.steer[0].key()
+    before = _hits_misses()
+    parse_spec(msgpack.unpackb(msgpack.packb(first.to_wire())), GEO)
+    assert _hits_misses() == (before[0] + 1, before[1])
+    assert engine.steer[0].to_wire(compact=True)["vector"].keys() == {"f32"}  # StreamStart: the bytes alone
+
+
+def test_every_form_of_one_vector_gets_one_digest_and_one_key():
+    v = np.random.default_rng(8).standard_normal(16).astype(np.float32)
+    register_vector("same", v)
+    ops = [_op(f) for f in (v.tolist(), v, {"f32": v.tobytes()}, {"name": "same"})]
+    assert len({o.key() for o in ops}) == 1 and len({o.digest for o in ops}) == 1  # one steering-table slot
+
+
+def test_a_digest_that_is_not_the_bytes_digest_is_refused():
+    v = np.arange(16, dtype="<f4")
+    with pytest.raises(SteeringSpecError, match=r"\['digest'\]: is not the digest"):
+        _op({"f32": v.tobytes(), "digest": vector_digest(v + 1)})
+    with pytest.raises(SteeringSpecError, match="must hold 16 float32 values"):
+        _op({"f32": v.tobytes()[:8], "digest": vector_digest(v)})
+
+
+def test_the_op_cache_is_bounded_in_bytes():
+    from mia_stream.spec import _op_cache
+
+    rng = np.random.default_rng(9)
+    for _ in range(64):
+        _op(rng.standard_normal(16))
+    assert op_cache_info()["bytes"] <= _op_cache.MAX_BYTES
+    old = _op_cache.MAX_BYTES
+    try:
+        _op_cache.MAX_BYTES = 1000  # about 5 entries of 16 float64 key bytes and a 16-float vector
+        for _ in range(20):
+            _op(rng.standard_normal(16))
+        assert op_cache_info()["bytes"] <= 1000 and 0 < op_cache_info()["entries"] <= 6
+    finally:
+        _op_cache.MAX_BYTES = old

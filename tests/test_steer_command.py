@@ -1,8 +1,10 @@
 """The semantics of a live steering command (``producer._steer_command.apply_command``), tested directly: no
-engine, no bus. Ops here are stand-ins with a ``layer`` (the function never looks further)."""
+engine, no bus. Ops here are stand-ins with a ``layer`` (the function never looks further). Also the engine
+control identity the commands are addressed to (``producer._control``)."""
 
 from __future__ import annotations
 
+import os
 from collections import namedtuple
 
 import pytest
@@ -57,3 +59,22 @@ def test_only_replace_and_add_parse_their_ops():
         raise AssertionError("parsed")
     assert apply_command("clear", (A,), 1, "bad", parse=parse).ops == ()
     assert apply_command("remove", (A, B), 1, "bad", [2], parse=parse).ops == (A,)
+
+
+def test_the_engine_control_id_carries_a_random_token_shared_through_the_environment(monkeypatch):
+    """Issue 24 item 5: the control id is ``host:pid:engine:TOKEN``; the token is made once, put in the
+    environment (the engine core and its workers inherit it), and cannot be guessed from host and pid."""
+    import re
+
+    from mia_stream.errors import SettingError
+    from mia_stream.producer._control import engine_control_id, ensure_control_token
+
+    monkeypatch.delenv("MIA_STREAM_CONTROL_TOKEN", raising=False)
+    token = ensure_control_token()
+    assert re.fullmatch(r"[0-9a-f]{16}", token) and os.environ["MIA_STREAM_CONTROL_TOKEN"] == token
+    assert ensure_control_token() == token and engine_control_id(42).endswith(f":42:engine:{token}")
+    monkeypatch.delenv("MIA_STREAM_CONTROL_TOKEN")
+    assert ensure_control_token() != token  # another launch, another token
+    monkeypatch.setenv("MIA_STREAM_CONTROL_TOKEN", "a/b")  # would split the broker identity
+    with pytest.raises(SettingError, match="MIA_STREAM_CONTROL_TOKEN"):
+        ensure_control_token()

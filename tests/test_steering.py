@@ -187,3 +187,36 @@ def test_vector_forms_steer_identically_and_leave_the_callers_params_alone(engin
     named = col.events["form-named"][0].stream.start.steering[0]["vector"]  # a registered vector: its name and digest
     assert named == {"name": "test-forms", "digest": vector_digest(v)}
     np.testing.assert_array_equal(vector_by_digest(named["digest"]), v)
+
+
+def test_an_inline_vectors_second_request_reuses_its_parsed_ops(engine, broker_address):
+    """Issue 26: a numpy vector is content-hashed and parsed once in the frontend (this process); the second
+    request with an equal array (a fresh object) hits the parsed-op cache, parses nothing, and steers the same."""
+    from mia_stream.spec import op_cache_info
+
+    v = (_direction(11) * 5).astype(np.float32)
+    steer = lambda: [{"layer": layer, "op": "add", "vector": v.copy()} for layer in (LAYER - 1, LAYER)]  # noqa: E731
+    cap = {"hidden_states": {"layers": [LAYER], "positions": "all"}}
+    with collecting(broker_address, ["reuse-*"]) as col:
+        engine.generate(["The sea is"], _params(4, {"capture": cap, "steer": steer(), "id": "reuse-1"}))
+        before = op_cache_info()
+        engine.generate(["The sea is"], _params(4, {"capture": cap, "steer": steer(), "id": "reuse-2"}))
+        after = op_cache_info()
+        col.wait_ended(["reuse-1", "reuse-2"])
+    assert after["hits"] - before["hits"] == 2 and after["misses"] == before["misses"]
+    assert np.array_equal(col.stacked("reuse-1", "hs")[2], col.stacked("reuse-2", "hs")[2])
+
+
+def test_the_engines_control_id_carries_the_token_this_process_made(engine, broker_address):
+    """Issue 24 item 5: the frontend (this process) made the token before vLLM started the engine core; the
+    engine core (control peer) and its worker (StreamStart.control_id) agree on ``host:pid:engine:TOKEN``, and live
+    steering reaches it (test_live_steering_command_applies_from_the_acked_step)."""
+    import os
+    import re
+
+    with collecting(broker_address, ["ctl-id"]) as col:
+        engine.generate(["The sea is"], _params(2, {"capture": {"hidden_states": {"layers": [LAYER]}}, "id": "ctl-id"}))
+        col.wait_ended(["ctl-id"])
+    control_id = col.events["ctl-id"][0].stream.start.control_id
+    token = os.environ["MIA_STREAM_CONTROL_TOKEN"]
+    assert re.fullmatch(rf"[^:]+:\d+:engine:{token}", control_id) and re.fullmatch(r"[0-9a-f]{16}", token)

@@ -11,15 +11,39 @@ passes in as callables, so nothing here knows vLLM.
 from __future__ import annotations
 
 import os
+import re
+import secrets
 import socket
 import threading
 import time
 from typing import Callable
 
 from mia_stream import settings
-from mia_stream.errors import SpecError
+from mia_stream.errors import SettingError, SpecError
 from mia_stream.producer._steer_command import Outcome, apply_command
 from mia_stream.spec import ModelGeometry, parse_steer_ops
+
+
+_TOKEN_ENV = "MIA_STREAM_CONTROL_TOKEN"
+_TOKEN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def ensure_control_token() -> str:
+    """The engine's control token, made once (``secrets.token_hex(8)``) by the first process that loads the
+    plugin and put in the environment before vLLM starts the engine core and its workers, which inherit it: the
+    control id they agree on is then unpredictable to other peers (issue 24 item 5; docs/security.md)."""
+    token = settings.get_text(_TOKEN_ENV)
+    if token is None:
+        token = os.environ[_TOKEN_ENV] = secrets.token_hex(8)
+    elif not _TOKEN.match(token):  # it ends the broker identity's first segment: no '/', no ':'
+        raise SettingError(f"{_TOKEN_ENV}={token!r}: expected letters, digits, '_' or '-' (at most 64)")
+    return token
+
+
+def engine_control_id(pid: int) -> str:
+    """The control identity of the engine core ``pid``: ``host:pid:engine:TOKEN`` (what its workers put in
+    StreamStart.control_id and what its control publisher connects as)."""
+    return f"{socket.gethostname()}:{pid}:engine:{ensure_control_token()}"
 
 
 class EngineControl:
@@ -27,7 +51,7 @@ class EngineControl:
         from mia_stream.bus.publisher import make_publisher
 
         self.geo = geo
-        self.control_id = f"{socket.gethostname()}:{os.getpid()}:engine"
+        self.control_id = engine_control_id(os.getpid())
         self._lock = threading.Lock()
         self._commands: list = []
         self.streams: dict[str, str] = {}  # stream id -> engine request id
@@ -92,7 +116,7 @@ class EngineControl:
                     self.aborts.add(eid)
                 elif out.changed:
                     self.ops[eid] = (out.ops, version)
-                    updates.append((eid, [o.to_wire(compact=True) for o in out.ops], version))
+                    updates.append((eid, [o.to_wire(compact=True, digest=True) for o in out.ops], version))
                     on_change(eid, version)
             self.publisher.ack(SteeringAck(
                 command_id=cmd.command_id, request_id=cmd.request_id, ok=err is None,

@@ -179,6 +179,8 @@ class StepDrain:
     def _on_config(self, item: Config) -> None:
         settings = item.settings
         self.hold_last_step = bool(settings.get("hold_last_step", self.hold_last_step))
+        for name, value in settings.get("counters", {}).items():  # the engine's word on the drain (restarts)
+            self.publisher.counters[name] = value
         if not self.hold_last_step:
             self._flush_held()
 

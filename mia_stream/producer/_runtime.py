@@ -52,7 +52,11 @@ def _locked(method):
     return wrapper
 
 
-_SIDECAR_RESTART_S = 5.0
+_SIDECAR_RESTARTS = 3  # replacements of a dead drain sidecar; then the drain runs in the engine process
+
+
+def _text(error: Exception) -> str:
+    return str(error).removeprefix("mia_stream: ")  # the log line says it already
 
 
 class ProducerRuntime:
@@ -100,7 +104,7 @@ class ProducerRuntime:
         self._last_copy_done = None
         self._step_tokens = None
         self._staging = _PinnedStaging(device) if device.type == "cuda" else None
-        self._stats = {"steps": 0, "dropped_frames": 0, "items_lost": 0, "sidecar_restarts": 0}
+        self._stats = {"steps": 0, "dropped_frames": 0, "items_lost": 0, "sidecar_restarts": 0, "drain_in_engine": 0}
         self._step_segments: tuple | None = None
         self._hold_last_step = False
         self._lock = threading.RLock()
@@ -108,7 +112,8 @@ class ProducerRuntime:
                                 num_kv_heads=geo.num_kv_heads, head_dim=geo.head_dim, local_heads=self.local_heads,
                                 local_kv_heads=self.local_kv_heads, wire_dtype=str(dtype).removeprefix("torch."),
                                 itemsize=torch.empty((), dtype=dtype).element_size())
-        self._drain_cfg, self._producer_id, self._sidecar_restarted_at = drain_cfg, producer_id, 0.0  # restarts
+        self._drain_cfg, self._producer_id = drain_cfg, producer_id  # for a restart
+        self._own_publisher = None  # the drain's publisher when it runs here after the sidecar failed
         self._sidecar: DrainSidecar | None = None
         self._drain: StepDrain | None = None
         if publisher is None:
@@ -553,25 +558,50 @@ class ProducerRuntime:
                 logger.exception("mia_stream: forwarding a %s item failed", type(item).__name__)
 
     def _restart_sidecar(self, error: Exception, item) -> None:
-        """A dead sidecar is replaced (at most every ``_SIDECAR_RESTART_S``): the new one publishes under a new
-        epoch, so the broker ends the old epoch's streams as ``producer_lost`` (reported, not silent) and
-        requests started from here on stream normally. Items meanwhile are counted in ``items_lost``."""
-        now = time.monotonic()
-        if now - self._sidecar_restarted_at < _SIDECAR_RESTART_S:
-            return
-        self._sidecar_restarted_at = now
-        self._stats["sidecar_restarts"] += 1
-        logger.error("mia_stream: %s; starting a new drain sidecar (streams in flight end as producer_lost)", error)
-        try:
-            self._sidecar.close(timeout=1.0)
-            self._sidecar = DrainSidecar.start(self._ring, self._drain_cfg, self._producer_id)
+        """A dead sidecar is replaced, at most ``_SIDECAR_RESTARTS`` times in the engine's life (a start that fails
+        counts too); then the drain runs in the engine process (slower, it competes for the GIL, but the streams
+        are published). Each replacement publishes under a new epoch, so the broker ends the old epoch's streams
+        as ``producer_lost`` (their StreamEnd says so); the count and where the drain runs are in the producer's
+        heartbeat stats (``mia-stream stats``: ``sidecar_restarts``, ``drain_in_engine``). Items meanwhile are
+        counted in ``items_lost``."""
+        self._sidecar.close(timeout=1.0)
+        while self._drain is None:
+            if self._stats["sidecar_restarts"] >= _SIDECAR_RESTARTS:
+                self._drain_in_engine(error)
+                break
+            n = self._stats["sidecar_restarts"] = self._stats["sidecar_restarts"] + 1
+            logger.error("mia_stream: %s; starting a new drain sidecar (%d of at most %d; streams in flight end as "
+                         "producer_lost)", _text(error), n, _SIDECAR_RESTARTS)
+            try:
+                self._sidecar = DrainSidecar.start(self._ring, self._drain_cfg, self._producer_id)
+            except Exception as e:
+                error = e
+                continue
             self._sink = self._sidecar.send
-            self._sink(Config({"hold_last_step": self._hold_last_step}))
+            break
+        try:
+            self._sink(Config({"hold_last_step": self._hold_last_step, "counters": self._drain_counters()}))
             self._sink(item)  # the item that found the old one dead (a stream start, most likely)
             self._stats["items_lost"] -= 1
             self._items_sent += 1
         except Exception:
-            logger.exception("mia_stream: could not start a new drain sidecar")
+            logger.exception("mia_stream: the new drain could not take the item the old one lost")
+
+    def _drain_in_engine(self, error: Exception) -> None:
+        from mia_stream.bus.publisher import make_publisher
+
+        logger.error("mia_stream: the drain sidecar failed %d times (last: %s); publishing from the engine process "
+                     "from now on (slower)", self._stats["sidecar_restarts"] + 1, _text(error))
+        self._sidecar = None
+        self._stats["drain_in_engine"] = 1
+        self._own_publisher = make_publisher(self._producer_id)
+        self._drain = StepDrain(self._drain_cfg, self._own_publisher, self._ring)
+        self._sink = self._drain.handle
+
+    def _drain_counters(self) -> dict:
+        """What the drain's publisher reports in its heartbeat stats about the drain itself."""
+        return {"sidecar_restarts": self._stats["sidecar_restarts"],
+                "drain_in_engine": self._stats["drain_in_engine"]}
 
     def wait_drained(self, timeout: float = 10.0) -> bool:
         """Wait until the drain has handled everything queued so far (tests and benchmarks)."""
@@ -592,5 +622,7 @@ class ProducerRuntime:
         self._forwarder = None
         if self._drain is not None:
             self._drain.close()  # publish what async scheduling held back
+        if self._own_publisher is not None:
+            self._own_publisher.close(timeout=timeout if wait else 0.5)
         if self._sidecar is not None:
             self._sidecar.close(timeout, wait)

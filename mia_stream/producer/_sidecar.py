@@ -8,7 +8,10 @@ message per step for all its requests.
 
 Lifecycle: ``DrainSidecar.start(ring, config, producer_id)`` spawns ``python -m mia_stream.producer._sidecar``
 (a fresh interpreter: no re-import of the user's main module, no torch) with the ring's and the pipe's
-descriptors; ``send(item)`` writes one item; ``close()`` closes the pipe, which the sidecar takes as "flush
+descriptors, and returns once the sidecar says it is ready (its publisher made) on a second pipe: a sidecar
+that cannot start (an import error, a bad setting) is a ``SidecarError`` naming its stderr's tail, which fails
+the engine's start (issue 26: one was restarted every few seconds while the engine served and published
+nothing); ``send(item)`` writes one item; ``close()`` closes the pipe, which the sidecar takes as "flush
 what you have and exit". The sidecar also exits when the engine process dies (its parent changes).
 Owns (engine side) the sidecar process handle and the pipe's write end; (sidecar side) its StepDrain and
 publisher. The sidecar imports mia_stream as its parent did (``_child_env``: the parent's sys.path).
@@ -25,18 +28,22 @@ import subprocess
 import sys
 import tempfile
 import time
+import select
 from multiprocessing.connection import Connection
 
+from mia_stream.errors import MiaStreamError
 from mia_stream.producer._items import Init
 
 logger = logging.getLogger("mia_stream.producer")
 
 _F_SETPIPE_SZ = 1031
 _PIPE_BYTES = 1 << 20
+_READY_TIMEOUT_S = 60.0  # a fresh interpreter importing numpy, zmq and msgpack: ~0.5 s, more on a loaded host
+_LOG_TAIL_BYTES = 2000
 
 
-class SidecarError(RuntimeError):
-    pass
+class SidecarError(MiaStreamError, RuntimeError):
+    """The drain sidecar cannot start, or is gone."""
 
 
 class DrainSidecar:
@@ -48,30 +55,62 @@ class DrainSidecar:
         self.log_path = ""
 
     @classmethod
-    def start(cls, ring, config, producer_id: str) -> "DrainSidecar":
+    def start(cls, ring, config, producer_id: str, ready_timeout: float = _READY_TIMEOUT_S) -> "DrainSidecar":
+        """Spawn the sidecar and wait until it is ready; ``SidecarError`` (with its stderr's tail) if it exits
+        first or is not ready within ``ready_timeout`` seconds."""
         read_fd, write_fd = os.pipe()
+        ready_r, ready_w = os.pipe()
         try:
             fcntl.fcntl(write_fd, _F_SETPIPE_SZ, _PIPE_BYTES)  # a burst of steps never blocks the writer
         except OSError:
             pass
         cmd = [sys.executable, "-m", "mia_stream.producer._sidecar", "--pipe-fd", str(read_fd),
-               "--ring-fd", str(ring.fd), "--ring-size", str(ring.size), "--parent", str(os.getpid())]
+               "--ring-fd", str(ring.fd), "--ring-size", str(ring.size), "--parent", str(os.getpid()),
+               "--ready-fd", str(ready_w)]
         # Its own log file, not the engine's stdout/stderr: vLLM's shutdown waits for the engine's output pipes
         # to close, and a sidecar still flushing held them open until vLLM killed the engine process.
         rank = producer_id.split(":")[-1]
         log_path = os.path.join(tempfile.gettempdir(), f"mia-stream-sidecar-{os.getpid()}-{rank}.log")
         log = open(log_path, "ab")
+        log_start = log.tell()
         try:
-            proc = subprocess.Popen(cmd, pass_fds=(read_fd, ring.fd), stdin=subprocess.DEVNULL,
+            proc = subprocess.Popen(cmd, pass_fds=(read_fd, ring.fd, ready_w), stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=log, env=_child_env())
+        except BaseException:
+            os.close(ready_r)
+            raise
         finally:
             os.close(read_fd)
+            os.close(ready_w)
             log.close()
-        logger.info("mia_stream: drain sidecar %d started; its log: %s", proc.pid, log_path)
         side = cls(proc, Connection(write_fd, readable=False))
         side.log_path = log_path
-        side.send(Init(config, producer_id))
+        try:
+            side.send(Init(config, producer_id))
+            side._wait_ready(ready_r, ready_timeout, log_start)
+        except SidecarError:
+            side.close(timeout=1.0)
+            raise
+        finally:
+            os.close(ready_r)
+        logger.info("mia_stream: drain sidecar %d started; its log: %s", proc.pid, log_path)
         return side
+
+    def _wait_ready(self, ready_fd: int, timeout: float, log_start: int) -> None:
+        readable, _, _ = select.select([ready_fd], [], [], timeout)
+        if readable and os.read(ready_fd, 1) == b"1":
+            return
+        try:  # the ready pipe closed without a word: the sidecar is exiting
+            code = self.proc.wait(5.0 if readable else 0.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        why = (f"exited at start (exit {code})" if code is not None
+               else f"was not ready within {timeout:.0f} s")
+        raise SidecarError(
+            f"mia_stream: the drain sidecar (`{sys.executable} -m mia_stream.producer._sidecar`, pid {self.proc.pid}) "
+            f"{why}; nothing could be published. Its stderr ends with:\n{_log_tail(self.log_path, log_start)}\n"
+            f"(full log: {self.log_path}; it imports mia_stream through PYTHONPATH="
+            f"{_child_env().get('PYTHONPATH', '')!r})")
 
     def send(self, item) -> None:
         """Write one item (blocks only while the pipe is full: call it from the forwarder thread)."""
@@ -100,6 +139,18 @@ class DrainSidecar:
             self.proc.wait()
 
 
+def _log_tail(path: str, start: int) -> str:
+    """The end of what a sidecar wrote to its log since ``start``."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(start, f.tell() - _LOG_TAIL_BYTES))
+            text = f.read().decode(errors="replace").strip()
+    except OSError as e:
+        return f"(its log could not be read: {e})"
+    return text or "(nothing)"
+
+
 def _child_env() -> dict:
     """This environment with PYTHONPATH extended by this process's ``sys.path``: the sidecar must import the
     mia_stream its parent imported, also when that one is importable only through the parent's ``sys.path`` (a
@@ -112,7 +163,7 @@ def _child_env() -> dict:
 
 
 # ------------------------------------------------------------------------------------------ the process
-def _serve(conn: Connection, ring, parent: int) -> None:
+def _serve(conn: Connection, ring, parent: int, ready_fd: int | None = None) -> None:
     from mia_stream.producer._drain import StepDrain
     from mia_stream.bus.publisher import make_publisher
 
@@ -122,6 +173,9 @@ def _serve(conn: Connection, ring, parent: int) -> None:
     config, producer_id = init
     publisher = make_publisher(producer_id)
     drain = StepDrain(config, publisher, ring)
+    if ready_fd is not None:  # the engine waits for this before it goes on starting
+        os.write(ready_fd, b"1")
+        os.close(ready_fd)
     try:
         while True:
             if not conn.poll(1.0):
@@ -145,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ring-fd", type=int, required=True)
     ap.add_argument("--ring-size", type=int, required=True)
     ap.add_argument("--parent", type=int, required=True)
+    ap.add_argument("--ready-fd", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s mia_stream sidecar %(levelname)s %(message)s")
     from mia_stream.producer._host_ring import HostRing
@@ -153,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     conn = Connection(args.pipe_fd, writable=False)
     t0 = time.monotonic()
     try:
-        _serve(conn, ring, args.parent)
+        _serve(conn, ring, args.parent, args.ready_fd)
     except Exception:
         logger.exception("mia_stream: drain sidecar failed after %.1f s", time.monotonic() - t0)
         return 1

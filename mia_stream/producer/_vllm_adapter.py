@@ -127,6 +127,9 @@ def install() -> None:
     import vllm
 
     check_vllm_version(vllm.__version__)
+    from mia_stream.producer._control import ensure_control_token
+
+    ensure_control_token()  # before vLLM starts the engine core and its workers: they inherit it
     patches = {
         "vllm.v1.engine.input_processor": _patch_input_processor,
         "vllm.v1.engine.async_llm": _patch_async_llm,
@@ -478,9 +481,12 @@ def _tp_info() -> tuple[int, int]:
 
 
 def _engine_control_id(vcfg) -> str:
-    """The engine core's control identity: this process (in-process executor) or the parent (mp workers)."""
+    """The engine core's control identity: this process (in-process executor) or the parent (mp workers), with
+    the token the engine core's environment handed its workers (``_control.engine_control_id``)."""
+    from mia_stream.producer._control import engine_control_id
+
     multiproc = vcfg.parallel_config.distributed_executor_backend == "mp"
-    return f"{socket.gethostname()}:{os.getppid() if multiproc else os.getpid()}:engine"
+    return engine_control_id(os.getppid() if multiproc else os.getpid())
 
 
 def _find_decoder_layers(model, num_layers: int):

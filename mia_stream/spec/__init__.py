@@ -16,11 +16,12 @@ never fed back) and ``last_prompt`` is the row whose logits chose the first gene
 
 from __future__ import annotations
 
-import array
 import functools
 import hashlib
 import json
 import math
+import struct
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -76,15 +77,25 @@ class SteerOp:
         """Content hash: requests with equal ops share a steering-table slot (and a cache salt)."""
         return self._key
 
-    def to_wire(self, compact: bool = False) -> dict:
+    @functools.cached_property
+    def digest(self) -> str:
+        """The content digest of ``vector`` (BLAKE2b-128 of its float32 bytes, as ``vectors.vector_digest``),
+        computed once per parsed op: parsed ops are cached, so once per distinct op in a process."""
+        return hashlib.blake2b(self.vector, digest_size=16).hexdigest()
+
+    def to_wire(self, compact: bool = False, digest: bool = False) -> dict:
         """The op in steering-spec format; ``compact``: the vector as ``{"name", "digest"}`` when it is a
-        registered one, else as ``{"f32": bytes}`` (what the frontend hands the engine and the producer puts
-        in StreamStart: parsing 4096 floats per op per request was the engine's bottleneck, and 32 vectors per
-        request were 512 KiB through vLLM and the bus)."""
+        registered one, else as ``{"f32": bytes}`` (what the producer puts in StreamStart: parsing 4096 floats
+        per op per request was the engine's bottleneck, and 32 vectors per request were 512 KiB through vLLM
+        and the bus). ``digest`` (with ``compact``; the frontend's hand-over to the engine core and the engine
+        core's to the workers): an inline vector as ``{"f32": bytes, "digest": D}``, so the receiving process
+        finds its parsed op by ``D`` without hashing the bytes (issue 26: the same work as a named vector)."""
         if not compact:
             vector: Any = self.array.tolist()
         elif self.vector_ref is not None:
             vector = {"name": self.vector_ref[0], "digest": self.vector_ref[1]}
+        elif digest:
+            vector = {"f32": self.vector, "digest": self.digest}
         else:
             vector = {"f32": self.vector}
         return {"layer": self.layer, "op": self.op, "vector": vector, "scale": self.scale,
@@ -140,9 +151,9 @@ class RequestSpec:
         return out
 
     def to_wire(self, compact: bool = True) -> dict:
-        """The normalized spec as plain data (what the frontend puts back into extra_args; steering vectors as
-        float32 bytes unless ``compact=False``)."""
-        return {"capture": self.capture_wire(), "steer": [o.to_wire(compact) for o in self.steer],
+        """The normalized spec as plain data (what the frontend puts back into extra_args; steering vectors by
+        name and digest, or as float32 bytes with their digest, unless ``compact=False``)."""
+        return {"capture": self.capture_wire(), "steer": [o.to_wire(compact, digest=compact) for o in self.steer],
                 "tags": self.tags, "id": self.stream_id, "prefix_cache": self.prefix_cache, "_normalized": True}
 
 
@@ -240,65 +251,127 @@ def parse_steer_ops(ops: Any, geo: ModelGeometry,
     return tuple(_parse_op(op, geo, resolve_vector, f"['steer'][{i}]", versions) for i, op in enumerate(ops))
 
 
-def _float_list(vec: list | tuple, path: str) -> np.ndarray:
-    """A list of numbers as float64. array('d') converts in one C pass and refuses strings, None and nested
-    lists; only bools slip through (as 0/1), so the element types are scanned only when a 0 or 1 is present.
-    Admission of 32 ops x 4096 floats went from 8.2 to ~3 ms a request (the frontend's cost of steering every
-    layer of an 8B model at 256 requests: scripts/bench_spec_admission.py)."""
+def _list_bytes(vec: list | tuple) -> bytes | None:
+    """A list of numbers as float64 bytes, or None if it is not one. struct converts in one C pass (~15 µs for
+    4096, array('d') ~40) and refuses strings, None, nested lists and ints beyond a float; only bools slip
+    through (as 0/1), so the element types are scanned only when a 0 or 1 is present. Admission of 32 ops x
+    4096 floats went from 8.2 to ~3 ms a request (the frontend's cost of steering every layer of an 8B model at
+    256 requests: scripts/bench_spec_admission.py), then to ~1 ms."""
     try:
-        arr = np.frombuffer(array.array("d", vec), dtype=np.float64)
-    except (TypeError, ValueError, OverflowError):
-        _fail(SteeringSpecError, path + "['vector']", "must be a list of numbers")
+        raw = struct.pack(f"<{len(vec)}d", *vec)
+    except (struct.error, TypeError, ValueError, OverflowError):
+        return None
+    arr = np.frombuffer(raw, dtype=np.float64)
     if ((arr == 0.0) | (arr == 1.0)).any() and any(issubclass(t, bool) for t in set(map(type, vec))):
+        return None
+    return raw
+
+
+def _float_list(vec: list | tuple, path: str) -> np.ndarray:
+    raw = _list_bytes(vec)
+    if raw is None:
         _fail(SteeringSpecError, path + "['vector']", "must be a list of numbers")
-    return arr
+    return np.frombuffer(raw, dtype=np.float64)
 
 
 def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, versions: dict) -> SteerOp:
-    """One steering op, checked. Ops whose vector is a registered name or float32 bytes are parsed once and
-    reused: a request steering all 32 layers of an 8B model repeats the same 32 ops as every other such
+    """One steering op, checked. Ops are parsed once and reused while their vector is unchanged, whatever form
+    it is given in: a request steering all 32 layers of an 8B model repeats the same 32 ops as every other such
     request, and parsing them again (~2 ms a request) held back vLLM's admission of the next request."""
     key = _op_cache_key(op, geo, resolve_vector, versions)
     if key is None:
+        _op_cache.uncached += 1
         return _parse_new_op(op, geo, resolve_vector, path)
-    parsed = _parsed_ops.get(key)
-    if parsed is None:
-        parsed = _parse_new_op(op, geo, resolve_vector, path)
-        if len(_parsed_ops) >= _PARSED_OPS_MAX:
-            _parsed_ops.pop(next(iter(_parsed_ops)))
-        _parsed_ops[key] = parsed
+    parsed = _op_cache.entries.get(key)
+    if parsed is not None:
+        _op_cache.hits += 1
+        return parsed
+    _op_cache.misses += 1
+    parsed = _parse_new_op(op, geo, resolve_vector, path)
+    _op_cache.put(key, parsed)
     return parsed
 
 
-_PARSED_OPS_MAX = 4096
-_parsed_ops: dict[tuple, SteerOp] = {}
+class _OpCache:
+    """Parsed ops by what identifies them (``_op_cache_key``), oldest out first; bounded in entries and in the
+    bytes its keys and vectors hold (a served engine's clients choose the vectors). Counters for tests and
+    benchmarks: ``op_cache_info()``."""
+
+    MAX_ENTRIES = 4096
+    MAX_BYTES = 64 << 20
+
+    def __init__(self):
+        self.entries: dict[tuple, SteerOp] = {}
+        self.sizes: dict[tuple, int] = {}
+        self.bytes = 0
+        self.hits = self.misses = self.uncached = 0
+        self._lock = threading.Lock()  # misses only: an in-process engine parses in more than one thread
+
+    def put(self, key: tuple, op: SteerOp) -> None:
+        size = len(op.vector) + sum(len(x) for x in key[2] if isinstance(x, bytes))
+        with self._lock:
+            if key in self.entries:
+                return
+            while self.entries and (len(self.entries) >= self.MAX_ENTRIES or self.bytes + size > self.MAX_BYTES):
+                old = next(iter(self.entries))
+                del self.entries[old]
+                self.bytes -= self.sizes.pop(old)
+            self.entries[key] = op
+            self.sizes[key] = size
+            self.bytes += size
+
+
+_op_cache = _OpCache()
+
+
+def op_cache_info() -> dict:
+    """This process's parsed-op cache: ``hits``, ``misses`` (parsed, then kept), ``uncached`` (ops not
+    recognizable cheaply: an injected resolver, unusual field types), ``entries`` and ``bytes``."""
+    c = _op_cache
+    return {"hits": c.hits, "misses": c.misses, "uncached": c.uncached, "entries": len(c.entries),
+            "bytes": c.bytes}
+
+
+def _vector_token(vec: Any, hidden_size: int, resolve_vector, versions: dict) -> tuple | None:
+    """What identifies the vector of an op (with the model geometry and the op's other fields, the parsed op):
+    inline content by its bytes (hashed by the dict, ~3 µs for 16 KiB), a digest-carrying form by its digest
+    (no bytes touched: the engine side of every form), a name by its file's version. None: parse it anew."""
+    kind = type(vec)
+    if kind is dict:
+        keys = vec.keys()
+        if keys == {"f32"} and type(vec["f32"]) is bytes:
+            return ("raw", "<f4", vec["f32"])  # bytes hash once per object, and compare by content
+        if keys == {"f32", "digest"} and type(vec["f32"]) is bytes and type(vec["digest"]) is str:
+            return ("f32", vec["digest"])  # its first parse checked the digest against the bytes
+        if keys == {"name", "digest"} and type(vec["name"]) is str and type(vec["digest"]) is str:
+            return ("digest", vec["name"], vec["digest"])  # content-addressed: no file to check
+        if keys == {"name"} and type(vec["name"]) is str and resolve_vector is None:
+            name = vec["name"]
+            if name in versions:
+                version = versions[name]
+            else:
+                from mia_stream.spec.vectors import vector_version
+
+                version = versions[name] = vector_version(name)
+            return None if version is None else ("name", name, version)
+        return None
+    if kind is np.ndarray:
+        if vec.shape != (hidden_size,) or vec.dtype.kind not in "iuf":
+            return None
+        return ("raw", vec.dtype.str, vec.tobytes())  # an array may change between requests: its content is the key
+    if kind is list or kind is tuple:
+        raw = _list_bytes(vec) if len(vec) == hidden_size else None  # a wrong length: the parse says so
+        return None if raw is None else ("raw", "<f8", raw)
+    return None
 
 
 def _op_cache_key(op: Any, geo: ModelGeometry, resolve_vector, versions: dict) -> tuple | None:
-    """A key that identifies the parsed op, or None when the op cannot be recognized cheaply (inline numbers,
-    an injected resolver, unusual field types: those are parsed every time)."""
+    """A key that identifies the parsed op, or None when the op cannot be recognized cheaply (an injected
+    resolver, unusual field types: those are parsed every time)."""
     if type(op) is not dict or not op.keys() <= _STEER_KEYS:
         return None
-    vec = op.get("vector")
-    if type(vec) is not dict:
-        return None
-    keys = vec.keys()
-    if keys == {"f32"} and type(vec["f32"]) is bytes:
-        token: tuple = ("f32", vec["f32"])  # bytes hash once per object, and compare by content
-    elif keys == {"name", "digest"} and type(vec["name"]) is str and type(vec["digest"]) is str:
-        token = ("digest", vec["name"], vec["digest"])  # content-addressed: no file to check
-    elif keys == {"name"} and type(vec["name"]) is str and resolve_vector is None:
-        name = vec["name"]
-        if name in versions:
-            version = versions[name]
-        else:
-            from mia_stream.spec.vectors import vector_version
-
-            version = versions[name] = vector_version(name)
-        if version is None:
-            return None
-        token = ("name", name, version)
-    else:
+    token = _vector_token(op.get("vector"), geo.hidden_size, resolve_vector, versions)
+    if token is None:
         return None
     fields = []
     for name in ("layer", "op", "scale", "threshold", "positions"):
@@ -320,11 +393,16 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> Ste
         _fail(SteeringSpecError, path + "['op']", f"must be one of {list(STEER_OPS)}, got {kind!r}")
     vec = op.get("vector")
     ref = None
-    if isinstance(vec, dict) and set(vec) == {"f32"}:  # the normalized form: float32 little-endian bytes
+    if isinstance(vec, dict) and set(vec) in ({"f32"}, {"f32", "digest"}):  # float32 little-endian bytes
         if not isinstance(vec["f32"], (bytes, bytearray, memoryview)) or len(vec["f32"]) != 4 * geo.hidden_size:
             _fail(SteeringSpecError, path + "['vector']",
                   f"{{'f32': bytes}} must hold {geo.hidden_size} float32 values ({4 * geo.hidden_size} bytes)")
-        arr = np.frombuffer(bytes(vec["f32"]), dtype="<f4").astype(np.float64)
+        raw = bytes(vec["f32"])
+        # the normalized form names its content: checked here, at its first parse in a process (later ones find
+        # the op by the digest alone), so no digest can stand for other bytes
+        if "digest" in vec and vec["digest"] != hashlib.blake2b(raw, digest_size=16).hexdigest():
+            _fail(SteeringSpecError, path + "['vector']['digest']", "is not the digest of the vector's f32 bytes")
+        arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
     elif isinstance(vec, dict):
         if set(vec) not in ({"name"}, {"name", "digest"}) or not all(isinstance(x, str) for x in vec.values()):
             _fail(SteeringSpecError, path + "['vector']", "a named vector is {'name': NAME}")
