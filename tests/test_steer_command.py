@@ -4,7 +4,6 @@ control identity the commands are addressed to (``producer._control``)."""
 
 from __future__ import annotations
 
-import os
 from collections import namedtuple
 
 import pytest
@@ -66,12 +65,13 @@ def test_the_engine_control_id_carries_a_random_token_shared_through_the_environ
     environment (the engine core and its workers inherit it), and cannot be guessed from host and pid."""
     import re
 
+    from mia_stream import settings
     from mia_stream.errors import SettingError
     from mia_stream.producer._control import engine_control_id, ensure_control_token
 
     monkeypatch.delenv("MIA_STREAM_CONTROL_TOKEN", raising=False)
     token = ensure_control_token()
-    assert re.fullmatch(r"[0-9a-f]{16}", token) and os.environ["MIA_STREAM_CONTROL_TOKEN"] == token
+    assert re.fullmatch(r"[0-9a-f]{16}", token) and settings.get_text("MIA_STREAM_CONTROL_TOKEN") == token
     assert ensure_control_token() == token and engine_control_id(42).endswith(f":42:engine:{token}")
     monkeypatch.delenv("MIA_STREAM_CONTROL_TOKEN")
     assert ensure_control_token() != token  # another launch, another token

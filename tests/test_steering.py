@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from mia_stream import settings
 from mia_stream.spec.vectors import register_vector, vector_by_digest, vector_digest
 from producer_helpers import collecting, hf_trace, rel_err
 
@@ -211,12 +212,11 @@ def test_the_engines_control_id_carries_the_token_this_process_made(engine, brok
     """Issue 24 item 5: the frontend (this process) made the token before vLLM started the engine core; the
     engine core (control peer) and its worker (StreamStart.control_id) agree on ``host:pid:engine:TOKEN``, and live
     steering reaches it (test_live_steering_command_applies_from_the_acked_step)."""
-    import os
     import re
 
     with collecting(broker_address, ["ctl-id"]) as col:
         engine.generate(["The sea is"], _params(2, {"capture": {"hidden_states": {"layers": [LAYER]}}, "id": "ctl-id"}))
         col.wait_ended(["ctl-id"])
     control_id = col.events["ctl-id"][0].stream.start.control_id
-    token = os.environ["MIA_STREAM_CONTROL_TOKEN"]
+    token = settings.get_text("MIA_STREAM_CONTROL_TOKEN")
     assert re.fullmatch(rf"[^:]+:\d+:engine:{token}", control_id) and re.fullmatch(r"[0-9a-f]{16}", token)
