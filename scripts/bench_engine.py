@@ -55,7 +55,7 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
     "shared" (a shared system prompt)."""
     vec = rng.standard_normal(H).astype(np.float32)
     vec /= np.linalg.norm(vec)
-    inline = vec.tolist()
+    inline, array = vec.tolist(), vec.copy()  # what a user passes: a float list, a numpy array
     # Shared vectors are registered once and named, as EasySteer's benchmark loads them from files; the
     # inline row shows what 32 float lists per request cost at admission (scripts/bench_spec_admission.py).
     from mia_stream.spec.vectors import register_vector
@@ -75,6 +75,8 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
                              "decode"),
         "steer_all_layers_inline": ({"steer": [{"layer": i, "op": "add", "vector": inline, "scale": 0.1}
                                                for i in range(L)]}, "decode"),
+        "steer_all_layers_numpy": ({"steer": [{"layer": i, "op": "add", "vector": array, "scale": 0.1}
+                                              for i in range(L)]}, "decode"),
         "steer_256_vectors": ("distinct", "decode"),
         "prefill_hs_1layer": (hs1, "prefill"),
         "prefill_steer_1layer": ({"steer": [{"layer": mid, "op": "add", "vector": vec, "scale": 0.5}]}, "prefill"),
