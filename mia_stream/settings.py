@@ -216,6 +216,9 @@ SETTINGS: dict[str, Setting] = _table(
     # ---- internal
     Setting("MIA_STREAM_DEMO_OUT", "path", "internal", "The file the demo's consumer process writes its lines to."),
     Setting("MIA_STREAM_DEMO_TAG", "text", "internal", "The demo consumer's line tag.", default="live"),
+    Setting("MIA_STREAM_DEMO_STREAMS", "int", "internal",
+            "How many requests the demo's risk printer waits for (their ends and last scores) before it stops.",
+            default=3),
     Setting("MIA_STREAM_CONTROL_TOKEN", "text", "internal",
             "The random part of an engine's control id (`host:pid:engine:TOKEN`, StreamStart.control_id): made "
             "(16 hex digits) by the first vLLM process that loads the plugin, inherited by the engine core and its "

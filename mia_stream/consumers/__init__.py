@@ -174,6 +174,7 @@ class Consumer:
 
     patterns: tuple = ("*",)
     from_start: bool = False
+    done: bool = False  # set it in a callback to end ``run_consumer`` after that event
     _client: BrokerClient | None = None
 
     def on_start(self, stream: RequestStream) -> None: ...
@@ -208,7 +209,9 @@ class Consumer:
 def run_consumer(consumer: Consumer, source: Any = None, max_streams: int | None = None,
                  idle_timeout: float | None = None, **options: Any) -> int:
     """Drive ``consumer``'s callbacks; return the number of streams ended when the source ends (replay),
-    after ``max_streams`` streams ended, or after ``idle_timeout`` s without events."""
+    after ``max_streams`` streams ended, after ``idle_timeout`` s without events, or once a callback set
+    ``consumer.done`` (a consumer that knows it has seen what it waits for: e.g. results that come after the
+    streams' ends)."""
     src = _Source(source, consumer.patterns, consumer.from_start, batches=wants_batches(consumer), **options)
     consumer._client = src.client
     ended = 0
@@ -218,6 +221,8 @@ def run_consumer(consumer: Consumer, source: Any = None, max_streams: int | None
                 ended += 1
                 if max_streams is not None and ended >= max_streams:
                     break
+            if consumer.done:
+                break
     finally:
         consumer._client = None
         src.close()

@@ -43,7 +43,9 @@ def demo_capture() -> dict:
 
 class RiskPrinter(Consumer):
     """Prints ``[tag] request | token | risk`` for every generated token once its score arrives; the last token
-    of an answer (no step computes a row for it) at the request's end, without a score."""
+    of an answer (no step computes a row for it) without a score, then the end line, once the request ended and
+    every other token got its score (the detector's results are a stream of their own: under load the scores of
+    the last steps come after the request's end)."""
 
     patterns = ("demo-*",)
     from_start = True
@@ -53,9 +55,12 @@ class RiskPrinter(Consumer):
         self._tokens: dict[str, dict[int, int]] = {}  # request -> position -> token id, not printed yet
         self._scores: dict[str, dict[int, float]] = {}  # scores that came before their token
         self._alerts: dict[str, set] = {}
+        self._ended: dict[str, tuple] = {}  # request -> (stream, end) of an ended request not yet flushed
         out = settings.get_path(_OUT_ENV)
         self._out = open(out, "w") if out else None
         self._tag = settings.get_text("MIA_STREAM_DEMO_TAG")
+        self._expected = settings.get_int("MIA_STREAM_DEMO_STREAMS")
+        self._printed = 0  # requests whose end line is out
 
     def _tok(self, name: str):
         if name not in self._tokenizers:
@@ -85,12 +90,26 @@ class RiskPrinter(Consumer):
                 self._print(stream, pos, risk)
             else:
                 self._scores.setdefault(stream.request_id, {})[pos] = risk
+        if stream.request_id in self._ended:
+            self._flush(stream.request_id, final=analysis.step == -1)
 
     def on_end(self, stream, end) -> None:
-        for pos in sorted(self._tokens.get(stream.request_id, {})):
+        self._ended[stream.request_id] = (stream, end)
+        self._flush(stream.request_id, final=False)
+
+    def _flush(self, rid: str, final: bool) -> None:
+        """An ended request's last token and end line, once only the last token waits (or the detector's final
+        result came: nothing more will be scored)."""
+        pending = self._tokens.get(rid, {})
+        if len(pending) > 1 and not final:
+            return
+        stream, end = self._ended.pop(rid)
+        for pos in sorted(pending):
             self._print(stream, pos, None)
-        self._emit(f"{stream.request_id} | end: {end.finish_reason}, {end.num_generated_tokens} tokens, "
+        self._emit(f"{rid} | end: {end.finish_reason}, {end.num_generated_tokens} tokens, "
                    f"{end.frames_dropped} frames dropped")
+        self._printed += 1
+        self.done = self._printed >= self._expected
 
     def _print(self, stream, pos: int, risk: float | None) -> None:
         token_id = self._tokens[stream.request_id].pop(pos)
@@ -133,10 +152,12 @@ class StreamingProcesses:
             self.procs["detector"] = subprocess.Popen(
                 py + ["analyze", DEMO_ANALYZER, "--source", str(self.run_dir), "--publish", "--print",
                       "--patterns", "demo-*", "--max-streams", str(num_streams)], stdout=out)
-        env = dict(os.environ, **{_OUT_ENV: str(self.run_dir / "live.txt"), "MIA_STREAM_DEMO_TAG": "live"})
+        env = dict(os.environ, **{_OUT_ENV: str(self.run_dir / "live.txt"), "MIA_STREAM_DEMO_TAG": "live",
+                                  "MIA_STREAM_DEMO_STREAMS": str(num_streams)})
         self.procs["printer"] = subprocess.Popen(
-            py + ["consume", f"{__name__}:RiskPrinter", "--source", str(self.run_dir),
-                  "--max-streams", str(num_streams)], env=env)
+            # not --max-streams: after the last request's end the printer still waits for its last scores; it
+            # stops itself (Consumer.done) once every request is printed
+            py + ["consume", f"{__name__}:RiskPrinter", "--source", str(self.run_dir)], env=env)
         self.procs["recorder"] = subprocess.Popen(
             py + ["record", str(self.recording), "--broker", str(self.run_dir), "--patterns", "demo-*"])
 
