@@ -72,6 +72,30 @@ def kill(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:
             proc.wait(5)
 
 
+def free_base_port() -> int:
+    """A port p with p, p+1 and p+2 free on loopback (a tcp broker's producers, consumers and stats endpoints)."""
+    import socket
+
+    for _ in range(50):
+        socks = []
+        try:
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+            socks.append(s)
+            for i in (1, 2):
+                t = socket.socket()
+                t.bind(("127.0.0.1", base + i))
+                socks.append(t)
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free port triple")
+
+
 @contextmanager
 def processes():
     """Collects Popen objects; stops every one still alive on exit (SIGTERM: a broker then removes the

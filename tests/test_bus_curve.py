@@ -2,40 +2,18 @@
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import zmq
 
-from bus_helpers import events_until, processes, publish_stream, start_broker, wait_for
+from bus_helpers import events_until, free_base_port, processes, publish_stream, start_broker, wait_for
 from mia_stream.bus import transport
 from mia_stream.consumers import BrokerClient, open_stream
 from mia_stream.errors import TransportError
 from mia_stream.bus.publisher import FramePublisher
 from mia_stream.schemas import SteeringCommand, Subscribe, encode
 from mia_stream.bus.shm_ring import ShmRingWriter
-
-
-def _free_base_port() -> int:
-    for _ in range(50):
-        socks = []
-        try:
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-            socks.append(s)
-            for i in (1, 2):
-                t = socket.socket()
-                t.bind(("127.0.0.1", base + i))
-                socks.append(t)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port triple")
 
 
 def test_tcp_requires_curve():
@@ -50,7 +28,7 @@ def test_curve_tcp_only_authorised_peers_receive(tmp_path):
     assert transport.keys_main([str(keys), "--clients", "producer,consumer,watcher", "--steer", "consumer"]) == 0
     stranger = tmp_path / "stranger"  # a valid key pair the broker never heard of
     transport.create_keys(stranger, clients=("consumer",), steer=())
-    address = f"tcp://127.0.0.1:{_free_base_port()}"
+    address = f"tcp://127.0.0.1:{free_base_port()}"
     with processes() as procs:
         procs.append(start_broker(address, "--keys", str(keys)))
         pub = FramePublisher(address, producer_id="secure", keys=transport.load_client_keys(keys, "producer"))

@@ -31,7 +31,7 @@ if str(REPO) not in sys.path:
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 PY = sys.executable
 
-from bus_helpers import RawProducer, run_dir, start_broker, wait_for  # noqa: E402
+from bus_helpers import RawProducer, kill, run_dir, start_broker, wait_for  # noqa: E402
 
 
 def _env() -> dict:
@@ -80,13 +80,7 @@ def monitor(source: str, *args: str):
                 raise AssertionError(f"the monitor exited with {proc.returncode}: {proc.stderr.read()[-2000:]}")
         yield Monitor(proc, m.group(1))
     finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        kill(proc, signal.SIGTERM)
 
 
 def _strict_json(text: str):

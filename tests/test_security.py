@@ -8,7 +8,6 @@ within 2 s, and a legitimate stream published after the attack is delivered whol
 from __future__ import annotations
 
 import os
-import resource  # noqa: F401  (RSS of the broker is read from /proc)
 import subprocess
 import sys
 import time
@@ -19,7 +18,8 @@ import numpy as np
 import pytest
 import zmq
 
-from bus_helpers import RawConsumer, RawProducer, processes, run_dir, start_broker, stats, wait_for
+from bus_helpers import (RawConsumer, RawProducer, free_base_port, processes, run_dir, start_broker, stats,
+                         wait_for)
 from mia_stream.bus import transport
 from mia_stream.schemas import (ErrorNotice, Heartbeat, StreamEnd, StreamStart, Tensor, TensorFrame, TokenBatch,
                                 TokenFrame, encode)
@@ -456,26 +456,6 @@ def test_15_an_lz4_chunk_bomb_is_refused_with_bounded_memory(tmp_path, declared_
 
 # ---------------------------------------------------------------------------------------------- 3: roles on tcp
 
-def _free_base_port() -> int:
-    import socket
-
-    for _ in range(50):
-        socks = []
-        try:
-            for i in range(3):
-                s = socket.socket()
-                s.bind(("127.0.0.1", 0 if i == 0 else base + i))
-                if i == 0:
-                    base = s.getsockname()[1]
-                socks.append(s)
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free port triple")
-
 
 def _curve_dealer(endpoint: str, keys, identity: str) -> zmq.Socket:
     sock = zmq.Context.instance().socket(zmq.DEALER)
@@ -512,7 +492,7 @@ def test_3_on_tcp_each_role_has_its_own_keys_and_only_analyzer_keys_publish_anal
     for role in ("producers", "consumers", "analyzers"):
         assert list((keys / "roles" / role).glob("*.key")), role
     load = lambda name: transport.load_client_keys(keys, name)  # noqa: E731
-    address = f"tcp://127.0.0.1:{_free_base_port()}"
+    address = f"tcp://127.0.0.1:{free_base_port()}"
     eps = transport.endpoints_for(address)
     with processes() as procs:
         procs.append(start_broker(address, "--keys", str(keys)))
