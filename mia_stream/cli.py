@@ -17,6 +17,7 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "record": ("mia_stream.consumers.recorder", "main", "record streams from a broker into MCAP files"),
     "replay": ("mia_stream.consumers.replay", "main", "replay a recording into consumers or a broker"),
     "vectors": ("mia_stream.spec.vectors", "main", "register named steering vectors"),
+    "probes": ("mia_stream.spec.probes", "main", "register detector probes for in-engine detectors"),
     "analyze": ("mia_stream.analyzers", "analyze_main", "run an analyzer on live or recorded streams (--list)"),
     "monitor": ("mia_stream.monitor", "main", "watch a broker's requests or a recording: a web page, or --terminal"),
     "probe": ("mia_stream.lab.probe_cli", "main", "collect data, train and evaluate hallucination probes"),

@@ -78,6 +78,10 @@ class SteeringSpecError(SpecError):
     pass
 
 
+class DetectSpecError(SpecError):
+    """A bad ``detect`` entry: an unknown or malformed probe, one for another model, a bad alert policy or action."""
+
+
 class StreamError(MiaStreamError):
     pass
 

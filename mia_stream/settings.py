@@ -132,6 +132,16 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("MIA_STREAM_STEERING", "flag", "engine",
             "0 leaves the steering ops out of the graph; a request with `steer` is then refused at admission and "
             "live steering commands get an error ack.", default=True),
+    Setting("MIA_STREAM_DETECT", "flag", "engine",
+            "0 leaves the in-engine detector ops out of the graph; a request with `detect` is then refused at "
+            "admission.", default=True),
+    Setting("MIA_STREAM_PROBE_SLOTS", "int", "engine",
+            "Distinct detector probes the engine holds on the device at once (requests naming the same probe "
+            "share one); a detector finding none free is refused for that request and counted.",
+            default=64, minimum=1),
+    Setting("MIA_STREAM_DETECTORS_PER_REQUEST", "int", "engine",
+            "Detectors one request may name in `detect` (columns of the per-step score buffer).",
+            default=4, minimum=1),
     Setting("MIA_STREAM_STEP_BATCHES", "flag", "engine",
             "0 makes the drain publish per request (a TensorFrame per request part and a TokenFrame per request "
             "each step, the pre-2.0 form) instead of one StepBatch and one TokenBatch per step: for comparisons.",
@@ -202,6 +212,8 @@ SETTINGS: dict[str, Setting] = _table(
             default_doc="the embedded SmolLM2-135M-Instruct"),
     Setting("MIA_STREAM_VECTORS", "path", "files", "Where named steering vectors are stored.",
             default_doc="$MIA_STREAM_CACHE/vectors"),
+    Setting("MIA_STREAM_PROBES", "path", "files", "Where registered detector probes are stored "
+            "(`mia-stream probes add`).", default_doc="$MIA_STREAM_CACHE/probes"),
     # ---- setup (read by the shell scripts; listed here so that every name is in one table)
     Setting("MIA_STREAM_VENV", "path", "setup", "The virtualenv the scripts create and use.", default_doc="./.venv"),
     Setting("MIA_STREAM_SETUP_NEED_GB", "int", "setup", "Free disk (GiB) setup.sh requires for a fresh venv.",

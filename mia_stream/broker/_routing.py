@@ -56,6 +56,8 @@ if TYPE_CHECKING:
     from mia_stream.bus.shm_ring import ShmRingReader
     from mia_stream.bus.transport import ServerKeys
 
+ENGINE_ANALYZER_PREFIX = "engine:"  # in-engine detectors' analysis (producer/_detect_engine.py)
+ENGINE_ACTION_ANALYZER = "alert_action"
 _GAP_BATCH_MINOR = 1  # a consumer whose subscribe is of schema 2.1 or later decodes gap_batch (spec 3.16)
 
 
@@ -252,7 +254,8 @@ class Router:
 
     def _role_allows(self, p: _Producer, kind: str, header: dict) -> bool:
         """With CURVE roles: ``analysis`` only from an analyzer key, under a producer id that is the key's name
-        or starts with "NAME/" (so consumers can tell which analyzer key published it); stream kinds and steering
+        or starts with "NAME/" (so consumers can tell which analyzer key published it), or from a producer key for
+        its in-engine detectors (analyzer "engine:<name>", and their ``alert_action`` outcomes); stream kinds and steering
         acks only from a producer key; gaps from either. Else refused (``refused_role``, ErrorNotice
         ``not_authorised``)."""
         user = p.user
@@ -262,6 +265,10 @@ class Router:
             name = self._key_names.get(user, "")
             pid = header["producer_id"]
             if user in self._analyzer_ids and (pid == name or pid.startswith(name + "/")):
+                return True
+            # an engine publishes its in-engine detectors' scores and what it did on their alerts (issue 25)
+            if user in self._producer_ids and (str(header.get("analyzer", "")).startswith(ENGINE_ANALYZER_PREFIX)
+                                               or header.get("analyzer") == ENGINE_ACTION_ANALYZER):
                 return True
             why = (f"analysis messages need an analyzer key (roles/analyzers/) and a producer_id that is its name "
                    f"or starts with {name + '/'!r}" if user in self._analyzer_ids else

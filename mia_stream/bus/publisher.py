@@ -296,6 +296,15 @@ class FramePublisher:
             out.append(self._steering.popleft())
         return out
 
+    def forget(self, request_id: str) -> None:
+        """Forget the seq counter of a stream that has no start (an analysis stream) once its request is over:
+        a publisher that outlives many requests (an analyzer, an engine's detectors) keeps no state per old one.
+        A stream whose drops are not yet announced stays until they are."""
+        with self._lock:
+            st = self._streams.get(request_id)
+            if st is not None and st.start is None and not st.pending:
+                del self._streams[request_id]
+
     def drops_for(self, request_id: str) -> dict[str, int]:
         """Messages of ``request_id`` this publisher dropped, by reason (e.g. ``{"queue_full": 3}``)."""
         with self._lock:

@@ -2,6 +2,7 @@
 
     torch.ops.mia_stream.capture(aperture, route, src, residual, layer)   # mutates aperture
     torch.ops.mia_stream.steer(hidden, residual, vectors, op_codes, scales, thresholds, slots, layer)  # mutates hidden
+    torch.ops.mia_stream.project(out, hidden, residual, table, slots, layer)  # mutates out (detector scores)
 
 Importing this module registers them (once per process). Each op takes whole persistent buffers (aperture,
 routing slab, steering table) plus a layer index baked in at trace time, mutates a buffer, and returns nothing: no
@@ -20,9 +21,10 @@ from typing import Optional
 import torch
 
 from mia_stream.kernels.capture import scatter_rows
+from mia_stream.kernels.project import project_rows
 from mia_stream.kernels.steer import steer_rows
 
-__all__ = ["capture", "steer"]
+__all__ = ["capture", "project", "steer"]
 
 
 @torch.library.custom_op("mia_stream::capture", mutates_args=("aperture",))
@@ -52,4 +54,16 @@ def steer(hidden: torch.Tensor, residual: torch.Tensor, vectors: torch.Tensor, o
 
 @steer.register_fake
 def _steer_fake(hidden, residual, vectors, op_codes, scales, thresholds, slots, layer) -> None:
+    return None
+
+
+@torch.library.custom_op("mia_stream::project", mutates_args=("out",))
+def project(out: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor, table: torch.Tensor,
+            slots: torch.Tensor, layer: int) -> None:
+    """``out[t, k] = (hidden + residual)[t] . table[slots[layer, t, k]]`` for the rows routed to a detector here."""
+    project_rows(out, hidden, residual, table, slots[layer])
+
+
+@project.register_fake
+def _project_fake(out, hidden, residual, table, slots, layer) -> None:
     return None

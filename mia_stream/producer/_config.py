@@ -26,6 +26,9 @@ class RuntimeConfig:
     max_ops_per_layer: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_OPS_PER_LAYER"))
     capture_qk: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_CAPTURE_QK"))
     steering: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_STEERING"))
+    detect: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_DETECT"))
+    probe_slots: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_PROBE_SLOTS"))
+    detectors_per_request: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_DETECTORS_PER_REQUEST"))
     # step and token items waiting for the drain; beyond this they are dropped, counted and announced
     max_queued_messages: int = 100_000
 

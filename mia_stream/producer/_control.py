@@ -1,6 +1,7 @@
 """The engine core's side of live steering: commands from the broker, applied at step boundaries.
 
-Owns (one ``EngineControl`` per scheduler): the queue of commands received on the control publisher's thread,
+Owns (one ``EngineControl`` per scheduler): the queue of commands received on the control publisher's thread, the
+queue of in-engine detectors' actions (``queue_action``; the detectors themselves are ``_detect_engine``'s),
 ``streams`` (stream id -> engine request id of the live streamed requests), ``ops`` (engine request id -> the
 request's current ``(ops, version)``) and the publisher that receives commands and sends acks. The set of
 requests to abort is the adapter registry's (one per process: ``check_stop`` reads it). What a command does is
@@ -61,6 +62,10 @@ class EngineControl:
         self.steering = settings.get_flag("MIA_STREAM_STEERING")
         # it sends no tensors: no shared-memory ring (one would be 256 MiB of /dev/shm for nothing)
         self.publisher = make_publisher(self.control_id, on_command=self._on_command, shm_bytes=0)
+        self._internal: list = []  # (SteeringCommand, callback(ack)): in-engine detectors' actions
+        from mia_stream.producer._detect_engine import EngineDetectors
+
+        self.detectors = EngineDetectors(self)
 
     def close(self) -> None:
         """At the engine core's shutdown: a last moment for queued acks, then the socket and thread go."""
@@ -70,21 +75,30 @@ class EngineControl:
         with self._lock:
             self._commands.append(cmd)
 
-    def add_request(self, stream_id: str, engine_id: str, steer_wire) -> None:
+    def queue_action(self, cmd, on_ack: Callable) -> None:
+        """An in-engine detector's steering action: applied by the next ``take`` like a broker command, its ack
+        handed to ``on_ack`` instead of the broker (engine-core thread only)."""
+        self._internal.append((cmd, on_ack))
+
+    def add_request(self, stream_id: str, engine_id: str, steer_wire, detect_wire=None) -> None:
         """A streamed request entered the scheduler (``steer_wire``: its spec's steering ops, version 1). They are
         parsed only when a command reaches the request: the frontend checked them, and the workers parse the
         spec anyway (most requests never get a command)."""
         self.streams[stream_id] = engine_id
         if steer_wire:
             self.ops[engine_id] = (list(steer_wire), 1)
+        if detect_wire:
+            self.detectors.add_request(engine_id, stream_id, detect_wire)
 
     def forget(self, engine_id: str) -> None:
         """The request is freed: no command reaches it any more."""
         self.ops.pop(engine_id, None)
         self.aborts.discard(engine_id)
+        self.detectors.forget(engine_id)
         for sid, eid in list(self.streams.items()):
             if eid == engine_id:
                 del self.streams[sid]
+                self.publisher.forget(sid)
 
     def take(self, step: int, is_live: Callable[[str], bool], on_change: Callable[[str, int], None]) -> list:
         """Apply the queued commands to the live requests and ack each; return the workers' updates for ``step``,
@@ -94,8 +108,9 @@ class EngineControl:
 
         with self._lock:
             commands, self._commands = self._commands, []
+        internal, self._internal = self._internal, []
         updates = []
-        for cmd in commands:
+        for cmd, on_ack in [*internal, *((c, None) for c in commands)]:
             eid = self.streams.get(cmd.request_id)
             if eid is None or not is_live(eid):
                 err, version = f"unknown or finished request {cmd.request_id!r}", 0
@@ -118,8 +133,12 @@ class EngineControl:
                     self.ops[eid] = (out.ops, version)
                     updates.append((eid, [o.to_wire(compact=True, digest=True) for o in out.ops], version))
                     on_change(eid, version)
-            self.publisher.ack(SteeringAck(
+            ack = SteeringAck(
                 command_id=cmd.command_id, request_id=cmd.request_id, ok=err is None,
                 applied_step=None if err else step, steering_version=version, error=err,
-                producer_id=self.control_id, time_ns=time.time_ns()))
+                producer_id=self.control_id, time_ns=time.time_ns())
+            if on_ack is None:
+                self.publisher.ack(ack)
+            else:
+                on_ack(ack)
         return updates

@@ -1,7 +1,8 @@
 """Device-resident state of the producer runtime: the persistent buffers the in-graph ops read and write.
 
-Owns: ``DeviceState`` (aperture, routing slabs, steering table tensors; fixed at engine start, since CUDA graphs
-bake their addresses), ``_SteeringTable`` (which steering slot holds which op, ref-counted across requests) and
+Owns: ``DeviceState`` (aperture, routing slabs, steering table and detector probe tensors; fixed at engine start,
+since CUDA graphs bake their addresses), ``_SteeringTable`` (which steering slot holds which op, ref-counted across
+requests), ``_ProbeTable`` (which probe slot holds which detector probe, likewise) and
 ``_PinnedStaging`` (pinned host buffers for the per-step route uploads). Op codes are the kernels' own.
 """
 
@@ -45,6 +46,35 @@ class _SteeringTable:
         self._refs[slot] -= 1
         if self._refs[slot] == 0:
             self._by_key.pop(op.key(), None)
+            self._free.append(slot)
+
+
+class _ProbeTable:
+    """Device-resident detector probe directions (the folded ``w / scale`` of each probe), shared by every request
+    naming the same probe file (keyed by its content digest, ref-counted)."""
+
+    def __init__(self, state: "DeviceState", slots: int):
+        self.table = state.probe_table
+        self._by_digest: dict[str, int] = {}
+        self._refs = [0] * slots
+        self._free = list(range(slots - 1, -1, -1))
+
+    def acquire(self, digest: str, direction: np.ndarray) -> int | None:
+        slot = self._by_digest.get(digest)
+        if slot is None:
+            if not self._free:
+                return None
+            slot = self._free.pop()
+            self._by_digest[digest] = slot
+            # non-blocking: a blocking host-to-device copy would wait for the step in flight
+            self.table[slot].copy_(torch.from_numpy(np.ascontiguousarray(direction, np.float32)), non_blocking=True)
+        self._refs[slot] += 1
+        return slot
+
+    def release(self, digest: str, slot: int) -> None:
+        self._refs[slot] -= 1
+        if self._refs[slot] == 0:
+            self._by_digest.pop(digest, None)
             self._free.append(slot)
 
 
@@ -106,6 +136,10 @@ class DeviceState(torch.nn.Module):
             buf("op_codes", (cfg.steer_slots,), torch.int32)
             buf("scales", (cfg.steer_slots,), torch.float32)
             buf("thresholds", (cfg.steer_slots,), torch.float32)
+        if cfg.detect:  # in-engine detectors: probe directions, per-layer routing, one score per (row, detector)
+            buf("probe_table", (cfg.probe_slots, geo.hidden_size), torch.float32)
+            buf("probe_route", (L, max_tokens, cfg.detectors_per_request), torch.int32, -1)
+            buf("probe_out", (max_tokens, cfg.detectors_per_request), torch.float32)
 
     def device_bytes(self) -> int:
         """The bytes of every buffer (the plugin's whole device footprint: apertures, routes, steering table)."""

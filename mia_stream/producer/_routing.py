@@ -23,9 +23,9 @@ class _Request:
     spec: RequestSpec
     prompt_len: int
     prompt_token_ids: list
-    # per captured kind (0 = hidden states, 1 = Q/K): the next position not yet captured, which dedupes the
+    # per captured kind (0 = hidden states, 1 = Q/K; 2 = in-engine detectors): the next position not yet captured, which dedupes the
     # recomputation after a preemption
-    next_pos: list = field(default_factory=lambda: [0, 0])
+    next_pos: list = field(default_factory=lambda: [0, 0, 0])  # [2]: the next position a detector scores
     first_computed: int | None = None
     steer_ops: tuple = ()
     steer_version: int = 0
@@ -36,6 +36,7 @@ class _Request:
     drops: dict = field(default_factory=dict)
     uncaptured: list = field(default_factory=list)
     capture_kinds: tuple = ()  # ((0 = hidden states | 1 = Q/K, layers, positions mode), ...) it captures
+    detectors: list = field(default_factory=list)  # _scores._Detector of each in-engine detector with a slot
 
 
 class _KindRouting:

@@ -33,6 +33,7 @@ from mia_stream.producer._drain import DrainConfig, StepDrain
 from mia_stream.producer._host_ring import HostRing
 from mia_stream.producer._items import DATA_ITEMS, Config, End, Gap, Start, StepItem, Tokens
 from mia_stream.producer._routing import _DecodeCache, _KindRouting, _Request, hits, select
+from mia_stream.producer._scores import DetectorRouting, DetectScores
 from mia_stream.producer._sidecar import DrainSidecar, SidecarError
 from mia_stream.schemas import StreamStart
 from mia_stream.spec import ModelGeometry, RequestSpec
@@ -86,6 +87,9 @@ class ProducerRuntime:
         self.state = DeviceState(geo, self.local_heads * geo.head_dim, max(1, self.local_kv_heads) * geo.head_dim,
                                  max_tokens, self.cfg, dtype, device)
         self.steering = _SteeringTable(self.state, self.cfg.steer_slots) if self.cfg.steering else None
+        self.probes = (DetectorRouting(self.state, self.cfg.probe_slots, self.cfg.detectors_per_request,
+                                       geo.num_layers, max_tokens, device) if self.cfg.detect else None)
+        self._det_step: tuple | None = None  # (step, num tokens) of the forward whose rows detectors score
         self.requests: dict[str, _Request] = {}
         self._ring = HostRing.create(self.cfg.host_ring_bytes)
         self._ring_bytes = torch.from_numpy(self._ring.data)  # the data area as a uint8 tensor
@@ -97,6 +101,7 @@ class ProducerRuntime:
         self._dirty_rows = 0  # route rows written last step that must be reset to the sentinel
         self._dirty_rows_qk = 0
         self._dirty_steer_rows = 0
+        self._dirty_probe_rows = 0
         self._uploaded: dict[str, np.ndarray] = {}  # the route last copied to the device, per route
         self._decode_cache: _DecodeCache | None = None
         self._config_epoch = 0  # bumped by every request/steering change: a cached decode step is then stale
@@ -179,6 +184,11 @@ class ProducerRuntime:
             steer = ()
         if steer:
             self._set_steering(req, steer, 1)
+        if spec.detect:
+            if self.probes is not None:
+                self.probes.add(req, spec.detect)
+            else:
+                req.drops["detect_disabled"] = len(spec.detect)
         # producer id and epoch are the publisher's: the drain stamps them
         start = StreamStart(
             request_id=stream_id, producer_id="", epoch=0, engine_request_id=engine_id,
@@ -202,6 +212,8 @@ class ProducerRuntime:
             return
         if self.steering is not None:
             self._release_steering(req)
+        if self.probes is not None:
+            self.probes.release(req)
         self._enqueue(End(engine_id, reason, num_tokens,
                        {"frames_dropped": req.frames_dropped, "drops": dict(req.drops), "uncaptured": req.uncaptured}))
 
@@ -235,7 +247,8 @@ class ProducerRuntime:
     @property
     def idle(self) -> bool:
         """Nothing to route and nothing left routed from the last step: the step can skip the runtime."""
-        return not self.requests and not (self._dirty_rows or self._dirty_rows_qk or self._dirty_steer_rows)
+        return not self.requests and not (self._dirty_rows or self._dirty_rows_qk or self._dirty_steer_rows
+                                          or self._dirty_probe_rows)
 
     @_locked
     def begin_step(self, batch: StepBatch) -> None:
@@ -248,6 +261,11 @@ class ProducerRuntime:
             self._last_copy_done = None
         n = batch.num_tokens
         self._step_tokens = (batch.device_token_ids, n) if batch.token_ids is None else batch.token_ids[:n]
+        if self.probes is not None:
+            self._det_step = (batch.step, n) if self.probes.route(batch, self.requests, self._config_epoch) else None
+            host = self.probes.host_route
+            if host is not None:
+                self._write_route(st.probe_route, host if host.size else None, "_dirty_probe_rows", n)
         replayed = self._repeat_decode_step(batch) if self._decode_cache is not None else None
         if replayed is not None:
             self._set_step_segments(batch.step, *replayed)
@@ -390,6 +408,8 @@ class ProducerRuntime:
             self._write_route(st.qk_route, None, "_dirty_rows_qk", 0)
         if self.steering is not None:
             self._write_route(st.steer_slots, None, "_dirty_steer_rows", 0)
+        if self.probes is not None:
+            self._write_route(st.probe_route, None, "_dirty_probe_rows", 0)
 
     def _write_route(self, route: torch.Tensor, host: np.ndarray | None, dirty_attr: str, n: int) -> None:
         dirty = getattr(self, dirty_attr, 0)
@@ -416,6 +436,9 @@ class ProducerRuntime:
 
     def end_step(self) -> None:
         """Queue the copy of this step's used aperture rows into the host ring; never waits for it."""
+        if self._det_step is not None:
+            self.probes.after_forward(*self._det_step)
+            self._det_step = None
         seg = self._step_segments
         self._step_segments = None
         step_tokens, self._step_tokens = self._step_tokens, None
@@ -480,6 +503,10 @@ class ProducerRuntime:
         item = StepItem(step=step, time_ns=time.time_ns(), mark=mark, parts=meta, hs=hs_seg, qk=qk_seg,
                         token_ids=token_ids)
         self._enqueue(item, event)
+
+    def take_scores(self, upto_step: int | None = None) -> list[DetectScores]:
+        """The in-engine detectors' scores of the steps run so far (up to ``upto_step``), for the engine core."""
+        return self.probes.take(upto_step) if self.probes is not None else []
 
     def on_sampled(self, step: int, req_ids: list[str], sampled: list[list[int]]) -> None:
         """One item per step: the drain turns it into one TokenBatch for the streamed requests."""

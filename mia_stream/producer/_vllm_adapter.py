@@ -388,7 +388,8 @@ def _patch_scheduler(module) -> None:
             if isinstance(raw, dict):
                 ctl = _control(self)
                 if ctl is not None:
-                    ctl.add_request(raw.get("id") or request.request_id, request.request_id, raw.get("steer"))
+                    ctl.add_request(raw.get("id") or request.request_id, request.request_id, raw.get("steer"),
+                                    raw.get("detect"))
             return orig(self, request)
         return add_request
 
@@ -426,6 +427,16 @@ def _patch_scheduler(module) -> None:
             return out
         return schedule
 
+    def wrap_update_from_output(orig):
+        def update_from_output(self, scheduler_output, model_runner_output, *args, **kwargs):
+            scores = getattr(model_runner_output, "_mia_scores", None)
+            if scores:  # before vLLM appends the step's tokens: an abort ends the request in this update
+                ctl = _control(self)
+                if ctl is not None:
+                    ctl.detectors.on_scores(scores)
+            return orig(self, scheduler_output, model_runner_output, *args, **kwargs)
+        return update_from_output
+
     def wrap_check_stop(orig):
         aborting = REGISTRY.aborting
 
@@ -461,6 +472,7 @@ def _patch_scheduler(module) -> None:
     _hook(cls, "schedule", wrap_schedule)
     _hook(cls, "_free_request", wrap_free_request)
     _hook(cls, "add_request", wrap_add_request)
+    _hook(cls, "update_from_output", wrap_update_from_output)
     _hook(module, "check_stop", wrap_check_stop)
 
 
@@ -516,6 +528,8 @@ def _wrap_layer_class(cls) -> None:
         if st.has_steering:
             ops.steer(hidden, residual, st.vectors, st.op_codes, st.scales, st.thresholds, st.steer_slots, layer)
         ops.capture(st.hs_aperture, st.hs_route, hidden, residual, layer)
+        if st.has_detect:  # after steering, like the capture: a detector scores the row the capture would see
+            ops.project(st.probe_out, hidden, residual, st.probe_table, st.probe_route, layer)
         return hidden, residual
 
     cls.forward = forward
@@ -582,6 +596,7 @@ def _attach(runner, model) -> None:
         producer_id=producer_id, control_id=_engine_control_id(vcfg))
     state = runtime.state
     state.has_steering = runtime.steering is not None
+    state.has_detect = runtime.probes is not None
     layers = _find_decoder_layers(model, geo.num_layers)
     for i, layer in enumerate(layers):
         _wrap_layer_class(type(layer))
@@ -669,6 +684,17 @@ def _apply_scheduler_side(runtime, scheduler_output) -> None:
         runtime.update_steering(eid, parse_steer_ops(ops_wire, runtime.geo), version)
 
 
+def _attach_scores(out, runtime, step: int) -> None:
+    """Put the in-engine detectors' scores of the steps up to ``step`` on the step's ModelRunnerOutput: it reaches
+    the engine core (pickled, when the worker is another process), where ``update_from_output`` acts on them."""
+    try:
+        scores = runtime.take_scores(step)
+        if scores:
+            out._mia_scores = scores
+    except Exception:  # scoring must never take the engine down
+        logger.exception("mia_stream: reading the detector scores of step %d failed", step)
+
+
 def _wrap_load_model(orig):
     def load_model(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
@@ -727,6 +753,7 @@ def _patch_v1_runner(module) -> None:
             state = getattr(self, "_mia", None)
             if state is not None and getattr(out, "req_ids", None):
                 state.runtime.on_sampled(state.step, out.req_ids, out.sampled_token_ids)
+                _attach_scores(out, state.runtime, state.step)
             return out
         return sample_tokens
 
@@ -806,8 +833,11 @@ def _patch_v2_runner(module) -> None:
         def sample_tokens(self, *args, **kwargs):
             out = orig(self, *args, **kwargs)
             state = getattr(self, "_mia", None)
-            if state is not None and out is not None and hasattr(out, "get_output"):
-                out._mia = (state.runtime, state.step)
+            if state is not None and out is not None:
+                if hasattr(out, "get_output"):
+                    out._mia = (state.runtime, state.step)
+                else:
+                    _attach_scores(out, state.runtime, state.step)
             return out
         return sample_tokens
 
@@ -852,6 +882,7 @@ def _v2_patch_async_output() -> None:
                     rt.on_sampled(step, list(out.req_ids), out.sampled_token_ids)
                 except Exception:  # streaming must never take the engine down
                     logger.exception("mia_stream: on_sampled failed at step %d", step)
+                _attach_scores(out, rt, step)
             return out
         return get_output
 

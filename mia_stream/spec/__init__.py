@@ -6,8 +6,11 @@ Accepted as a dict, or as a JSON string (what ``vllm_xargs`` can carry over HTTP
                  "qk": {"layers": [5], "heads": [0, 1] | "all", "positions": "last_prompt"}},
      "steer": [{"layer": 7, "op": "add", "vector": [...] | {"name": "joy"}, "scale": 4.0,
                 "positions": "generated"}],
+     "detect": [{"probe": "token-probe-smollm2-135m.json", "alert": {"threshold": 0.7}, "action": "abort"}],
      "tags": {"user": "alice"},
      "id": "my-key"}
+
+``detect``: detectors scored inside the engine on the request's own rows (``spec.detect``).
 
 Positions: ``all`` | ``prompt`` | ``generated`` | ``last_prompt``. A captured position p is the row computed
 while token p is the input, so ``generated`` covers generated tokens 0..n-2 (the last sampled token is
@@ -33,7 +36,7 @@ from mia_stream.schemas import STEER_OPS
 SPEC_KEY = "mia_stream"
 POSITIONS = ("all", "prompt", "generated", "last_prompt")
 STEER_POSITIONS = ("all", "prompt", "generated")
-_TOP_KEYS = {"capture", "steer", "tags", "id", "prefix_cache"}
+_TOP_KEYS = {"capture", "steer", "detect", "tags", "id", "prefix_cache"}
 PREFIX_CACHE_POLICIES = ("recompute", "reuse")  # what a capture of prompt positions does with cached ones
 _CAPTURE_KEYS = {"hidden_states", "qk"}
 _HS_KEYS = {"layers", "positions"}
@@ -112,6 +115,7 @@ class RequestSpec:
     qk_heads: tuple[int, ...] = ()
     qk_positions: str = "all"
     steer: tuple[SteerOp, ...] = ()
+    detect: tuple = ()  # spec.detect.DetectorSpec, in the order given (column k of the engine's score buffer)
     tags: dict = field(default_factory=dict)
     stream_id: str | None = None
     prefix_cache: str = "recompute"
@@ -154,7 +158,7 @@ class RequestSpec:
         """The normalized spec as plain data (what the frontend puts back into extra_args; steering vectors by
         name and digest, or as float32 bytes with their digest, unless ``compact=False``)."""
         return {"capture": self.capture_wire(), "steer": [o.to_wire(compact, digest=compact) for o in self.steer],
-                "tags": self.tags, "id": self.stream_id, "prefix_cache": self.prefix_cache, "_normalized": True}
+                **({"detect": [d.to_wire() for d in self.detect]} if self.detect else {}), "tags": self.tags, "id": self.stream_id, "prefix_cache": self.prefix_cache, "_normalized": True}
 
 
 def _fail(cls, path: str, msg: str):
@@ -227,6 +231,10 @@ def parse_spec(raw: Any, geo: ModelGeometry,
         kw["qk_positions"] = _positions(qk.get("positions", "all"), "['capture']['qk']['positions']")
     if "steer" in d:
         kw["steer"] = parse_steer_ops(d["steer"], geo, resolve_vector)
+    if d.get("detect"):
+        from mia_stream.spec.detect import parse_detect  # (it imports this module)
+
+        kw["detect"] = parse_detect(d["detect"], geo)
     tags = d.get("tags", {})
     if not isinstance(tags, dict):
         _fail(CaptureSpecError, "['tags']", f"must be an object, got {type(tags).__name__}")

@@ -2,7 +2,8 @@
 sees the request. Pure (no torch, no vLLM, no producer runtime), so vLLM's frontend and API server check a spec with
 the spec package alone. Owns no state.
 
-``cfg`` is any object with the engine's start-time settings ``steering``, ``capture_qk``, ``aperture_rows`` (None:
+``cfg`` is any object with the engine's start-time settings ``steering``, ``capture_qk``, ``detect``,
+``detectors_per_request``, ``aperture_rows`` (None:
 ``max_tokens``) and ``host_ring_bytes``: the producer's ``RuntimeConfig``, read from the same environment the workers
 read when the engine starts.
 """
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mia_stream.errors import CaptureSpecError, SteeringSpecError
+from mia_stream.errors import CaptureSpecError, DetectSpecError, SteeringSpecError
 from mia_stream.spec import SPEC_KEY, ModelGeometry, RequestSpec
 
 __all__ = ["check_admission"]
@@ -27,6 +28,15 @@ def check_admission(spec: RequestSpec, prompt_len: int, geo: ModelGeometry, cfg:
         raise SteeringSpecError(
             f"extra_args['{SPEC_KEY}']['steer']: this engine was started with MIA_STREAM_STEERING=0, so it has no "
             "steering ops; start it without that setting to steer, or leave 'steer' out")
+    if spec.detect and not getattr(cfg, "detect", True):
+        raise DetectSpecError(
+            f"extra_args['{SPEC_KEY}']['detect']: this engine was started with MIA_STREAM_DETECT=0, so it has no "
+            "in-engine detector ops; start it without that setting, or run the detector as an analyzer")
+    limit = getattr(cfg, "detectors_per_request", None)
+    if limit is not None and len(spec.detect) > limit:
+        raise DetectSpecError(
+            f"extra_args['{SPEC_KEY}']['detect']: {len(spec.detect)} detectors, more than this engine's "
+            f"MIA_STREAM_DETECTORS_PER_REQUEST={limit}")
     if spec.qk_layers and not cfg.capture_qk:
         raise CaptureSpecError(
             f"extra_args['{SPEC_KEY}']['capture']['qk']: this engine was started with MIA_STREAM_CAPTURE_QK=0, so it "

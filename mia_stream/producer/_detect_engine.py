@@ -1,0 +1,163 @@
+"""In-engine detectors, the engine core's side: alert policies judged at the step boundary, actions applied before
+the next step is scheduled, scores published as analysis messages.
+
+Owns (one ``EngineDetectors`` per engine-core control): each streamed request's detectors (parsed from its
+normalized spec), one ``AlertPolicy`` per detector configuration (each keeps every request's window), which
+(request, detector) pairs have acted, and the cache of the last step's row grouping. ``on_scores`` runs inside
+the scheduler's ``update_from_output`` for the step whose forward computed the scores, before vLLM appends the
+step's tokens:
+
+- every scored row goes out in one ``AnalysisBatch`` per detector name and step (analyzer ``engine:<name>``,
+  value ``risk`` per scored position, ``alerts`` flagged by the detector's policy, ``source_time_ns`` when the
+  scores reached the host), published through the control channel's publisher: 4 bytes per scored token;
+- on a request's first alert of a detector with an action: ``abort`` marks the request, and vLLM's ``check_stop``
+  ends it in this same update (the token sampled in the alerting step is its last); a steering action is queued
+  for the control's next ``take`` (the next ``schedule``: without async scheduling, the step after the alert).
+  Each outcome is an ``alert_action`` analysis row (values ``alert_step``, ``applied_step``,
+  ``steering_version``; labels ``action``, ``source``, ``error``), the record the analyzers' actor publishes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from mia_stream.schemas import AnalysisBatch
+
+logger = logging.getLogger("mia_stream.producer")
+
+ACTION_ANALYZER = "alert_action"  # the same record as the analyzers' actor (analyzers/_actions.py)
+
+
+@dataclass
+class _Req:
+    stream_id: str
+    detectors: tuple  # spec.detect.DetectorSpec by column
+    policy_keys: list  # the key of each detector's policy in EngineDetectors._policies
+    acted: set = field(default_factory=set)  # columns whose action was taken
+
+
+class EngineDetectors:
+    def __init__(self, control: Any):
+        self.control = control
+        self._requests: dict[str, _Req] = {}
+        self._policies: dict[str, Any] = {}  # policy config key -> AlertPolicy (request keys "eid\0col")
+        self._group_cache: tuple | None = None
+        self.counters = {"scored_rows": 0, "alerts": 0, "actions": 0, "analysis_dropped": 0, "bad_specs": 0}
+
+    def add_request(self, engine_id: str, stream_id: str, detect_wire: Any) -> None:
+        from mia_stream.errors import SpecError
+        from mia_stream.spec.detect import parse_detect
+
+        try:
+            dets = parse_detect(detect_wire, self.control.geo)
+        except SpecError as e:  # the frontend checked it; an engine with other probes must not crash on it
+            self.counters["bad_specs"] += 1
+            logger.error("mia_stream: request %s: its detectors cannot run here: %s", stream_id, e)
+            return
+        keys = []
+        for det in dets:
+            key = json.dumps([det.alert, det.action_raw], sort_keys=True)
+            if key not in self._policies:
+                self._policies[key] = det.policy()
+            keys.append(key)
+        self._requests[engine_id] = _Req(stream_id, dets, keys)
+        self._group_cache = None
+
+    def forget(self, engine_id: str) -> None:
+        r = self._requests.pop(engine_id, None)
+        if r is not None:
+            for col, key in enumerate(r.policy_keys):
+                self._policies[key].release(f"{engine_id}\0{col}")
+            self._group_cache = None
+
+    def _groups(self, eids: list, cols: np.ndarray) -> list:
+        """The rows of one step grouped by detector name: [(name, row indices, [(eid, _Req)] per row, policy key
+        per row)]; cached while the same requests are scored in the same order (steady decode)."""
+        c = self._group_cache
+        if c is not None and c[0] == eids and np.array_equal(c[1], cols):
+            return c[2]
+        by_name: dict[str, list] = {}
+        reqs = self._requests
+        for i, (eid, col) in enumerate(zip(eids, cols.tolist())):
+            r = reqs.get(eid)
+            if r is None or col >= len(r.detectors):
+                continue
+            by_name.setdefault(r.detectors[col].name, []).append((i, eid, r, col))
+        groups = []
+        for name, rows in by_name.items():
+            groups.append((name, np.asarray([x[0] for x in rows], np.int64), [(x[1], x[2], x[3]) for x in rows]))
+        self._group_cache = (list(eids), cols.copy(), groups)
+        return groups
+
+    def on_scores(self, scores: list) -> None:
+        for sc in scores:
+            try:
+                self._on_step(sc)
+            except Exception:  # a detector must never take the engine down
+                logger.exception("mia_stream: in-engine detectors failed at step %d", sc.step)
+
+    def _on_step(self, sc: Any) -> None:
+        publisher = self.control.publisher
+        for name, idx, rows in self._groups(sc.eids, sc.cols):
+            risk32 = sc.risk[idx].astype(np.float32)
+            judged = risk32.astype(np.float64)  # judge the values as published (the analyzers' rule)
+            alerts = np.zeros(len(idx), bool)
+            by_key: dict[str, list] = {}
+            for j, (eid, r, col) in enumerate(rows):
+                by_key.setdefault(r.policy_keys[col], []).append(j)
+            for key, js in by_key.items():
+                ja = np.asarray(js, np.int64)
+                rids = [f"{rows[j][0]}\0{rows[j][2]}" for j in js]
+                alerts[ja] = self._policies[key].update(rids, np.arange(len(js)), judged[ja])
+            stream_ids = [r.stream_id for _, r, _ in rows]
+            positions = sc.positions[idx]
+            self.counters["scored_rows"] += len(idx)
+            batch = AnalysisBatch(
+                publisher.producer_id, publisher.epoch, "engine:" + name, stream_ids, publisher.next_seqs(stream_ids),
+                None, positions, {"risk": risk32}, {}, alerts.astype(np.int64), step=sc.step, analyzer_version="1",
+                time_ns=time.time_ns(), source_time_ns=sc.time_ns)
+            if not publisher.publish(batch):
+                self.counters["analysis_dropped"] += 1  # the publisher names the lost seqs in gaps
+            if alerts.any():
+                self.counters["alerts"] += int(alerts.sum())
+                for j in np.flatnonzero(alerts).tolist():
+                    eid, r, col = rows[j]
+                    if col not in r.acted and r.detectors[col].action_raw is not None:
+                        r.acted.add(col)
+                        self._act(eid, r, col, sc.step, int(positions[j]), sc.time_ns)
+
+    def _act(self, eid: str, r: _Req, col: int, step: int, position: int, source_ns: int) -> None:
+        det = r.detectors[col]
+        action = det.action()
+        self.counters["actions"] += 1
+        source = "engine:" + det.name
+        if action.kind == "abort":
+            self.control.aborts.add(eid)  # vLLM's check_stop ends it in this step's update
+            self._publish_outcome(r.stream_id, step, position, step + 1, 0, "abort", source, None, source_ns)
+            return
+
+        def done(ack) -> None:
+            applied = ack.applied_step if ack.ok and ack.applied_step is not None else -1
+            self._publish_outcome(r.stream_id, step, position, applied, ack.steering_version, action.command, source,
+                                  ack.error, source_ns)
+
+        self.control.queue_action(action.command_for(r.stream_id), done)
+
+    def _publish_outcome(self, stream_id: str, alert_step: int, position: int, applied_step: int, version: int,
+                         action: str, source: str, error: str | None, source_ns: int) -> None:
+        publisher = self.control.publisher
+        batch = AnalysisBatch(
+            publisher.producer_id, publisher.epoch, ACTION_ANALYZER, [stream_id], publisher.next_seqs([stream_id]),
+            [1], [position], {"alert_step": np.asarray([alert_step], np.int64),
+                              "applied_step": np.asarray([applied_step], np.int64),
+                              "steering_version": np.asarray([version], np.int64)},
+            {"action": [action], "source": [source], "error": [error]}, [1], step=applied_step, analyzer_version="1",
+            time_ns=time.time_ns(), source_time_ns=source_ns)
+        if not publisher.publish(batch):
+            self.counters["analysis_dropped"] += 1

@@ -1,0 +1,202 @@
+"""In-engine detectors, the worker's side: which token rows each request's detectors score at which layer, and the
+step's scores back on the host.
+
+Owns (one ``DetectorRouting`` per producer runtime): each streamed request's detectors (``_Detector``: its column
+in the score buffer, probe slot, layer, positions, bias), the probe table's slots (``_device._ProbeTable``), the
+per-layer routing slab ``probe_route`` it writes before each forward, the step's scored pairs, and the pinned host
+copies of ``probe_out``. The forward pass computes ``probe_out[t, k] = x_t . v_k`` in-graph
+(``kernels.ops.project``); ``take`` turns the copied values into risks, ``sigmoid(x . v + c)``, the probe file's
+formula with its standardization folded in (``LinearProbe.folded``), and hands them to the engine core with the
+step's output (``DetectScores``), where the alert policy runs (``_detect_engine``).
+
+A steady decode step (the same requests as the last step, one generated token each, nothing reconfigured) reuses the
+last step's routing: the device slab is unchanged and only the positions advance, so the per-step host cost does
+not grow with per-request Python.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from mia_stream.producer._device import _ProbeTable
+from mia_stream.producer._routing import hits, select
+from mia_stream.spec.probes import sigmoid
+
+
+class DetectScores(NamedTuple):
+    """One step's in-engine scores (what rides on the step's ModelRunnerOutput to the engine core; pickled there
+    when the worker is another process)."""
+
+    step: int
+    eids: list  # engine request id of each scored row
+    cols: np.ndarray  # int64: the detector's index in the request's spec ``detect`` list
+    positions: np.ndarray  # int64: the token position scored (the row computed while token p is the input)
+    risk: np.ndarray  # float64: sigmoid(x . v + c)
+    time_ns: int  # when the scores were on the host
+
+
+@dataclass
+class _Detector:
+    col: int
+    slot: int
+    layer: int
+    positions: str
+    bias: float
+    digest: str
+
+
+@dataclass
+class _Steady:
+    req_ids: list
+    epoch: int
+    plens: np.ndarray
+    eids: list
+    cols: np.ndarray
+    token_rows: np.ndarray
+    bias: np.ndarray
+    reqs: list = field(default_factory=list)  # the cached requests (their next position catches up on leaving)
+    last: np.ndarray | None = None
+
+
+class DetectorRouting:
+    def __init__(self, state: Any, slots: int, columns: int, num_layers: int, max_tokens: int,
+                 device: torch.device):
+        self.state, self.columns, self.num_layers = state, columns, num_layers
+        self.table = _ProbeTable(state, slots)
+        self.device = device
+        self._steady: _Steady | None = None
+        self._step: tuple | None = None  # this step's (eids, cols, token_rows, positions, bias)
+        self._pending: list = []  # (step, eids, cols, token_rows, positions, bias, host values or (buffer, event))
+        self._pinned = [torch.empty((max_tokens, columns), dtype=torch.float32, pin_memory=True)
+                        for _ in range(3)] if device.type == "cuda" else []
+        self._turn = 0
+        self.host_route: np.ndarray | None = None  # the slab to upload for this step (None: unchanged / cleared)
+
+    # ------------------------------------------------------------------------------- request lifetime
+    def add(self, req: Any, spec_detect: tuple) -> None:
+        """Give each of the request's detectors a probe slot (refusals counted in ``req.drops``)."""
+        req.detectors = []
+        for col, det in enumerate(spec_detect[: self.columns]):
+            v, c = det.probe.folded(np.float32)
+            slot = self.table.acquire(det.digest, v)
+            if slot is None:
+                req.drops["probe_table_full"] = req.drops.get("probe_table_full", 0) + 1
+                continue
+            req.detectors.append(_Detector(col, slot, det.probe.layer, det.positions, c, det.digest))
+        if len(spec_detect) > self.columns:
+            req.drops["detectors_over_limit"] = len(spec_detect) - self.columns
+
+    def release(self, req: Any) -> None:
+        for d in getattr(req, "detectors", ()):
+            self.table.release(d.digest, d.slot)
+        req.detectors = []
+
+    # ------------------------------------------------------------------------------- per step
+    def route(self, batch: Any, requests: dict, epoch: int) -> bool:
+        """This step's scored pairs and routing slab (``host_route``); False when no row is scored and the slab
+        needs no change."""
+        self.host_route = None
+        s = self._steady
+        n = batch.num_tokens
+        if (s is not None and s.epoch == epoch and batch.req_ids == s.req_ids and n == len(s.req_ids)
+                and np.array_equal(batch.query_start, np.arange(n + 1)) and (batch.num_computed >= s.plens).all()):
+            computed = np.asarray(batch.num_computed, np.int64)
+            s.last = computed
+            self._step = (s.eids, s.cols, s.token_rows, computed[s.token_rows], s.bias)
+            return bool(len(s.eids))
+        self._leave_steady()
+        qs, computed = batch.query_start.tolist(), batch.num_computed.tolist()
+        eids, cols, rows, positions, bias, layers, slots = [], [], [], [], [], [], []
+        all_decode, plens, reqs = True, np.zeros(len(batch.req_ids), np.int64), []
+        for i, eid in enumerate(batch.req_ids):
+            req = requests.get(eid)
+            dets = getattr(req, "detectors", None) if req is not None else None
+            a, b = qs[i], qs[i + 1]
+            if not dets or b <= a:
+                all_decode = all_decode and b - a == 1
+                continue
+            first, plen = computed[i], req.prompt_len
+            plens[i] = plen
+            decode = b - a == 1
+            all_decode = all_decode and decode and first >= plen
+            reqs.append((req, i))
+            next_pos = req.next_pos[2]
+            for d in dets:
+                if decode:
+                    if first < next_pos or not hits(d.positions, first, plen):
+                        continue
+                    sel_rows, sel_pos = np.asarray([a]), np.asarray([first])
+                else:
+                    sel = select(np.arange(first, first + (b - a)), d.positions, plen, next_pos)
+                    if not sel.size:
+                        continue
+                    sel_rows, sel_pos = a + sel, first + sel
+                m = len(sel_rows)
+                eids.extend([eid] * m)
+                cols.append(np.full(m, d.col, np.int64))
+                rows.append(sel_rows)
+                positions.append(sel_pos)
+                bias.append(np.full(m, d.bias, np.float64))
+                layers.append(np.full(m, d.layer, np.int64))
+                slots.append(np.full(m, d.slot, np.int32))
+            req.next_pos[2] = max(next_pos, first + (b - a))
+        if not eids:
+            self._step = None
+            self.host_route = np.zeros((0, 0, 0), np.int32)  # clear what the last step routed
+            return False
+        cols_a, rows_a = np.concatenate(cols), np.concatenate(rows).astype(np.int64)
+        host = np.full((self.num_layers, n, self.columns), -1, np.int32)
+        host[np.concatenate(layers), rows_a, cols_a] = np.concatenate(slots)
+        self.host_route = host
+        self._step = (eids, cols_a, rows_a, np.concatenate(positions).astype(np.int64), np.concatenate(bias))
+        if all_decode and n == len(batch.req_ids):
+            self._steady = _Steady(list(batch.req_ids), epoch, plens, eids, cols_a, rows_a, self._step[4],
+                                   [r for r, _ in reqs])
+        return True
+
+    def _leave_steady(self) -> None:
+        s, self._steady = self._steady, None
+        if s is not None and s.last is not None:
+            for req in s.reqs:  # the positions the cached steps scored are done (dedupes a recompute)
+                i = s.req_ids.index(req.engine_id)
+                req.next_pos[2] = max(req.next_pos[2], int(s.last[i]) + 1)
+
+    def after_forward(self, step: int, n: int) -> None:
+        """Queue the host copy of this step's scores (CUDA: async on the compute stream, into a pinned buffer)."""
+        got, self._step = self._step, None
+        if got is None:
+            return
+        out = self.state.probe_out
+        if self.device.type == "cuda":
+            buf = self._pinned[self._turn]
+            self._turn = (self._turn + 1) % len(self._pinned)
+            buf[:n].copy_(out[:n], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            values = (buf, event)
+        else:
+            values = out[:n].numpy().copy()
+        self._pending.append((step, *got, values))
+
+    def take(self, upto_step: int | None = None) -> list[DetectScores]:
+        """The scores of the steps up to ``upto_step`` (None: all) whose forward ran since the last call (normally
+        one; under async scheduling the next step's forward may be queued already and is left for its own call)."""
+        out = []
+        if upto_step is None:
+            pending, self._pending = self._pending, []
+        else:
+            pending = [p for p in self._pending if p[0] <= upto_step]
+            self._pending = [p for p in self._pending if p[0] > upto_step]
+        for step, eids, cols, rows, positions, bias, values in pending:
+            if isinstance(values, tuple):
+                buf, event = values
+                event.synchronize()  # the sampler synced already: this returns at once
+                values = buf.numpy()
+            raw = values[rows, cols].astype(np.float64)
+            out.append(DetectScores(step, list(eids), cols, positions, sigmoid(raw + bias), time.time_ns()))
+        return out
