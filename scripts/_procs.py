@@ -37,3 +37,21 @@ def ensure_plugin_entry_point(work: Path) -> None:
     (d / "entry_points.txt").write_text("[vllm.general_plugins]\nmia_stream = mia_stream.producer.plugin:register\n")
     os.environ["PYTHONPATH"] = f"{d.parent}:{os.environ.get('PYTHONPATH', '')}"
     sys.path.insert(0, str(d.parent))
+
+
+def random_probe_file(path: Path, hidden_size: int, num_layers: int, layer: int, seed: int = 0,
+                      analyzer: str = "token_probe", threshold: float = 0.5, scale: float = 1e-3) -> Path:
+    """A ``mia_stream.probe/1`` token probe of random direction for a model shape (benchmarks on models with
+    dummy weights, for which no trained probe exists): small weights keep the risks away from 0 and 1."""
+    import json
+
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal(hidden_size) * scale / np.sqrt(hidden_size)
+    path.write_text(json.dumps({
+        "format": "mia_stream.probe/1", "analyzer": analyzer, "model": "random", "hidden_size": hidden_size,
+        "num_layers": num_layers, "layer": layer, "position": "generated", "mean": [0.0] * hidden_size,
+        "scale": [1.0] * hidden_size, "weights": w.tolist(), "bias": 0.0, "threshold": threshold,
+        "positive": "random direction (benchmark)"}))
+    return path

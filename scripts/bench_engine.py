@@ -45,7 +45,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from _procs import ensure_plugin_entry_point  # noqa: E402  (scripts/_procs.py, beside this file)
+from _procs import ensure_plugin_entry_point, random_probe_file  # noqa: E402  (scripts/_procs.py, beside this file)
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -64,6 +64,10 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
     vec = {"name": "bench-engine"}
     mid = L // 2
     hs1 = {"capture": {"hidden_states": {"layers": [mid], "positions": "all"}}}
+    # one in-engine detector on every request (issue 25): a random probe of the model's shape at the middle layer,
+    # every generated token scored, alerts flagged (threshold 0.5: about half the rows), no action
+    probe = random_probe_file(Path(tempfile.mkdtemp(prefix="bench-probe-")) / "probe.json", H, L, mid)
+    detect1 = {"detect": [{"probe": str(probe), "positions": "generated"}]}
     return {
         "idle": (None, "decode"),
         "hs_1layer_all": (hs1, "decode"),
@@ -78,6 +82,7 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
         "steer_all_layers_numpy": ({"steer": [{"layer": i, "op": "add", "vector": array, "scale": 0.1}
                                               for i in range(L)]}, "decode"),
         "steer_256_vectors": ("distinct", "decode"),
+        "detect_1": (detect1, "decode"),
         "prefill_hs_1layer": (hs1, "prefill"),
         "prefill_steer_1layer": ({"steer": [{"layer": mid, "op": "add", "vector": vec, "scale": 0.5}]}, "prefill"),
         "prefill_hs_all_last_prompt": ({"capture": {"hidden_states": {"layers": "all", "positions": "last_prompt"}}},
@@ -129,6 +134,13 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
                 now = time.time_ns()
                 if ev.kind == "batch" and ev.batch.KIND == "step_batch":
                     ms = (now - ev.batch.time_ns) / 1e6
+                    for rid in ev.batch.request_ids:
+                        r = rec(rid)
+                        r["frames"] += 1
+                        r["lat"].append(ms)
+                elif ev.kind == "batch" and ev.batch.KIND == "analysis" and ev.batch.analyzer.startswith("engine:"):
+                    # an in-engine detector's scores: from the step's scores on the host to here
+                    ms = (now - ev.batch.source_time_ns) / 1e6
                     for rid in ev.batch.request_ids:
                         r = rec(rid)
                         r["frames"] += 1

@@ -15,9 +15,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-# named steering vectors the tests register go to a directory of this run, never the user's cache; the engines
+# named steering vectors (and detector probes) the tests register go to a directory of this run, never the user's cache; the engines
 # the fixtures start inherit it
 os.environ.setdefault("MIA_STREAM_VECTORS", tempfile.mkdtemp(prefix="mia-test-vectors-"))
+os.environ.setdefault("MIA_STREAM_PROBES", tempfile.mkdtemp(prefix="mia-test-probes-"))  # (likewise, probes)
 
 # Engine limits the producer tests rely on: prompts longer than MAX_BATCHED_TOKENS are chunked.
 MAX_BATCHED_TOKENS = 256

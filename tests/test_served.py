@@ -46,6 +46,8 @@ BAD_SPECS = [
     ({"steer": [{"layer": 3, "op": "add", "vector": {"f32": "AAAA"}}]}, "must hold 576 float32 values"),
     ({"steer": [{"layer": 3, "op": "add", "vector": [True] * 576}]}, "must be a list of numbers"),
     ({"steer": [{"layer": 3, "op": "add", "vector": [0.5] * 575 + [True]}]}, "must be a list of numbers"),
+    ({"detect": [{"probe": "no-such-probe"}]}, "no such probe"),
+    ({"detect": [{"probe": "token-probe-smollm2-135m.json", "alert": {"mode": "loud"}}]}, "alert.mode"),
     ("{not json", "not valid JSON"),
     (7, "must be an object"),
 ]
@@ -480,6 +482,25 @@ def test_stream_id_without_an_id_in_the_spec_is_the_response_id(servers):
     start = seen[chat.id][0].start
     # what the worker sees: vLLM's internal id, the external one plus a random suffix
     assert start.engine_request_id.startswith(chat.id + "-")
+
+
+def test_stream_client_detect_scores_in_the_engine_and_aborts_on_alert(servers):
+    """Served mode with an in-engine detector (``StreamClient.chat(detect=...)`` through ``vllm_xargs``): the
+    request's events carry the engine's scores (``engine:token_probe``) with no capture, and an alert on the first
+    generated row aborts it in the engine (its answer is the two tokens sampled before the action)."""
+    from mia_stream.served.client import StreamClient
+
+    client = StreamClient(servers.url, broker=servers.address, max_retries=0)
+    detect = [{"probe": "token-probe-smollm2-135m.json", "alert": {"threshold": 0.0}, "action": "abort"}]
+    req = client.chat(PROMPT_A, max_tokens=12, temperature=0, detect=detect, request_id="served-detect-1",
+                      stream=False)
+    events = list(req)
+    analyses = [e.bus.analysis for e in events if e.kind == "analysis"]
+    response = next(e.response for e in events if e.kind == "response")
+    assert response.choices[0].finish_reason == "abort" and response.usage.completion_tokens == 2
+    scores = [a for a in analyses if a.analyzer == "engine:token_probe"]
+    assert scores and all(len(a.positions) == 1 for a in scores)
+    assert not any(e.kind == "frame" for e in events)
 
 
 def test_vllm_console_script_on_the_cpu_build():

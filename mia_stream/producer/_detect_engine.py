@@ -77,8 +77,9 @@ class EngineDetectors:
             self._group_cache = None
 
     def _groups(self, eids: list, cols: np.ndarray) -> list:
-        """The rows of one step grouped by detector name: [(name, row indices, [(eid, _Req)] per row, policy key
-        per row)]; cached while the same requests are scored in the same order (steady decode)."""
+        """The rows of one step grouped by detector name: [(name, row indices, [(eid, _Req, col)] per row, stream
+        ids, [(policy, row indices within the group, policy slots or None)])]. Cached while the same requests are
+        scored in the same order (steady decode), so a step costs no per-row Python."""
         c = self._group_cache
         if c is not None and c[0] == eids and np.array_equal(c[1], cols):
             return c[2]
@@ -91,7 +92,18 @@ class EngineDetectors:
             by_name.setdefault(r.detectors[col].name, []).append((i, eid, r, col))
         groups = []
         for name, rows in by_name.items():
-            groups.append((name, np.asarray([x[0] for x in rows], np.int64), [(x[1], x[2], x[3]) for x in rows]))
+            by_key: dict[str, list] = {}
+            for j, (_, eid, r, col) in enumerate(rows):
+                by_key.setdefault(r.policy_keys[col], []).append(j)
+            judges = []
+            for key, js in by_key.items():
+                policy = self._policies[key]
+                rids = [f"{rows[j][1]}\0{rows[j][3]}" for j in js]
+                # one row per request (decode): the policy's table rows, looked up once for the cached steps
+                slots = policy.slots_of(rids) if len(set(rids)) == len(rids) else None
+                judges.append((policy, np.asarray(js, np.int64), rids, slots))
+            groups.append((name, np.asarray([x[0] for x in rows], np.int64), [(x[1], x[2], x[3]) for x in rows],
+                           [x[2].stream_id for x in rows], judges))
         self._group_cache = (list(eids), cols.copy(), groups)
         return groups
 
@@ -104,18 +116,15 @@ class EngineDetectors:
 
     def _on_step(self, sc: Any) -> None:
         publisher = self.control.publisher
-        for name, idx, rows in self._groups(sc.eids, sc.cols):
+        for name, idx, rows, stream_ids, judges in self._groups(sc.eids, sc.cols):
             risk32 = sc.risk[idx].astype(np.float32)
             judged = risk32.astype(np.float64)  # judge the values as published (the analyzers' rule)
             alerts = np.zeros(len(idx), bool)
-            by_key: dict[str, list] = {}
-            for j, (eid, r, col) in enumerate(rows):
-                by_key.setdefault(r.policy_keys[col], []).append(j)
-            for key, js in by_key.items():
-                ja = np.asarray(js, np.int64)
-                rids = [f"{rows[j][0]}\0{rows[j][2]}" for j in js]
-                alerts[ja] = self._policies[key].update(rids, np.arange(len(js)), judged[ja])
-            stream_ids = [r.stream_id for _, r, _ in rows]
+            for policy, ja, rids, slots in judges:
+                if slots is not None:
+                    alerts[ja] = policy.update_slots(slots, judged[ja])
+                else:
+                    alerts[ja] = policy.update(rids, np.arange(len(ja)), judged[ja])
             positions = sc.positions[idx]
             self.counters["scored_rows"] += len(idx)
             batch = AnalysisBatch(

@@ -74,7 +74,7 @@ def _jsonable_vector(vector: Any) -> Any:
 
 
 def build_spec(capture: dict | None = None, steer: list | None = None, tags: dict | None = None,
-               request_id: str | None = None, spec: dict | None = None) -> dict:
+               request_id: str | None = None, spec: dict | None = None, detect: list | None = None) -> dict:
     """The ``mia_stream`` spec as plain JSON-able data (numpy / float32-bytes vectors become float lists;
     the server validates it: a bad one is an HTTP 400 naming the field)."""
     out = dict(spec or {})
@@ -82,6 +82,8 @@ def build_spec(capture: dict | None = None, steer: list | None = None, tags: dic
         out["capture"] = capture
     if steer is not None:
         out["steer"] = steer
+    if detect is not None:  # in-engine detectors (docs/detectors.md)
+        out["detect"] = detect
     if tags is not None:
         out["tags"] = tags
     if request_id is not None:
@@ -273,13 +275,13 @@ class _ClientBase:
         self.openai = openai_client
 
     def _request(self, kind: str, capture, steer, tags, request_id, spec, extra_body,
-                 create_kwargs: dict) -> tuple[str, dict]:
+                 create_kwargs: dict, detect=None) -> tuple[str, dict]:
         if create_kwargs.get("n", 1) != 1:
             raise SpecError(f"{type(self).__name__} sends one choice per request (n=1)")
         rid = request_id or (spec or {}).get("id") or f"{kind}-{uuid.uuid4().hex[:20]}"
         body = dict(extra_body or {})
         xargs = dict(body.get("vllm_xargs") or {})
-        xargs[SPEC_KEY] = json.dumps(build_spec(capture, steer, tags, rid, spec))
+        xargs[SPEC_KEY] = json.dumps(build_spec(capture, steer, tags, rid, spec, detect))
         body["vllm_xargs"] = xargs
         return rid, body
 
@@ -295,11 +297,12 @@ class _ClientBase:
     def chat(self, messages: list, *, capture: dict | None = None, steer: list | None = None,
              tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
              stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-             analyzers: Sequence[str] = (), **create_kwargs: Any):
+             analyzers: Sequence[str] = (), detect: list | None = None, **create_kwargs: Any):
         """A chat completion with a capture/steering spec; nothing is sent until the first ``next``.
         ``create_kwargs`` go to ``chat.completions.create`` (``max_tokens``, ``temperature``, ``seed``...).
-        ``analyzers``: names of analyzer processes publishing on this broker whose final results to wait for."""
-        rid, body = self._request("chat", capture, steer, tags, request_id, spec, extra_body, create_kwargs)
+        ``analyzers``: names of analyzer processes publishing on this broker whose final results to wait for.
+        ``detect``: in-engine detectors (docs/detectors.md); their scores arrive as analysis ``engine:<name>``."""
+        rid, body = self._request("chat", capture, steer, tags, request_id, spec, extra_body, create_kwargs, detect)
         call = self._call(self.openai.chat.completions.create, create_kwargs, messages=messages, stream=stream,
                           extra_body=body)
         return self._served(rid, call, stream, True, keep_frames, analyzers)
@@ -307,11 +310,11 @@ class _ClientBase:
     def completion(self, prompt: str | list[int], *, capture: dict | None = None, steer: list | None = None,
                    tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
                    stream: bool = True, keep_frames: bool | None = None, extra_body: dict | None = None,
-                   analyzers: Sequence[str] = (), **create_kwargs: Any):
+                   analyzers: Sequence[str] = (), detect: list | None = None, **create_kwargs: Any):
         """A completion; ``prompt`` may be token ids (e.g. ``chat_spans(...).token_ids``: no re-tokenization)."""
         if isinstance(prompt, (list, tuple)) and prompt and isinstance(prompt[0], (list, tuple, str)):
             raise SpecError(f"{type(self).__name__}.completion takes one prompt (a string or a list of token ids)")
-        rid, body = self._request("cmpl", capture, steer, tags, request_id, spec, extra_body, create_kwargs)
+        rid, body = self._request("cmpl", capture, steer, tags, request_id, spec, extra_body, create_kwargs, detect)
         call = self._call(self.openai.completions.create, create_kwargs, prompt=prompt, stream=stream,
                           extra_body=body)
         return self._served(rid, call, stream, False, keep_frames, analyzers)

@@ -260,6 +260,15 @@ class AlertPolicy:
             alerts[rows] = self._step(slot_of[rr_s[sel]], r[rows])
         return alerts
 
+    def slots_of(self, request_ids: Sequence[str]) -> np.ndarray:
+        """The table rows of ``request_ids`` (allocated for new ones): for ``update_slots``."""
+        return self._table.slots(request_ids)
+
+    def update_slots(self, slots: np.ndarray, risk: Any) -> np.ndarray:
+        """``update`` for one row each of distinct requests whose rows ``slots_of`` gave (a steady decode step:
+        the engine caches the slots while the same requests are scored)."""
+        return self._step(slots, np.asarray(risk, np.float64))
+
     def judge(self, request_ids: Sequence[str], row_requests: Any, values: dict) -> np.ndarray:
         """``update`` on the policy's score column of ``values`` (name -> one entry per row)."""
         risk = risk_column(values, self.value)

@@ -260,6 +260,16 @@ def resolve_probe(ref: Any) -> tuple[LinearProbe, str]:
         try:
             text = _by_digest_path(digest).read_text()
         except FileNotFoundError:
+            # a process with another probes dir (a worker started with other settings): the name or path the
+            # request gave, if it still holds exactly this content
+            given = ref.get("ref")
+            if isinstance(given, str) and given:
+                try:
+                    hit = resolve_probe(given)
+                except KeyError:
+                    hit = None
+                if hit is not None and hit[1] == digest:
+                    return _remember(digest, hit)
             raise KeyError(f"probe of digest {digest} (none on this machine)") from None
         return _remember(digest, (probe_from_text(text, None, str(ref.get("ref", digest))), digest))
     if not isinstance(ref, str) or not ref:
