@@ -136,6 +136,7 @@ def parity(llm, SamplingParams, address: str, probe: str, rng, vocab: int, a) ->
     ids = [f"par-{i}" for i in range(8)]
     rows: dict = {}
     scores: dict = {}
+    with_logits: dict = {}
     done = threading.Event()
 
     def collect():
@@ -146,6 +147,9 @@ def parity(llm, SamplingParams, address: str, probe: str, rng, vocab: int, a) ->
                 if ev.kind == "frame" and "hs" in ev.frame.raw_tensors:
                     for pos, h in zip(ev.frame.positions, ev.frame.tensors["hs"][0]):
                         rows[(rid, int(pos))] = np.asarray(h, np.float64)
+                elif ev.kind == "analysis" and ev.analysis.analyzer == "engine:with_logits":
+                    for pos, r in zip(ev.analysis.positions, ev.analysis.values["risk"]):
+                        with_logits[(rid, int(pos))] = float(r)
                 elif ev.kind == "analysis" and ev.analysis.analyzer.startswith("engine:"):
                     for pos, r in zip(ev.analysis.positions, ev.analysis.values["risk"]):
                         scores[(rid, int(pos))] = float(r)
@@ -158,8 +162,16 @@ def parity(llm, SamplingParams, address: str, probe: str, rng, vocab: int, a) ->
     t = threading.Thread(target=collect, daemon=True)
     t.start()
     time.sleep(1.0)
+    # a second detector on the same probe with logit features (the sampler's statistics): it must score every
+    # row too, and move the risks
+    lf_probe = Path(address) / "probe-logit-features.json"
+    raw = json.loads(Path(probe).read_text())
+    raw["logit_features"] = {"names": ["logprob", "entropy"], "mean": [0.0, 0.0], "scale": [1.0, 1.0],
+                             "weights": [-0.5, 0.5]}
+    lf_probe.write_text(json.dumps(raw))
     spec = {"capture": {"hidden_states": {"layers": [p.layer], "positions": "generated"}},
-            "detect": [{"probe": probe, "positions": "generated"}]}
+            "detect": [{"probe": probe, "positions": "generated"},
+                       {"probe": str(lf_probe), "name": "with_logits", "positions": "generated"}]}
     llm.generate([{"prompt_token_ids": rng.integers(100, vocab, a.prompt_len).tolist()} for _ in ids],
                  [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True,
                                  extra_args={"mia_stream": {**spec, "id": rid}}) for rid in ids], use_tqdm=False)
@@ -169,8 +181,11 @@ def parity(llm, SamplingParams, address: str, probe: str, rng, vocab: int, a) ->
         return {"rows": 0}
     ref = 1.0 / (1.0 + np.exp(-p.logits(np.stack([rows[k] for k in keys]))))
     diff = np.abs(np.asarray([scores[k] for k in keys]) - ref)
+    lf = np.asarray([with_logits.get(k, np.nan) for k in keys])
     return {"rows": len(keys), "captured": len(rows), "scored": len(scores), "max_abs_diff": float(diff.max()),
-            "p99_abs_diff": float(np.percentile(diff, 99))}
+            "p99_abs_diff": float(np.percentile(diff, 99)),
+            "logit_feature_rows_scored": int(np.isfinite(lf).sum()),
+            "logit_feature_mean_abs_shift": float(np.nanmean(np.abs(lf - ref))) if np.isfinite(lf).any() else None}
 
 
 def main(argv=None) -> int:

@@ -22,7 +22,10 @@ Arms on the held-out questions (every request is a separate stream of one batch)
 - ``baseline``: no action (the detector's alerts are still recorded: their precision and recall);
 - ``alert->abort``: the request is aborted at the acked step (an aborted answer is an abstention);
 - ``alert->steer``: ``add`` s·v at layer L from the acked step on;
-- ``always-steer``: s·v on every request from its first decode step (no detector): what gating by alerts adds.
+- ``always-steer``: s·v on every request from its first decode step (no detector): what gating by alerts adds;
+- ``engine:alert->abort`` / ``engine:alert->steer``: the same probe, threshold and action as a detector in each
+  request's spec (``detect``, docs/detectors.md): scored in the forward pass, acted on in the engine core before
+  the next step (no analyzer or watcher process).
 
 Reported per arm: accuracy (correct / all), hallucination rate (answered and wrong / all), abstentions, alerts,
 and for the live actions the steps from the alert to the acked step.
@@ -186,6 +189,52 @@ class Bench:
         seen = json.loads(Path(watcher_out).read_text())
         return outs, seen, secs
 
+    def generate_in_engine(self, tag, items, action):
+        """Answer ``items`` with the detector inside the engine (each request's spec names the probe, alert and
+        action: issue 25); the engine's ``alert_action`` records are collected from the bus."""
+        import threading
+
+        from vllm import SamplingParams
+
+        from mia_stream.consumers import open_stream
+
+        ids = [f"act-{tag}-{i}" for i in range(len(items))]
+        seen = {"alerts": [], "actions": [], "scored": 0}
+        ready, done = threading.Event(), threading.Event()
+
+        def collect():
+            ended = 0
+            with open_stream(str(self.run_dir), patterns=[f"act-{tag}-*"], timeout=120) as events:
+                ready.set()
+                for ev in events:
+                    if ev.kind == "analysis" and ev.analysis.analyzer == "engine:hnode":
+                        seen["scored"] += 1
+                        seen["alerts"] += [ev.stream.request_id] * int(sum(ev.analysis.alerts))
+                    elif ev.kind == "analysis" and ev.analysis.analyzer == "alert_action":
+                        a = ev.analysis
+                        applied = int(a.values["applied_step"][0])
+                        seen["actions"].append({"ok": applied >= 0, "applied_step": applied,
+                                                "alert_step": int(a.values["alert_step"][0])})
+                    elif ev.kind == "end":
+                        ended += 1
+                    if ended >= len(ids) and done.is_set():
+                        break
+        t = threading.Thread(target=collect, daemon=True)
+        t.start()
+        ready.wait(30)
+        time.sleep(0.5)
+        detect = [{"probe": "hnode-smollm2-135m.json", "positions": "last_prompt", "action": action}]
+        params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=SEED,
+                                 extra_args={"mia_stream": {"id": rid, "detect": detect}}) for rid in ids]
+        t0 = time.monotonic()
+        outs = []
+        for a in range(0, len(items), 64):
+            outs += self.llm.generate(self.prompt_ids(items[a:a + 64]), params[a:a + 64], use_tqdm=False)
+        secs = time.monotonic() - t0
+        done.set()
+        t.join(60)
+        return outs, seen, secs
+
     def _wait_consumers(self, watcher_id, timeout=60):
         """Until the detector and this arm's watcher are subscribed."""
         from mia_stream.broker import fetch_stats
@@ -335,6 +384,11 @@ def main(argv=None) -> int:
         arms["alert->abort"] = score(test, outs, seen)
         outs, seen, _ = bench.generate("steer", test, action={"steer": steer_ops})
         arms["alert->steer"] = score(test, outs, seen)
+        # the same detector inside the engine (issue 25): judged and acted on at the step boundary
+        outs, seen, _ = bench.generate_in_engine("eabort", test, "abort")
+        arms["engine:alert->abort"] = score(test, outs, seen)
+        outs, seen, _ = bench.generate_in_engine("esteer", test, {"steer": steer_ops})
+        arms["engine:alert->steer"] = score(test, outs, seen)
         always = [dict(steer_ops[0], positions="generated")]
         outs, seen, _ = bench.generate("always", test, steer=always, action=None)
         arms["always-steer"] = score(test, outs, seen)
@@ -342,12 +396,13 @@ def main(argv=None) -> int:
     finally:
         bench.stop()
     print(json.dumps(results, indent=1))
-    print(f"\n{'arm':<14} {'accuracy':>8} {'halluc.':>8} {'abstain':>8} {'alerts':>7} {'acted':>6}  alert->applied")
+    print(f"\n{'arm':<20} {'accuracy':>8} {'halluc.':>8} {'abstain':>8} {'alerts':>7} {'acted':>6}  alert->applied")
     for name, r in results["held_out"].items():
         st = r.get("steps_alert_to_applied")
         steps = f"+{st['min']}..+{st['max']} steps (median +{st['median']:g})" if st else ""
-        print(f"{name:<14} {r['accuracy']:8.3f} {r['hallucination_rate']:8.3f} {r['abstained']:8.3f} "
-              f"{r.get('alerts', '-'):>7} {r.get('actions_ok', '-'):>6}  {steps}")
+        print(f"{name:<20} {r['accuracy']:8.3f} {r['hallucination_rate']:8.3f} {r['abstained']:8.3f} "
+              f"{r.get('alerts', '-'):>7} {r.get('actions_ok', '-'):>6}  {steps}"
+              + (f"; {r['actions_failed']} too late" if r.get("actions_failed") else ""))
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=1))
     return 0

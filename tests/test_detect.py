@@ -255,3 +255,51 @@ def test_the_monitor_page_shows_in_engine_scores_without_any_capture(engine, bro
             assert by_pos[p][2] == pytest.approx(r4(r), rel=1e-3)
             assert by_pos[p][5] == a
         page.close()
+
+
+def test_a_probe_reading_logit_features_scores_with_the_tokens_own_statistics(engine, broker_address, hf_model,
+                                                                               tmp_path):
+    """A probe with ``logit_features`` (the sampled token's log-probability and its distribution's entropy beside
+    the residual): every generated row's risk equals the formula with the residual captured from the same request
+    and the two statistics computed here from Hugging Face's logits for the same tokens (float32, both sides)."""
+    import torch
+
+    d = json.loads(PROBE.read_text())
+    lf = {"names": ["logprob", "entropy"], "mean": [-1.5, 2.0], "scale": [1.2, 0.8], "weights": [-0.9, 0.6]}
+    d["logit_features"] = lf
+    probe = tmp_path / "probe-with-logits.json"
+    probe.write_text(json.dumps(d))
+    rid = f"det-lf-{uuid.uuid4().hex[:6]}"
+    spec = {"id": rid, "capture": {"hidden_states": {"layers": [d["layer"]], "positions": "generated"}},
+            "detect": [{"probe": str(probe)}]}
+    with collecting(broker_address, [rid]) as col:
+        out = engine.generate([PROMPTS[1]], [_params(spec, 12)], use_tqdm=False)[0]
+        col.wait_ended([rid])
+        _wait_for(col, rid, lambda: len(_scores(col, rid, "engine:token_probe")[0]) == 11)
+    pos, risk = _scores(col, rid, "engine:token_probe")
+    positions, _, hs = col.stacked(rid, "hs")
+    assert pos.tolist() == positions
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([ids])).logits[0].double()
+    lp = torch.log_softmax(logits, dim=-1)
+    z = (hs[0].astype(np.float64) - np.asarray(d["mean"])) / np.asarray(d["scale"])
+    want = []
+    for row, p in zip(z, pos.tolist()):
+        feats = np.array([float(lp[p - 1, ids[p]]), float(-(lp[p - 1].exp() * lp[p - 1]).sum())])
+        logit = row @ np.asarray(d["weights"]) + d["bias"] + ((feats - lf["mean"]) / lf["scale"]) @ lf["weights"]
+        want.append(1.0 / (1.0 + np.exp(-logit)))
+    np.testing.assert_allclose(risk, want, rtol=0, atol=2e-4)
+    # the features matter: without them the risks differ
+    plain = 1.0 / (1.0 + np.exp(-(z @ np.asarray(d["weights"]) + d["bias"])))
+    assert np.abs(risk - plain).max() > 1e-2
+
+
+def test_logit_features_need_generated_positions(engine, tmp_path):
+    d = json.loads(PROBE.read_text())
+    d["logit_features"] = {"names": ["entropy"], "mean": [0.0], "scale": [1.0], "weights": [1.0]}
+    probe = tmp_path / "lf.json"
+    probe.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=r"\['detect'\]\[0\]\['positions'\].*generated tokens only"):
+        engine.generate([PROMPTS[0]], [_params({"detect": [{"probe": str(probe), "positions": "all"}]}, 2)],
+                        use_tqdm=False)

@@ -69,6 +69,9 @@ class TokenProbe(RiskDetector):
         if probe.position != "generated":
             raise AnalyzerConfigError(f"probe file {probe.path}: a token probe reads 'generated' positions, "
                                       f"not {probe.position!r}")
+        if probe.logit_features:
+            raise AnalyzerConfigError(f"probe file {probe.path}: it reads the sampler's logit features, which only "
+                                      "the engine has: name it in a request's 'detect' (docs/detectors.md)")
         if probe.num_features:
             raise AnalyzerConfigError(f"probe file {probe.path}: a token probe reads hidden states "
                                       f"(no 'num_features')")

@@ -684,6 +684,22 @@ def _apply_scheduler_side(runtime, scheduler_output) -> None:
         runtime.update_steering(eid, parse_steer_ops(ops_wire, runtime.geo), version)
 
 
+def _wrap_sampler(orig):
+    """Around a sampling call ``(self, logits, ...) -> SamplerOutput`` (V1 ``GPUModelRunner._sample``, V2
+    ``Sampler.__call__``): the raw logits and the sampled ids reach the detectors that read logit features."""
+    def sample(self, logits, *args, **kwargs):
+        out = orig(self, logits, *args, **kwargs)
+        for rt in REGISTRY.runtimes:
+            probes = rt.probes
+            if probes is not None and probes.feature_requests and logits is not None:
+                try:
+                    probes.on_logits(logits, out.sampled_token_ids)
+                except Exception:  # scoring must never take the engine down
+                    logger.exception("mia_stream: reading the sampler's statistics failed")
+        return out
+    return sample
+
+
 def _attach_scores(out, runtime, step: int) -> None:
     """Put the in-engine detectors' scores of the steps up to ``step`` on the step's ModelRunnerOutput: it reaches
     the engine core (pickled, when the worker is another process), where ``update_from_output`` acts on them."""
@@ -762,6 +778,7 @@ def _patch_v1_runner(module) -> None:
     _hook(cls, "_model_forward", wrap_model_forward)
     _hook(cls, "execute_model", wrap_execute_model)
     _hook(cls, "sample_tokens", wrap_sample_tokens)
+    _hook(cls, "_sample", _wrap_sampler, expects=("self", "logits"))
 
 
 def _patch_cpu_runner(module) -> None:
@@ -842,6 +859,9 @@ def _patch_v2_runner(module) -> None:
         return sample_tokens
 
     _v2_patch_async_output()
+    from vllm.v1.worker.gpu.sample import sampler as v2_sampler
+
+    _hook(v2_sampler.Sampler, "__call__", _wrap_sampler, expects=("self", "logits"))
     _hook(cls, "load_model", _wrap_load_model)
     _hook(cls, "finish_requests", wrap_finish_requests)
     _hook(cls, "add_requests", wrap_add_requests)

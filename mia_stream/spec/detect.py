@@ -6,7 +6,9 @@
                 "alert": {"threshold": 0.7, "mode": "tokens", "window": 3, "min_hits": 2, "cooldown": null},
                 "action": null | "abort" | {"steer": [ops], "command": "add" | "replace"}}]
 
-``alert`` is the policy object the detector analyzers take (``spec.alerts.AlertPolicy``; default: the probe's
+A probe may also read the token's own sampling statistics (``logit_features``: the log-probability the model
+gave the token and the entropy of that distribution, raw logits, computed where vLLM samples it) beside the
+residual; such a detector scores generated positions. ``alert`` is the policy object the detector analyzers take (``spec.alerts.AlertPolicy``; default: the probe's
 threshold, every hot row flagged); ``action`` is taken on the request's first alert, in the engine, before its next
 step is scheduled. A probe is a ``mia_stream.probe/1`` linear probe on one layer's residual (``spec.probes``):
 hidden size and layer count must be the model's; probes over other features (attention, a final norm, a pooled
@@ -121,6 +123,9 @@ def _parse_one(d: Any, geo: Any, path: str) -> DetectorSpec:
     positions = d.get("positions", probe.position)
     if positions not in DETECT_POSITIONS:
         _fail(f"{path}['positions']", f"must be one of {list(DETECT_POSITIONS)}, got {positions!r}")
+    if probe.logit_features and positions != "generated":
+        _fail(f"{path}['positions']", f"the probe reads logit features ({', '.join(probe.logit_features['names'])}), "
+                                      "which exist for generated tokens only: use 'generated'")
     alert = d.get("alert") or {}
     if not isinstance(alert, dict):
         _fail(f"{path}['alert']", f"must be an alert policy object, got {alert!r}")

@@ -13,6 +13,10 @@ language::
      "pool": "last",                   # "last" row | "mean" over the rows (science_hallucination)
      "mean": [...], "scale": [...],    # z = (x - mean) / scale
      "weights": [...], "bias": 0.1,    # p = sigmoid(z . weights + bias) = P(label 1)
+     "logit_features": {               # optional: the token's own sampling statistics beside the residual
+        "names": ["logprob", "entropy"],   #   (LOGIT_FEATURES; the model's raw distribution at the step that
+        "mean": [...], "scale": [...],     #   sampled the token: its log-probability, the entropy in nats)
+        "weights": [...]},                 #   p = sigmoid(z . weights + ((f - mean) / scale) . weights' + bias)
      "threshold": 0.5,                 # alert when p >= threshold
      "positive": "hallucination: the model's answer was wrong",
      "extra": {...},                   # analyzer-specific (hnode: the H-Nodes and their grounded baseline)
@@ -41,6 +45,7 @@ from mia_stream import settings
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 
 FORMAT = "mia_stream.probe/1"
+LOGIT_FEATURES = ("logprob", "entropy")  # what an in-engine detector can read beside the residual
 PROBES_DIR = Path(__file__).resolve().parents[1] / "analyzers" / "probes"  # the shipped probe files (data only)
 
 
@@ -60,6 +65,7 @@ class LinearProbe:
     pool: str = "last"
     num_layers: int = 0
     num_features: int = 0  # 0: the vectors have hidden_size entries
+    logit_features: dict = field(default_factory=dict)  # {"names", "mean", "scale", "weights"} (arrays), or empty
     positive: str = ""
     extra: dict = field(default_factory=dict)
     training: dict = field(default_factory=dict)
@@ -70,6 +76,16 @@ class LinearProbe:
         """``[N, H]`` rows -> ``[N]`` float64 logits (vectorized; float64 so results never depend on the batch)."""
         z = (np.asarray(x, np.float64) - self.mean) / self.scale
         return (z * self.weights).sum(axis=1) + self.bias  # row-wise: independent of the batch's other rows
+
+    def logit_feature_weights(self) -> tuple[np.ndarray, float]:
+        """(u, d): the logit features' contribution to the logit is ``f . u + d`` with ``f`` in ``LOGIT_FEATURES``
+        order (zeros for the features the probe does not read)."""
+        u, d = np.zeros(len(LOGIT_FEATURES)), 0.0
+        lf = self.logit_features
+        for name, m, sc, w in zip(lf.get("names", ()), lf.get("mean", ()), lf.get("scale", ()), lf.get("weights", ())):
+            u[LOGIT_FEATURES.index(name)] += w / sc
+            d -= m / sc * w
+        return u, d
 
     def folded(self, dtype=np.float32) -> tuple[np.ndarray, float]:
         """(v, c) with ``logits(x) == x . v + c``: the standardization folded into the weights, so scoring a row
@@ -87,7 +103,9 @@ class LinearProbe:
                 "scale": self.scale.tolist(), "weights": self.weights.tolist(), "bias": float(self.bias),
                 "threshold": float(self.threshold), "positive": self.positive, "extra": self.extra,
                 "training": self.training, "metrics": self.metrics,
-                **({"num_features": self.num_features} if self.num_features else {})}
+                **({"num_features": self.num_features} if self.num_features else {}),
+                **({"logit_features": {k: (list(v) if not isinstance(v, np.ndarray) else v.tolist())
+                                       for k, v in self.logit_features.items()}} if self.logit_features else {})}
 
     def check_stream(self, start: Any, layers: str = "the probe {path} is for a") -> None:
         """``AnalyzerInputError`` when the stream's model (``StreamStart.hidden_size`` / ``num_layers``; 0:
@@ -102,6 +120,27 @@ class LinearProbe:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def _logit_features(raw: Any, where: str) -> dict:
+    if not isinstance(raw, dict) or set(raw) != {"names", "mean", "scale", "weights"}:
+        raise AnalyzerConfigError(f"{where}: 'logit_features' must be an object with names, mean, scale, weights")
+    names = raw["names"]
+    if (not isinstance(names, list) or not names or len(set(names)) != len(names)
+            or any(n not in LOGIT_FEATURES for n in names)):
+        raise AnalyzerConfigError(f"{where}: logit_features.names must be distinct names of {list(LOGIT_FEATURES)}, "
+                                  f"got {names!r}")
+    out: dict[str, Any] = {"names": list(names)}
+    for key in ("mean", "scale", "weights"):
+        try:
+            arr = np.asarray(raw[key], np.float64)
+        except (TypeError, ValueError):
+            arr = np.zeros(0)
+        if arr.shape != (len(names),) or not np.isfinite(arr).all() or (key == "scale" and (arr <= 0).any()):
+            raise AnalyzerConfigError(f"{where}: logit_features.{key} must be {len(names)} finite"
+                                      f"{' positive' if key == 'scale' else ''} numbers")
+        out[key] = arr.tolist()
+    return out
 
 
 def sigmoid(x: np.ndarray) -> np.ndarray:
@@ -170,6 +209,7 @@ def probe_from_text(text: str, analyzer: str | None, path: str = "") -> LinearPr
         return arr
 
     finite = lambda v: math.isfinite(v)  # noqa: E731
+    logit_features = _logit_features(data.get("logit_features"), where) if "logit_features" in data else {}
     return LinearProbe(
         analyzer=str(data.get("analyzer", "")), model=str(data.get("model", "")), hidden_size=hidden,
         layer=need("layer", int, lambda v: v >= 0, "a layer index"),
@@ -181,6 +221,7 @@ def probe_from_text(text: str, analyzer: str | None, path: str = "") -> LinearPr
         final_norm=bool(data.get("final_norm", False)),
         pool=need("pool", str, lambda v: v in ("last", "mean"), "'last' or 'mean'") if "pool" in data else "last",
         num_layers=int(data.get("num_layers", 0) or 0), num_features=width if "num_features" in data else 0,
+        logit_features=logit_features,
         positive=str(data.get("positive", "")),
         extra=data.get("extra") if isinstance(data.get("extra"), dict) else {},
         training=data.get("training") if isinstance(data.get("training"), dict) else {},
