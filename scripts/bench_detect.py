@@ -201,6 +201,7 @@ def main(argv=None) -> int:
     ap.add_argument("--quantile", type=float, default=0.97, help="alert threshold: this quantile of token risks")
     ap.add_argument("--gpu-mem", type=float, default=None)
     ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--parity-only", action="store_true", help="stop after the parity step")
     ap.add_argument("--out", required=True)
     ap.add_argument("--subscriber", nargs=2, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -277,6 +278,10 @@ def main(argv=None) -> int:
 
         results["parity"] = parity(llm, SamplingParams, str(work), probe, rng, vocab, a)
         print(f"parity: {json.dumps(results['parity'])}", flush=True)
+        if a.parity_only:
+            llm.llm_engine.engine_core.shutdown()
+            (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+            return 0
         # calibration: the engine arm without an action sets the threshold
         generate("cal", lambda rid: {"detect": [{"probe": probe, "positions": "generated"}]})
         time.sleep(2.0)
