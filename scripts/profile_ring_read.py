@@ -1,13 +1,16 @@
 """Where a consumer's time goes when it reads ring-held step batches (issue 29: the zero-copy host path).
 
     .venv/bin/python scripts/profile_ring_read.py --pyspy /path/to/py-spy [--requests 64 --layers 30 --hidden 576]
+    .venv/bin/python scripts/profile_ring_read.py --pyspy ... --work raw --select '{"layers": [15]}'
 
 A broker process, a producer process publishing all-layer step batches through its shared-memory ring
 (``bench_record_rate.py produce``: ``--requests`` rows of ``--layers`` x ``--hidden`` bf16 per step, at ``--rate``
 steps/s) and a consumer process (``open_batches``, each step's hidden states read as numpy and reduced, what a
 vectorized analyzer does). py-spy samples the consumer for ``--seconds``; the script prints the share of its
 samples in each stage: the copy out of the ring (``ShmRingReader.read`` / ``gather``), the rest of decoding,
-the batch assembly, the consumer's own work, waiting for the socket; and the top functions by own samples.
+the batch assembly, the consumer's own work, waiting for the socket; the top functions by own samples; and
+``busy_s``, the consumer's sampled CPU seconds (py-spy leaves idle samples out). ``--select``: the consumer
+subscribes with that selection (issue 29), so the broker cuts each step to it.
 """
 
 from __future__ import annotations
@@ -44,12 +47,13 @@ def consume(a: argparse.Namespace) -> None:
         total = 0.0
         for g in batch.groups:
             if g.has("hs"):
-                total += float(np.abs(g.tensor("hs").numpy()).mean())
+                t = g.tensor("hs")
+                total += float(np.abs(t.numpy()).mean() if a.work == "widen" else t.raw()[..., :1].sum())
         return total
 
     print("ready", flush=True)
     steps = 0
-    with open_batches(a.address, timeout=a.idle) as events:
+    with open_batches(a.address, timeout=a.idle, select=json.loads(a.select) if a.select else None) as events:
         for ev in events:
             if ev.kind == "batch" and ev.batch.KIND == "step_batch":
                 consumer_work(ev.batch)
@@ -76,6 +80,9 @@ def main() -> int:
     ap.add_argument("--hidden", type=int, default=576)
     ap.add_argument("--ring-mib", type=int, default=512)
     ap.add_argument("--idle", type=float, default=3.0)
+    ap.add_argument("--work", default="widen", choices=("widen", "raw"),
+                    help="the consumer's work: widen bf16 to float32 and reduce, or touch the raw bits only")
+    ap.add_argument("--select", default="", help='the consumer\'s Subscribe.select as JSON, e.g. {"layers": [15]}')
     ap.add_argument("--address")
     a = ap.parse_args()
     if a.role == "consume":
@@ -90,7 +97,8 @@ def main() -> int:
                                   stdout=subprocess.PIPE, text=True, env=env)
         procs.append(broker)
         assert "ready" in broker.stdout.readline()
-        cons = subprocess.Popen([sys.executable, __file__, "consume", "--address", run_dir, "--idle", str(a.idle)],
+        cons = subprocess.Popen([sys.executable, __file__, "consume", "--address", run_dir, "--idle", str(a.idle),
+                                 "--work", a.work, "--select", a.select],
                                 stdout=subprocess.PIPE, text=True, env=env)
         procs.append(cons)
         assert "ready" in cons.stdout.readline()
@@ -103,7 +111,7 @@ def main() -> int:
         assert "ready" in prod.stdout.readline()
         time.sleep(1.0)
         subprocess.run([a.pyspy, "record", "--format", "raw", "-o", str(out), "--pid", str(cons.pid),
-                        "-d", str(int(a.seconds)), "-r", "200"], check=True, capture_output=True)
+                        "-d", str(int(a.seconds)), "-r", "200"], capture_output=True)
         produced = json.loads(prod.communicate(timeout=120)[0].strip().splitlines()[-1])
         consumed = json.loads(cons.communicate(timeout=120)[0].strip().splitlines()[-1])
     finally:
@@ -117,9 +125,9 @@ def main() -> int:
         own[stack[-1]] += int(count)
     total = sum(stages.values()) or 1
     step_mib = a.requests * a.layers * a.hidden * 2 / 2**20
-    print(json.dumps({"step_mib": round(step_mib, 2), "produced": produced, "consumed": consumed,
+    print(json.dumps({"step_mib": round(step_mib, 2), "work": a.work, "select": a.select, "busy_s": round(total / 200, 2), "produced": produced, "consumed": consumed,
                       "samples": total, "stage_share": {k: round(v / total, 3) for k, v in stages.most_common()},
-                      "top_own": [(f, round(n / total, 3)) for f, n in own.most_common(8)]}, indent=1))
+                      "top_own": [(f, round(n / total, 3)) for f, n in own.most_common(6)]}))
     return 0
 
 
