@@ -82,6 +82,25 @@ def test_bad_quantize_option_is_refused_naming_the_key():
         quantize_rows_reference(torch.zeros(2, 3), "int4")
 
 
+def test_tp_shards_of_quantized_qk_merge_with_each_ranks_scales():
+    """With TP each rank quantizes its own heads of a row (its own scale): the merged frame's values are each
+    rank's dequantized heads side by side."""
+    from mia_stream.consumers import merge_shards
+    from mia_stream.schemas import Shard, Tensor, TensorFrame
+
+    x = _cases()["q_like"]  # [2 layers, 5 rows, 9 heads, 64]
+    shards, want = {}, []
+    for rank, (a, b) in enumerate(((0, 4), (4, 9))):
+        q, scale = quantize_rows(x[:, :, a:b].reshape(2, 5, -1), "int8")
+        data = q.reshape(2, 5, b - a, 64).numpy()
+        t = Tensor("q", "int8", data.shape, data, (0, 1), Shard(rank, 2, 2, a, b, 9), scale.numpy()[..., None])
+        want.append(t.dequantize())
+        shards[rank] = TensorFrame("r", f"p{rank}", 1, 3, 7, list(range(5)), [1] * 5, [t])
+    merged = merge_shards(shards, 2)
+    np.testing.assert_array_equal(merged.tensors["q"], np.concatenate(want, axis=2))
+    assert merged.raw_tensors["q"].dtype == "int8"
+
+
 def _run_interpreted(in_path: str, out_path: str) -> None:
     from mia_stream.kernels import last_backend
 
@@ -145,6 +164,9 @@ def test_quantized_captures_dequantize_within_the_stated_error_of_hf(engine, tok
             assert {t.dtype for t in ts} == {WIRE[fmt] if fmt else "float32"}, (k, name)
             assert all((t.scale is not None) == bool(fmt) for t in ts)
             got = np.concatenate([t.dequantize() for t in ts], axis=1)
+            # a frame's numpy tensors are the dequantized values (raw_tensors keep the wire dtype and scales)
+            assert np.array_equal(np.concatenate([f.tensors[name] for f in col.frames(rid) if name in f.raw_tensors],
+                                                 axis=1), got)
             ref = ref_hs if name == "hs" else np.stack([(ref_q if name == "q" else ref_k)[layer]
                                                         for layer in (0, 7, 29)])
             assert got.shape == ref.shape

@@ -180,3 +180,56 @@ def test_selection_delivers_exactly_the_chosen_layers_and_positions_of_a_real_en
         assert readers[name].bytes_read() < base.bytes_read() / 2, name
     # what "last" got: layer 15 at the last prompt position of each request, hidden states and Q/K
     assert {(k[0], k[2]) for k in readers["last"].frames} == {(r, p) for r in rids for p in (0, 1)}
+
+
+def test_selection_through_a_real_broker_for_ring_readers_inline_readers_and_late_joiners():
+    """A synthetic engine publishes step batches (hidden states of layers 1 and 3, tensors through its ring) into
+    a real broker. Consumers that select layer 3 at a set of positions get the unselected consumer's frames cut
+    to that choice: one reading the ring (header rewrite only), one without rings (the broker compacts its
+    selection), and one that joins after the run with from_start (the late-join replay)."""
+    import shutil
+    import tempfile
+
+    from mia_stream.broker import run_broker_in_thread
+    from mia_stream.bus.publisher import FramePublisher
+    from mia_stream.schemas import StreamEnd
+
+    from test_consumer_batches import Engine, _long_run
+
+    chosen = {"layers": [3], "positions": list(range(0, 400, 3))}
+    run = tempfile.mkdtemp(prefix="mia-sel-", dir="/tmp")
+    try:
+        with run_broker_in_thread(address=run) as broker:
+            readers = {"all": _Reader(run, ["*"], consumer_id="all"),
+                       "ring": _Reader(run, ["*"], consumer_id="ring", select=chosen),
+                       "inline": _Reader(run, ["*"], consumer_id="inline", select=chosen, shm=False)}
+            deadline = time.monotonic() + 20
+            while len(broker.stats()["consumers"]) < 3:
+                assert time.monotonic() < deadline, "consumers did not subscribe"
+                time.sleep(0.02)
+            pub = FramePublisher(run, producer_id="eng-A")
+            try:
+                msgs = _long_run(n_requests=6, steps=40, seed=1, engine=Engine("eng-A", epoch=pub.epoch))
+                for m in msgs:
+                    assert pub.publish(m)
+                assert pub.flush(10) and pub.shm_ring is not None
+                rids = sorted({m.request_id for m in msgs if isinstance(m, StreamEnd)})
+                for r in readers.values():
+                    r.drain(rids, timeout=60)
+                late = _Reader(run, ["*"], consumer_id="late", select=chosen, from_start=True)
+                late.drain(rids, timeout=60)
+                readers["late"] = late
+                totals = broker.stats()["totals"]
+            finally:
+                pub.close()
+                for r in readers.values():
+                    r.close()
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    want = _cut(readers["all"].frames, {3}, lambda r, p: p % 3 == 0, None)
+    assert want and len(want) < len(readers["all"].frames)
+    for name in ("ring", "inline", "late"):
+        assert not readers[name].gaps, name
+        _assert_same(readers[name].frames, want)
+    # the inline reader's selections were compacted (payloads inline) or inlined from the ring
+    assert totals["view_selections"] > 0 and totals.get("compacted", 0) + totals.get("shm_inlined", 0) > 0
