@@ -101,6 +101,22 @@ def test_tp_shards_of_quantized_qk_merge_with_each_ranks_scales():
     assert merged.raw_tensors["q"].dtype == "int8"
 
 
+@pytest.mark.gpu
+def test_triton_on_cuda_is_bit_identical_to_the_reference():
+    """The compiled kernel on the GPU (the 8B decode step's shape too): the same bytes as the reference."""
+    from mia_stream.kernels import last_backend
+
+    cases = dict(_cases(), step_8b=torch.randn(32, 256, 4096, generator=torch.Generator().manual_seed(9)
+                                                ).to(torch.bfloat16))
+    for name, x in cases.items():
+        for fmt in ("int8", "fp8_e4m3"):
+            q, scale = quantize_rows(x.cuda(), fmt)
+            assert last_backend("quantize_rows") == "triton"
+            rq, rscale = quantize_rows_reference(x.cuda(), fmt)
+            assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)), (name, fmt)
+            assert torch.equal(scale, rscale), (name, fmt)
+
+
 def _run_interpreted(in_path: str, out_path: str) -> None:
     from mia_stream.kernels import last_backend
 
