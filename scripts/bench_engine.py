@@ -73,6 +73,12 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
         "hs_1layer_all": (hs1, "decode"),
         "hs_all_last_prompt": ({"capture": {"hidden_states": {"layers": "all", "positions": "last_prompt"}}}, "decode"),
         "hs_all_all": ({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, "decode"),
+        "hs_all_all_int8": ({"capture": {"hidden_states": {"layers": "all", "positions": "all"}, "quantize": "int8"}},
+                            "decode"),  # issue 29: quantized on the device, per-row scales
+        "hs_all_all_fp8": ({"capture": {"hidden_states": {"layers": "all", "positions": "all"},
+                                        "quantize": "fp8_e4m3"}}, "decode"),
+        "qk_all_int8": ({"capture": {"qk": {"layers": "all", "heads": "all", "positions": "all"}, "quantize": "int8"}},
+                        "decode"),
         "qk_1layer": ({"capture": {"qk": {"layers": [mid], "heads": "all", "positions": "all"}}}, "decode"),
         "steer_1layer": ({"steer": [{"layer": mid, "op": "add", "vector": vec, "scale": 0.5}]}, "decode"),
         "steer_all_layers": ({"steer": [{"layer": i, "op": "add", "vector": vec, "scale": 0.1} for i in range(L)]},

@@ -108,7 +108,8 @@ KINDS: dict[str, dict[str, tuple[str, bool, Any]]] = {
                   "error": (_SN, False, None), "producer_id": (_S, False, ""), "tp_rank": (_I, False, 0),
                   "time_ns": (_I, False, 0)},
     "subscribe": {"patterns": (_AS, False, []), "from_start": (_B, False, False), "consumer_id": (_S, False, ""),
-                  "window_bytes": (_N, False, 0), "batch": (_B, False, False), "shm": (_B, False, False)},
+                  "window_bytes": (_N, False, 0), "batch": (_B, False, False), "shm": (_B, False, False),
+                  "select": (_M, False, {})},
     "unsubscribe": {"patterns": (_AS, False, [])},
     "credit": {"nbytes": (_N, True, None)},
     "error": {"code": (_S, True, None), "message": (_S, True, None), "request_id": (_SN, False, None),
@@ -425,6 +426,7 @@ class _Entry:
     shm: int | None
     buf: int | None = None
     scale_buf: int | None = None
+    layer_index: list | None = None  # 2.2: the stored layers kept (10.2)
 
 
 def _entry(e: Any, has_ring: bool, max_message_bytes: int) -> _Entry:
@@ -496,6 +498,13 @@ def _entries(entries: Any, frames: list, i: int, has_ring: bool, max_message_byt
                 raise _malformed("a group entry's scale lacks the tensor's dims")
             if p.shard is not None and p.shard["dim"] < 2:
                 raise _malformed("a group entry sharded along dim 0 or 1")
+            if "layer_index" in e:  # 2.2
+                li = _column("layer_index", e["layer_index"], None)
+                if any(not 0 <= x < p.shape[0] for x in li) or any(b <= a for a, b in zip(li, li[1:])):
+                    raise _malformed("layer_index not ascending within the stored layers")
+                if p.layers and len(p.layers) != p.shape[0]:
+                    raise _malformed("layer_index with layers not one per stored layer")
+                p.layer_index = li
         if p.shm is None:
             if i >= len(frames) or len(frames[i]) != p.nbytes:
                 raise _malformed(f"payload frame of {p.name} missing or not {p.nbytes} bytes")
@@ -532,6 +541,7 @@ class _GroupPlan:
     row0: list | None
     stored_rows: int | None
     entries: list
+    wanted: list | None = None  # the stored row of each row (from row0 or row_index)
 
 
 def _check_step_batch(fields: dict, frames: list, has_ring: bool, max_message_bytes: int) -> list[_GroupPlan]:
@@ -560,8 +570,19 @@ def _check_step_batch(fields: dict, frames: list, has_ring: bool, max_message_by
         positions = _column("positions", g["positions"], n)
         token_ids = _column("token_ids", g["token_ids"], n) if "token_ids" in g else [-1] * n
         row0 = stored = None
-        if ("row0" in g) != ("stored_rows" in g):
-            raise _malformed("row0 without stored_rows or the reverse")
+        if ("row0" in g or "row_index" in g) != ("stored_rows" in g) or ("row0" in g and "row_index" in g):
+            raise _malformed("stored_rows without exactly one of row0 and row_index, or the reverse")
+        if "row_index" in g:  # 2.2
+            stored = g["stored_rows"]
+            if not (_is_int(stored) and stored >= 0):
+                raise _malformed(f"stored_rows {stored!r}")
+            row0 = None
+            row_index = _column("row_index", g["row_index"], n)
+            if any(not 0 <= x < stored for x in row_index):
+                raise _malformed("row_index past stored_rows")
+            wanted_rows = row_index
+        else:
+            wanted_rows = None
         if "row0" in g:
             row0 = _column("row0", g["row0"], len(requests))
             stored = g["stored_rows"]
@@ -569,9 +590,10 @@ def _check_step_batch(fields: dict, frames: list, has_ring: bool, max_message_by
                 raise _malformed(f"stored_rows {stored!r}")
             if any(a < 0 or a + c > stored for a, c in zip(row0, rows)):
                 raise _malformed("row0 + rows past stored_rows")
+            wanted_rows = [a + k for a, c in zip(row0, rows) for k in range(c)]
         entries, i = _entries(g.get("tensors", []), frames, i, has_ring, max_message_bytes,
                               n if stored is None else stored)
-        plans.append(_GroupPlan(part, requests, rows, positions, token_ids, row0, stored, entries))
+        plans.append(_GroupPlan(part, requests, rows, positions, token_ids, row0, stored, entries, wanted_rows))
     if i != len(frames):
         raise _malformed("undescribed buffer frames")
     return plans
@@ -672,7 +694,7 @@ def _tensor(p: _Entry, frames: list, ring_name: str | None, directory: str, veri
     shape, gathered = p.shape, False
     if p.shm is not None:
         rows = None
-        if take is not None and p.method == "none":  # 10.3: copy just the wanted rows out of the ring
+        if take is not None and p.method == "none" and p.layer_index is None:  # 10.3: just the wanted rows
             row_bytes = itemsize * int(np.prod(shape[2:], dtype=object))
             rows = (shape[0], take[0], row_bytes, take[1])
             gathered = True
@@ -688,11 +710,16 @@ def _tensor(p: _Entry, frames: list, ring_name: str | None, directory: str, veri
     scale = None
     if p.scale is not None:
         scale = np.frombuffer(frames[p.scale_buf], dtype="<f4").reshape(p.scale)
+    if p.layer_index is not None:  # 2.2: the kept stored layers (dim 0), and their scale
+        raw = np.frombuffer(payload, dtype=storage).reshape(p.shape)[p.layer_index]
+        payload, shape = raw.tobytes(), (len(p.layer_index), *shape[1:])
+        if scale is not None and scale.shape[0] == p.shape[0] and p.shape[0] != 1:
+            scale = scale[p.layer_index]
     if take is not None:
         stored, wanted = take
         shape = (shape[0], len(wanted), *shape[2:])
         if not gathered:
-            raw = np.frombuffer(payload, dtype=storage).reshape(p.shape)[:, wanted]
+            raw = np.frombuffer(payload, dtype=storage).reshape(shape[0], stored, *shape[2:])[:, wanted]
             payload = raw.tobytes()
         if scale is not None and scale.shape[1] == stored and stored != 1:
             scale = scale[:, wanted]
@@ -705,7 +732,8 @@ def _tensor(p: _Entry, frames: list, ring_name: str | None, directory: str, veri
         values = FP8_E5M2[raw]
     else:
         values = raw
-    return SpecTensor(p.name, p.dtype, shape, raw, values, p.layers, p.shard, scale, dict(p.meta))
+    layers = [p.layers[i] for i in p.layer_index] if p.layer_index is not None and p.layers else p.layers
+    return SpecTensor(p.name, p.dtype, shape, raw, values, layers, p.shard, scale, dict(p.meta))
 
 
 # ---------------------------------------------------------------------------------------------- section 6
@@ -730,10 +758,7 @@ def decode(frames: list, max_message_bytes: int = 1 << 30, *, legacy: bool = Fal
         plans = _check_step_batch(fields, frames, has_ring, max_message_bytes)
         groups = []
         for g in plans:  # 8
-            wanted = None
-            if g.row0 is not None:
-                wanted = [a + k for a, c in zip(g.row0, g.rows) for k in range(c)]
-            take = (g.stored_rows, wanted) if wanted is not None else None
+            take = (g.stored_rows, g.wanted) if g.wanted is not None else None
             tensors = [_tensor(p, frames, ring_name, directory, verify, take) for p in g.entries]
             groups.append(SpecGroup(g.part, g.requests, g.rows, g.positions, g.token_ids, tensors, g.row0,
                                     g.stored_rows))

@@ -218,7 +218,7 @@ def test_spec_decoder_and_doc_cover_every_kind_and_field():
         assert f"`{dtype}`" in doc and dtype in spec_decoder.DTYPES
     groups = re.search(r"### 10\.2 Row groups.*?(?=\n### )", doc, re.S).group(0)
     assert set(re.findall(r"^\| `(\w+)` \|", groups, re.M)) == {
-        "part", "requests", "rows", "positions", "token_ids", "tensors", "row0", "stored_rows"}
+        "part", "requests", "rows", "positions", "token_ids", "tensors", "row0", "stored_rows", "row_index"}
 
 
 def test_transport_section_says_who_sends_every_kind():
@@ -865,6 +865,13 @@ def _columnar_cases():
         "negative row0": step(group={"row0": _col([-1, 2]), "stored_rows": 5}),
         "negative stored_rows": step(group={"row0": _col([0, 2]), "stored_rows": -5}),
         "stored_rows not the tensors' rows": step(group={"row0": _col([0, 2]), "stored_rows": 6}),
+        "row_index without stored_rows": step(group={"row_index": _col([0, 1, 2, 3, 4])}),
+        "row_index past stored_rows": step(group={"row_index": _col([0, 1, 2, 3, 5]), "stored_rows": 5}),
+        "row_index with row0": step(group={"row_index": _col([0, 1, 2, 3, 4]), "row0": _col([0, 2]),
+                                           "stored_rows": 5}),
+        "row_index wrong length": step(group={"row_index": _col([0, 1]), "stored_rows": 5}),
+        "layer_index past the stored layers": step(group={"tensors": [{**entry, "layer_index": _col([2])}]}),
+        "layer_index not ascending": step(group={"tensors": [{**entry, "layer_index": _col([1, 0])}]}),
         "entry of one dim": step(group={"tensors": [{**entry, "shape": [80], "layers": []}]}),
         "entry rows differ": step(group={"tensors": [{**entry, "shape": [2, 4, 10], "raw_nbytes": 320,
                                                        "nbytes": 320}]}, buffers=[b"\0" * 320, *bufs[1:]]),
@@ -1057,7 +1064,7 @@ def test_unknown_kind_missing_fields_and_wrong_types_name_the_field():
         decode(_PER_REQUEST["shard stop - start != shape[dim]"])
     with pytest.raises(MalformedFrameError, match="two segments of part 0"):
         decode(_COLUMNAR["two segments of one part in two groups"])
-    with pytest.raises(MalformedFrameError, match="row0 and stored_rows together"):
+    with pytest.raises(MalformedFrameError, match="stored_rows with row0 or row_index"):
         decode(_COLUMNAR["stored_rows without row0"])
 
 

@@ -72,6 +72,7 @@ class Counters:
     evicted: int = _UNSET
     # delivery (_delivery)
     selections: int = _UNSET
+    view_selections: int = _UNSET  # step batches narrowed to a consumer's layers/positions/tensors (select)
     shm_inlined: int = _UNSET
     compacted: int = _UNSET
     shm_overrun: int = _UNSET

@@ -14,14 +14,16 @@ from __future__ import annotations
 import collections
 import fnmatch
 import re
+
+import numpy as np
 from typing import TYPE_CHECKING, Callable, Iterable
 
 from mia_stream.bus import transport
 from mia_stream.broker._entry import _DROPPABLE, _PART_KIND, _Entry, _gap_batch_ranges
 from mia_stream.broker._shared import Context, _frames_nbytes, log
 from mia_stream.errors import WireError
-from mia_stream.schemas import (GapBatch, GapNotice, compact, encode, has_partial_inline_rows, inline_shm,
-                                select_requests, shm_extent, shm_loss_reason)
+from mia_stream.schemas import (GapBatch, GapNotice, ViewSelection, compact, encode, has_partial_inline_rows,
+                                inline_shm, select_requests, select_view, shm_extent, shm_loss_reason)
 from mia_stream.schemas import seqranges
 
 if TYPE_CHECKING:
@@ -36,7 +38,7 @@ _SHM_STALE_LAG = 0.5
 class _Consumer:
     __slots__ = ("identity", "name", "patterns", "match_cache", "queue", "queue_bytes", "window", "in_flight",
                  "drops", "delivered", "delivered_bytes", "dropped", "gaps_sent", "last_seen", "blocked", "batch",
-                 "batches", "shm", "gap_batch", "gap_run", "pattern")
+                 "batches", "shm", "gap_batch", "gap_run", "pattern", "select")
 
     def __init__(self, identity: bytes, now: float):
         self.identity = identity
@@ -56,6 +58,7 @@ class _Consumer:
         self.batch = False  # it said (Subscribe.batch) that it unpacks batches
         self.shm = False  # it said (Subscribe.shm) that it reads producers' shared-memory rings itself
         self.gap_batch = False  # its subscribe was of schema 2.1+: it decodes gap_batch
+        self.select: ViewSelection | None = None  # (Subscribe.select) the layers/positions/tensors it wants
         # producers' gaps for it not yet queued (see Delivery.add_to_gap_run):
         # (producer id, epoch, reason, origin) -> request id -> [gap entries]
         self.gap_run: dict | None = None
@@ -90,6 +93,7 @@ class Delivery:
         self.consumers: dict[bytes, _Consumer] = {}
         self.ready: set[bytes] = set()
         self.gap_runs: set[bytes] = set()
+        self.prompt_len_of: Callable[[tuple], int] = lambda key: -1  # set by Streams (it owns the stream table)
 
     # ------------------------------------------------------------------------------------------ registry
 
@@ -212,7 +216,10 @@ class Delivery:
         if entry.kind == "gap_batch":
             self._deliver_gap_batch(c, entry, idx, views)
             return
-        frames, n, ring = self.view(entry, idx, c.shm, views)
+        if c.select is not None and entry.kind == "step_batch":
+            frames, n, ring = self.view_selected(entry, idx, c.shm, c.select, views)
+        else:
+            frames, n, ring = self.view(entry, idx, c.shm, views)
         if frames is None:
             for gap in self.gap_messages(c, [(key, [[seq, seq]]) for key, seq in entry.requests(idx)], n):
                 self.enqueue_control(c, gap)
@@ -260,6 +267,39 @@ class Delivery:
                 return hit
         frames, h = select_requests(entry.frames, entry.header, idx)
         self.ctx.counters.selections += 1
+        extent = shm_extent(h) if entry.ring is not None else None
+        if (extent is not None and not reads_rings) or has_partial_inline_rows(h):
+            frames, n = self._inlined(entry, frames)
+            view = (frames, n, None)
+        else:
+            n = _frames_nbytes(frames)
+            view = (frames, n + extent[2], (extent[0], extent[1])) if extent is not None else (frames, n, None)
+        if views is not None:
+            views[key] = view
+        return view
+
+    def view_selected(self, entry: _Entry, idx: list[int] | None, reads_rings: bool, sel: ViewSelection,
+                      views: dict | None) -> tuple:
+        """``view`` for a consumer that selects layers, positions or tensors (``Subscribe.select``): the step batch
+        (or its selection of requests ``idx``) narrowed by ``select_view``, a rewritten header and the wanted
+        entries' frames; bytes inline only where ``view`` would put them inline."""
+        whole = idx is None or len(idx) == len(entry.ids)
+        key = ("select", None if whole else tuple(idx), reads_rings, sel.key())
+        if views is not None:
+            hit = views.get(key)
+            if hit is not None:
+                return hit
+        if whole:
+            frames, h = entry.frames, entry.header
+        else:
+            frames, h = select_requests(entry.frames, entry.header, idx)
+        prompt_lens = None
+        if sel.needs_prompt_lengths:
+            if entry.prompt_lens is None:
+                entry.prompt_lens = np.array([self.prompt_len_of(k) for k, _ in entry.requests(None)], dtype=np.int64)
+            prompt_lens = entry.prompt_lens if whole else entry.prompt_lens[np.asarray(idx, dtype=np.intp)]
+        frames, h = select_view(frames, h, sel, prompt_lens)
+        self.ctx.counters.view_selections += 1
         extent = shm_extent(h) if entry.ring is not None else None
         if (extent is not None and not reads_rings) or has_partial_inline_rows(h):
             frames, n = self._inlined(entry, frames)

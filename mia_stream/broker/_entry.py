@@ -31,7 +31,7 @@ class _Entry:
     """One message as received: its frames are shared by the late-join buffers and every consumer's queue."""
 
     __slots__ = ("kind", "order", "frames", "nbytes", "ring", "key", "seq", "header", "ids", "seqs", "inline",
-                 "notices")
+                 "notices", "prompt_lens")
 
     def __init__(self, kind: str, order: int, frames: list, nbytes: int, ring: tuple | None):
         self.kind, self.order, self.frames, self.nbytes = kind, order, frames, nbytes
@@ -43,6 +43,7 @@ class _Entry:
         self.seqs: list | None = None
         self.inline: tuple | None = None  # (frames, nbytes) with ring bytes inline (or (None, reason)), on first need
         self.notices: dict[int, list] | None = None  # a producer's gap batch: request index -> its GapNotice's frames
+        self.prompt_lens = None  # a step batch: each request's prompt length (-1 unknown), on a selection's first need
 
     def requests(self, idx: list[int] | None):
         """(stream key, seq) of each request the message (``idx``: the selection of a columnar one) names."""

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 from mia_stream.broker._config import CONSUMERS
 from mia_stream.broker._entry import _order_of
 from mia_stream.broker._shared import Context
-from mia_stream.schemas import Subscribe, Unsubscribe
+from mia_stream.errors import MalformedFrameError
+from mia_stream.schemas import Subscribe, Unsubscribe, parse_selection
 
 if TYPE_CHECKING:
     from mia_stream.broker._delivery import Delivery, _Consumer
@@ -41,7 +42,14 @@ class LateJoin:
                                 f"a subscription of {len(patterns)} patterns is refused: the broker's limit is "
                                 f"{limit} per consumer (--max-patterns)")
             return
+        try:
+            select = parse_selection(msg.select)
+        except MalformedFrameError as e:
+            ctx.counters.malformed_from_consumers += 1
+            self.peers.error_to(CONSUMERS, identity, "bad_select", str(e))
+            return
         c = self.delivery.consumer(identity)
+        c.select = select
         if msg.consumer_id:
             c.name = msg.consumer_id
         c.gap_batch = gap_batch

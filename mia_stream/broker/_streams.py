@@ -39,7 +39,7 @@ _CLOSED_MEMORY = 100_000
 class _Stream:
     __slots__ = ("key", "request_id", "producer", "start", "started", "analysis", "ended", "end_time", "next_seq",
                  "data", "ctl", "buffered", "evicted", "subscribers", "messages", "bytes", "created", "last_time",
-                 "control_id", "gaps", "merged_gaps", "merged_reason")
+                 "control_id", "gaps", "merged_gaps", "merged_reason", "prompt_len")
 
     def __init__(self, key: tuple, producer: bytes, now: float, analysis: bool = False):
         self.key, self.request_id, self.producer = key, key[0], producer
@@ -60,6 +60,7 @@ class _Stream:
         self.gaps = 0  # producer gap parts buffered (at most max_gaps_per_stream; the rest is merged)
         self.merged_gaps: list[list[int]] = []  # producer gaps past that: their ranges, announced before its end
         self.merged_reason = ""
+        self.prompt_len = -1  # StreamStart's prompt length (a consumer's positions relative to it); -1 unknown
 
 
 class Streams:
@@ -67,6 +68,7 @@ class Streams:
         self.ctx = ctx
         self.peers = peers
         self.delivery = delivery
+        delivery.prompt_len_of = self.prompt_len_of
         self.by_key: dict[tuple, _Stream] = {}
         self.by_request: dict[str, set[tuple]] = {}
         self.closed: collections.OrderedDict[tuple, None] = collections.OrderedDict()
@@ -159,6 +161,11 @@ class Streams:
         self.ctx.counters.orphan_messages += len(s.data) + len(s.ctl)
         self.drop(key)
 
+    def prompt_len_of(self, key: tuple) -> int:
+        """A stream's prompt length from its start (-1: unknown, no start seen)."""
+        s = self.by_key.get(key)
+        return -1 if s is None or s.start is None else s.prompt_len
+
     def request_streams_live(self, request_id: str) -> bool:
         """Whether the broker still keeps a (start/end) stream of ``request_id``."""
         return any(not self.by_key[k].analysis for k in self.by_request.get(request_id, ()))
@@ -208,6 +215,7 @@ class Streams:
             s.start = part
             s.started = True
             s.control_id = h.get("control_id") or ""
+            s.prompt_len = len(h.get("prompt_token_ids") or ())
             s.next_seq = max(s.next_seq, 1)
             s.subscribers = {c.identity for c in self.delivery.consumers.values() if c.matches(s.request_id)}
             for ident in list(s.subscribers):

@@ -20,10 +20,11 @@ from typing import Any
 import zmq
 
 from mia_stream.bus import transport as _transport
-from mia_stream.errors import BrokerTimeoutError, SharedBufferError, WireError
+from mia_stream.errors import BrokerTimeoutError, MalformedFrameError, SharedBufferError, SpecError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, Credit, ErrorNotice, GapBatch, GapNotice, Heartbeat,
                                 Message, SteeringAck, SteeringCommand, Subscribe, Unsubscribe, decode, decode_header,
-                                encode, references_shm, shm_extent, shm_loss_gaps, shm_loss_reason, split_batch)
+                                encode, references_shm, shm_extent, shm_loss_gaps, shm_loss_reason, split_batch,
+                                parse_selection)
 from mia_stream.bus.session import BrokerSession
 from mia_stream.bus.shm_ring import ShmRingReader, shm_reachable
 
@@ -51,7 +52,15 @@ class BrokerClient:
     def __init__(self, address: str | None = None, *, consumer_id: str | None = None, keys: Any = None,
                  window_bytes: int | None = None, heartbeat_s: float = _transport.HEARTBEAT_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
-                 shm: bool | None = None):
+                 shm: bool | None = None, select: dict | None = None):
+        """``select`` (schema 2.2): the layers, positions and tensors of each step batch this consumer wants
+        (``{"layers": [15], "positions": "generated", "tensors": ["hs"]}``; spec 3.9), applied by the broker
+        without copying tensor bytes; None = everything."""
+        try:
+            parse_selection(select)
+        except MalformedFrameError as e:
+            raise SpecError(f"BrokerClient(select=...): {e}") from None
+        self.select = dict(select or {})
         self.endpoint = _transport.endpoints_for(address).consumers
         self.consumer_id = consumer_id or f"consumer-{os.getpid()}"
         self.heartbeat_s = heartbeat_s
@@ -92,7 +101,7 @@ class BrokerClient:
         self._patterns = sorted(set(self._patterns) | set(patterns))
         self._subscribed = True
         self._send(Subscribe(patterns, from_start, self.consumer_id, self.window_bytes, batch=True,
-                             shm=self._reads_shm))
+                             shm=self._reads_shm, select=self.select))
 
     def unsubscribe(self, patterns) -> None:
         patterns = [str(p) for p in patterns]
@@ -292,7 +301,7 @@ class BrokerClient:
             self._unacked = 0
             self.counters["resubscribed"] += 1
             self._send(Subscribe(list(self._patterns), True, self.consumer_id, self.window_bytes, batch=True,
-                                 shm=self._reads_shm))
+                                 shm=self._reads_shm, select=self.select))
 
     def _send(self, msg: Message) -> None:
         try:

@@ -37,7 +37,7 @@ from mia_stream.consumers._frames import StepFrame
 from mia_stream.consumers._tp_merge import merge_shards
 from mia_stream.consumers._batch_ops import subset_batch
 from mia_stream.bus.client import BrokerClient
-from mia_stream.errors import MiaStreamError, SteeringCommandError
+from mia_stream.errors import MiaStreamError, SteeringCommandError, StreamError
 from mia_stream.schemas import SteeringAck, SteeringCommand
 
 __all__ = ["AnalysisEvent", "BatchEvent", "BrokerClient", "Consumer", "EVENT_CLASSES", "EVENT_KINDS", "EndEvent",
@@ -66,14 +66,17 @@ class _Source:
     """Events from a live broker or a recording; ``client`` is the BrokerClient when live."""
 
     def __init__(self, source: Any, patterns=("*",), from_start: bool = False, *, consumer_id: str | None = None,
-                 keys: Any = None, window_bytes: int | None = None, shm: bool | None = None, batches: bool = False):
+                 keys: Any = None, window_bytes: int | None = None, shm: bool | None = None, batches: bool = False,
+                 select: dict | None = None):
         self.source, self.patterns, self.from_start = source, tuple(patterns), from_start
         self.assembler = StreamAssembler(batches=batches)
         self.client: BrokerClient | None = None
         if not _is_recording(source):
             self.client = BrokerClient(source, consumer_id=consumer_id, keys=keys, window_bytes=window_bytes,
-                                       shm=shm)
+                                       shm=shm, select=select)
             self.client.subscribe(self.patterns, from_start)
+        elif select:
+            raise StreamError("select= narrows a live broker's step batches; a recording is read whole")
 
     def events(self, timeout: float | None = None) -> Iterator[Event]:
         """Yield events; live: stop after ``timeout`` s without any (None = never); replay: at its end."""

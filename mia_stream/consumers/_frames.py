@@ -20,8 +20,9 @@ from mia_stream.schemas import RowGroup, StepBatch, Tensor, TensorFrame
 
 @dataclass
 class StepFrame:
-    """One engine step of one request, TP shards merged. ``tensors`` are numpy (bf16 widened to float32);
-    ``raw_tensors`` are the ``schemas.Tensor`` objects (exact wire dtype, zero-copy where unmerged).
+    """One engine step of one request, TP shards merged. ``tensors`` are numpy (bf16 widened to float32, quantized
+    captures dequantized to float32); ``raw_tensors`` are the ``schemas.Tensor`` objects (exact wire dtype: int8
+    and float8 with their ``scale``, zero-copy where unmerged).
 
     From a ``StepBatch`` the frame is a view of the request's segment: ``positions``, ``token_ids``,
     ``raw_tensors``, ``layers`` and ``rank_frames`` are made on first use (zero-copy slices of the batch).
@@ -41,7 +42,7 @@ class StepFrame:
     @functools.cached_property
     def tensors(self) -> dict[str, np.ndarray]:
         """name -> array: hs ``[L,T,H]``, q ``[L,T,heads,D]``, k ``[L,T,kv_heads,D]`` (computed on first use)."""
-        return {name: t.numpy() for name, t in self.raw_tensors.items()}
+        return {name: t.numpy() if t.scale is None else t.dequantize() for name, t in self.raw_tensors.items()}
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for an attribute not yet set: the lazy fields of a frame cut from a StepBatch segment.

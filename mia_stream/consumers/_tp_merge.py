@@ -74,9 +74,10 @@ def _concat(name: str, step: int, shards: list[Tensor], tp_size: int) -> Tensor:
     data = np.concatenate([t.raw() for t in shards], axis=dim)
     scale = None
     if first.scale is not None:
-        try:
-            scale = np.concatenate([t.scale for t in shards], axis=dim)
-        except (TypeError, ValueError):
+        try:  # a scale that is 1 along the shard dim (per row, e.g. quantized Q/K) holds for each rank's part
+            scale = np.concatenate([t.scale if t.scale.shape[dim] != 1 else np.broadcast_to(
+                t.scale, (*t.scale.shape[:dim], t.shape[dim], *t.scale.shape[dim + 1:])) for t in shards], axis=dim)
+        except (TypeError, ValueError, IndexError):
             scale = first.scale  # per-tensor scales: identical on every rank
     meta = dict(first.meta)
     if all(isinstance(t.meta.get("heads"), list) for t in shards):  # each rank names its own heads

@@ -10,7 +10,10 @@ producer's shared-memory ring are copied in (a step batch: compacted to the rows
 finished it gets a request index (an MCAP attachment): which messages of each producer channel name each
 request, so one request loads without scanning the file. Chunks are written to the OS as soon as they are
 complete and at least every ``flush_interval_s``, so a killed recorder loses at most the chunk being filled.
-Parts rotate by size and before MCAP's u16 channel-id limit.
+Parts rotate by size and before MCAP's u16 channel-id limit. ``compression="lz4"`` writes LZ4-frame chunks
+(MCAP's own chunk compression, which the reader undoes). ``budget_bytes``: once the data messages recorded
+would pass it, the recorder records no more data and closes each stream's recording with one gap notice of
+reason ``recorder_budget`` naming every seq it left out (``_budget``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import msgpack
 import numpy as np
 
 from mia_stream import settings
+from mia_stream.consumers._budget import RecordingBudget
 from mia_stream.consumers.recording import (BUS_TOPIC, INDEX_ATTACHMENT, INDEX_MEDIA_TYPE, MESSAGE_ENCODING,
                                             METADATA_NAME, PART_GLOB, PRODUCER_TOPIC_PREFIX, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
@@ -60,6 +64,7 @@ class RecorderStats:
     rejected: int = 0  # messages whose header is not a mia_stream header: counted and logged, not recorded
     shm_lost: int = 0  # messages whose shared-memory tensors were gone: recorded as gaps instead (one gap batch
     # for a columnar message naming several requests, else a GapNotice)
+    budget_dropped: int = 0  # data messages past the byte budget: named in recorder_budget gaps instead
 
 
 def _mia_stream_version() -> str:
@@ -77,7 +82,7 @@ class Recorder:
     def __init__(self, out_dir: str | os.PathLike, *, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
                  rotate_bytes: int = DEFAULT_ROTATE_BYTES, max_channels: int = DEFAULT_MAX_CHANNELS,
                  flush_interval_s: float = DEFAULT_FLUSH_INTERVAL_S, patterns: Sequence[str] = ("*",),
-                 source: str = ""):
+                 source: str = "", budget_bytes: int = 0, compression: str = "none"):
         if not 1 <= max_channels <= 65_535:
             raise ValueError(f"max_channels must be in [1, 65535], got {max_channels}")
         self.out_dir = Path(out_dir)
@@ -102,6 +107,10 @@ class Recorder:
         self._last_log_time = 0
         self._closed = False
         self._shm: ShmRingReader | None = None
+        if compression not in ("none", "lz4"):
+            raise ValueError(f"compression must be 'none' or 'lz4', got {compression!r}")
+        self.compression = compression
+        self.budget = RecordingBudget(budget_bytes) if budget_bytes else None
 
     # ------------------------------------------------------------------------------------------ lifecycle
 
@@ -116,6 +125,10 @@ class Recorder:
         if self._closed:
             return
         self._closed = True
+        if self.budget is not None and self.budget.pending:  # every stream's seqs left out, named
+            for gap in self.budget.take_all():
+                frames = encode(gap)
+                self._write(frames, self._header_of(frames), None)
         self._finish_part()
         if self._shm is not None:
             self._shm.close()
@@ -134,6 +147,9 @@ class Recorder:
         if header is None:
             self.stats.rejected += 1
             return False
+        if self.budget is not None and self.budget.exhausted and not self.budget.admits(header.get("kind"), 0, 0):
+            self._leave_out(header)  # (before copying ring bytes it would not keep)
+            return True
         if SHM_RING_KEY in header:  # a recording keeps the bytes, not a producer's ring position
             messages = self._inline_shm(frames, header)
         else:
@@ -152,6 +168,16 @@ class Recorder:
         self._last_log_time = log_time
         publish_time = header.get("time_ns") if isinstance(header.get("time_ns"), int) else 0
         data = pack_frames(frames)
+        budget = self.budget
+        if budget is not None:
+            if not budget.admits(header.get("kind"), self.stats.bytes, len(data)):
+                self._leave_out(header)
+                return
+            rid = header.get("request_id")
+            if budget.pending and isinstance(rid, str):  # its stream's left-out seqs come before this message
+                for gap in budget.take_gaps(rid):
+                    gap_frames = encode(gap)
+                    self._write(gap_frames, self._header_of(gap_frames), recv_time_ns)
         if self._writer is None:
             self._open_part()
         elif (self._part_bytes + self._chunk_fill + len(data) > self.rotate_bytes and self._part_bytes + self._chunk_fill > 0):
@@ -176,6 +202,13 @@ class Recorder:
             self.flush()
         else:
             self.tick()
+
+    def _leave_out(self, header: dict) -> None:
+        if not self.stats.budget_dropped:
+            log.warning("recorder: the budget of %d bytes is spent: recording no more data (gaps of reason %r)",
+                        self.budget.limit, "recorder_budget")
+        self.stats.budget_dropped += 1
+        self.budget.drop(header)
 
     def _inline_shm(self, frames: Sequence[Any], header: dict) -> list[tuple[list, dict]]:
         """The message with its ring-held bytes inline (a step batch compacted to its rows); when the ring
@@ -246,7 +279,8 @@ class Recorder:
         self._file = open(path, "xb", opener=lambda p, flags: os.open(p, flags, 0o600))
         os.fchmod(self._file.fileno(), 0o600)
         # Chunks are closed by this class (size and age), so the Writer's own threshold is disabled.
-        self._writer = Writer(self._file, chunk_size=_UNBOUNDED, compression=CompressionType.NONE)
+        self._writer = Writer(self._file, chunk_size=_UNBOUNDED, compression=(
+            CompressionType.LZ4 if self.compression == "lz4" else CompressionType.NONE))
         self._writer.start(profile="", library=f"mia_stream {_mia_stream_version()}")
         self._schema_id = self._writer.register_schema(SCHEMA_NAME, SCHEMA_ENCODING, SCHEMA_TEXT)
         self._writer.add_metadata(METADATA_NAME, {
@@ -495,6 +529,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="start a new part before this many request channels (default 65000; MCAP ids are u16)")
     p.add_argument("--flush-interval", type=float, default=DEFAULT_FLUSH_INTERVAL_S,
                    help="seconds after which a partly filled chunk is written anyway (default 1)")
+    p.add_argument("--budget-bytes", type=_parse_size, default=0,
+                   help="record at most this many bytes of data, then only a gap per stream naming what was left "
+                        "out (reason recorder_budget); default: no budget")
+    p.add_argument("--compression", choices=("none", "lz4"), default="none",
+                   help="MCAP chunk compression (lz4: LZ4 frames; default none)")
     p.add_argument("--bind-pull", metavar="ENDPOINT",
                    help="record from a PULL socket bound here instead of a broker (direct pipelines, tests)")
     args = p.parse_args(argv)
@@ -509,7 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     source = args.bind_pull or args.broker or settings.get_address("MIA_STREAM_BROKER") or ""
     with Recorder(args.out, chunk_bytes=args.chunk_bytes, rotate_bytes=args.rotate_bytes,
                   max_channels=args.max_channels, flush_interval_s=args.flush_interval,
-                  patterns=args.patterns, source=source) as rec:
+                  patterns=args.patterns, source=source, budget_bytes=args.budget_bytes,
+                  compression=args.compression) as rec:
         print(f"mia-stream record: recording into {rec.out_dir} (patterns {args.patterns})", file=sys.stderr, flush=True)
         if args.bind_pull:
             _record_pull(rec, args.bind_pull, stop)
@@ -517,5 +557,6 @@ def main(argv: list[str] | None = None) -> int:
             _record_broker(rec, args.broker, args.patterns, stop)
     s = rec.stats
     print(f"mia-stream record: {s.messages} messages, {s.bytes} bytes, {s.parts} part(s), "
-          f"{s.channels} channel(s), {s.rejected} rejected", file=sys.stderr)
+          f"{s.channels} channel(s), {s.rejected} rejected, {s.budget_dropped} left out past the budget",
+          file=sys.stderr)
     return 0

@@ -53,6 +53,7 @@ import numpy as np
 
 from mia_stream import settings
 from mia_stream.producer._items import Config, End, Gap, Segments, Start, StepItem, Tokens
+from mia_stream.producer._quantized_rows import by_format, quantized_hosts, request_formats, row_scale
 from mia_stream.schemas import (WIRE_DTYPES, GapNotice, RowGroup, Shard, StepBatch, StreamEnd, Tensor,
                                 TokenBatch)
 
@@ -77,7 +78,7 @@ class DrainConfig:
 
 
 class _Stream:
-    __slots__ = ("stream_id", "prompt_len", "qk_heads", "generated", "dropped", "drops", "engine_gaps")
+    __slots__ = ("stream_id", "prompt_len", "qk_heads", "generated", "dropped", "drops", "engine_gaps", "quantize")
 
     def __init__(self, stream_id: str, prompt_len: int, qk_heads: tuple):
         self.stream_id, self.prompt_len, self.qk_heads = stream_id, prompt_len, qk_heads
@@ -85,6 +86,7 @@ class _Stream:
         self.dropped = 0  # seqs this stream gave to dropped frames (each named by a GapNotice)
         self.drops: Counter = Counter()  # the drain's own drops by reason (the engine's come with the end)
         self.engine_gaps: Counter = Counter()  # seqs given to the engine's gap items, by reason
+        self.quantize = ""  # capture.quantize: its rows come from that format's parts (producer/_quantize.py)
 
 
 def _runs(row0: np.ndarray, count: np.ndarray) -> slice | np.ndarray:
@@ -122,7 +124,7 @@ class _StepPlan:
     """One step item, grouped (``StepDrain._plan``); the message is built from it at publication."""
 
     __slots__ = ("step", "time_ns", "mark", "eids", "sids", "index", "versions", "groups", "parts", "hs", "qk",
-                 "hs_tokens", "qk_tokens")
+                 "hs_tokens", "qk_tokens", "formats")
 
 
 class _TokenPlan:
@@ -188,6 +190,7 @@ class StepDrain:
         eid, msg, info = item
         self._streams_epoch += 1
         self._streams[eid] = _Stream(msg.request_id, info["prompt_len"], tuple(info.get("qk_heads") or ()))
+        self._streams[eid].quantize = (msg.capture or {}).get("quantize", "")
         msg.producer_id, msg.epoch = self.publisher.producer_id, self.publisher.epoch
         # steering ops stay in their compact form (float32 bytes, or a registered vector's name and digest):
         # as float lists, 32 ops of 4096 were 1 MiB of msgpack per request for the drain, the broker and every
@@ -444,6 +447,7 @@ class StepDrain:
         plan.step, plan.time_ns, plan.mark, plan.parts = it.step, it.time_ns, it.mark, it.parts
         plan.eids, plan.sids, plan.index, plan.versions, plan.hs, plan.qk = eids, sids, index, versions, hs, qk
         plan.groups = [_Group(*spec) for spec in specs]  # fresh: holding takes ended requests out of them
+        plan.formats = request_formats(self._streams, eids)  # capture.quantize of each request (None: none)
         ids = it.token_ids
         if isinstance(ids, tuple):  # the step's input ids came with the rows (copied from the device)
             _, off, n, dtype = ids
@@ -591,11 +595,16 @@ class StepDrain:
             keep = np.flatnonzero(used).tolist()
             request_ids = [plan.sids[r] for r in keep]
             versions = [plan.versions[r] for r in keep]
-        hosts = {name: self._host(plan, name) for name in ("hs", "q", "k")}
-        groups, views, frames, nbytes = [], [], 0, 0
-        for g, m in zip(plan.groups, masks):
+        raw_hosts = {name: self._host(plan, name) for name in ("hs", "q", "k")}
+        raw_hosts["dtype"] = cfg.wire_dtype
+        groups, views, frames, nbytes, quantized = [], [], 0, 0, {}
+        for g, m, fmt in by_format(plan.groups, masks, plan.formats):
             if not m.any():
                 continue
+            hosts = raw_hosts
+            if fmt:  # capture.quantize: the rows and per-row scales of that format's parts
+                hosts = quantized.get(fmt) or quantized.setdefault(
+                    fmt, quantized_hosts(self.ring, plan.parts, fmt, cfg.head_dim))
             primary_hs = g.hs_seg is not None
             seg, picked = (plan.hs, g.hs_seg[m]) if primary_hs else (plan.qk, g.qk_seg[m])
             row0, count = self._seg_arrays(seg, picked)
@@ -605,7 +614,8 @@ class StepDrain:
             tensors = []
             if primary_hs and hosts["hs"] is not None:
                 data, view = self._take(hosts["hs"], g.hs_layers, rows)
-                tensors.append(Tensor("hs", cfg.wire_dtype, data.shape, data, g.hs_layers))
+                tensors.append(Tensor("hs", hosts["dtype"], data.shape, data, g.hs_layers,
+                                      scale=row_scale(hosts, "hs", g.hs_layers, rows, self._take)))
                 if view:
                     views.append(tensors[-1])
             if g.qk_seg is not None:
@@ -657,6 +667,7 @@ class StepDrain:
             if cfg.tp_size > 1:
                 start = int(mine[0]) if mine.size else int(np.searchsorted(wanted, lo))
                 shard = Shard(cfg.tp_rank, cfg.tp_size, 2, start, start + int(mine.size), int(wanted.size))
-            out.append((Tensor(name, cfg.wire_dtype, data.shape, data, g.qk_layers, shard,
+            out.append((Tensor(name, hosts["dtype"], data.shape, data, g.qk_layers, shard,
+                               row_scale(hosts, name, g.qk_layers, rows, self._take),
                                meta={"heads": [int(h) for h in wanted[mine]]}), view))
         return out

@@ -32,6 +32,7 @@ from mia_stream.producer._device import DeviceState, _PinnedStaging, _SteeringTa
 from mia_stream.producer._drain import DrainConfig, StepDrain
 from mia_stream.producer._host_ring import HostRing
 from mia_stream.producer._items import DATA_ITEMS, Config, End, Gap, Start, StepItem, Tokens
+from mia_stream.producer._quantize import QuantizeState
 from mia_stream.producer._routing import _DecodeCache, _KindRouting, _Request, hits, select
 from mia_stream.producer._scores import DetectorRouting, DetectScores
 from mia_stream.producer._sidecar import DrainSidecar, SidecarError
@@ -91,6 +92,7 @@ class ProducerRuntime:
                                        geo.num_layers, max_tokens, device) if self.cfg.detect else None)
         self._det_step: tuple | None = None  # (step, num tokens) of the forward whose rows detectors score
         self.requests: dict[str, _Request] = {}
+        self._quantize = QuantizeState()  # capture.quantize: formats live requests want (producer/_quantize.py)
         self._ring = HostRing.create(self.cfg.host_ring_bytes)
         self._ring_bytes = torch.from_numpy(self._ring.data)  # the data area as a uint8 tensor
         self.ring_pinned = self._pin_ring() if device.type == "cuda" else False
@@ -172,6 +174,7 @@ class ProducerRuntime:
                                                (1, spec.qk_layers if self.cfg.capture_qk else (), spec.qk_positions))
                                   if k[1])
         self.requests[engine_id] = req
+        self._quantize.add(spec)
         capture, steer = spec.capture_wire(), spec.steer
         # The frontend refuses what a switched-off feature would need (docs/architecture.md); should such a request
         # reach a worker anyway (a frontend with other settings), it is served without it, and StreamStart and
@@ -210,6 +213,7 @@ class ProducerRuntime:
         req = self.requests.pop(engine_id, None)
         if req is None:
             return
+        self._quantize.remove(req.spec)
         if self.steering is not None:
             self._release_steering(req)
         if self.probes is not None:
@@ -460,6 +464,7 @@ class ProducerRuntime:
         device_tokens = isinstance(step_tokens, tuple) and step_tokens[0] is not None and step_tokens[1]
         if device_tokens:
             parts.append(("tok", step_tokens[0], step_tokens[1], None))
+        parts = self._quantize.parts(parts)  # quantized on the device: fewer bytes copied, ringed, published
         sizes = [rows * (len(layers) * ap.shape[2] if layers is not None else 1) * ap.element_size()
                  for _, ap, rows, layers in parts]
         aligned = [-(-s // 64) * 64 for s in sizes]

@@ -6,7 +6,7 @@ Producers, the broker and consumers all speak through this package and nothing e
 Modules, each importing only those listed before it: ``_tensors`` (tensors on the wire), ``_messages``
 (per-request kinds), ``_batches`` (columnar kinds), ``_kinds`` (the registry of every kind), ``_steering`` (op names,
 actions and codes), ``_framing``, ``_validate``, ``_entries``, ``_columnar``, ``_codec`` (encode/decode),
-``_rings`` (ring references); ``seqranges`` and ``_oob`` stand alone.
+``_rings`` (ring references), ``_selection`` (a subscriber's layers, positions, tensors); ``seqranges`` and ``_oob`` stand alone.
 """
 
 from mia_stream.schemas._batches import Analysis, AnalysisBatch, GapBatch, RowGroup, StepBatch, TokenBatch
@@ -19,6 +19,7 @@ from mia_stream.schemas._messages import (FINISH_REASONS, SCHEMA_VERSION, Credit
                                           Message, SteeringAck, SteeringCommand, StreamEnd, StreamStart, Subscribe,
                                           TensorFrame, TokenFrame, Unsubscribe, request_topic, stream_key)
 from mia_stream.schemas._oob import BufferSink, BufferSource, is_ring_name
+from mia_stream.schemas._selection import RELATIVE_POSITIONS, ViewSelection, parse_selection, select_view
 from mia_stream.schemas._rings import (inline_shm, references_shm, shm_extent, shm_loss_gap, shm_loss_gaps,
                                        shm_loss_reason)
 from mia_stream.schemas._steering import (OP_ABLATE, OP_ADD, OP_CAP, OP_CODES, OP_NONE, STEER_ACTIONS, STEER_OPS)
@@ -34,5 +35,6 @@ __all__ = [
     "references_shm", "request_topic", "shm_extent", "shm_loss_gap", "shm_loss_reason",
     "split_batch", "stream_key",
     "BATCH_KIND", "SHM_RING_KEY", "batch_header",
+    "RELATIVE_POSITIONS", "ViewSelection", "parse_selection", "select_view",
     "OP_ABLATE", "OP_ADD", "OP_CAP", "OP_CODES", "OP_NONE", "STEER_ACTIONS", "STEER_OPS",
 ]

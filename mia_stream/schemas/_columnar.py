@@ -179,5 +179,6 @@ def select_requests(frames: Sequence[Any], header: dict, keep: Sequence[int]) ->
 def has_partial_inline_rows(header: dict) -> bool:
     """Whether a (selected) step batch sends buffer frames of which only some rows are wanted: ``compact``
     then saves their other rows' bytes."""
-    return any("row0" in g and any("shm" not in e for e in g.get("tensors", ()))
+    return any(any("shm" not in e and ("row0" in g or "row_index" in g or "layer_index" in e)
+                   for e in g.get("tensors", ()))
                for g in header.get("groups", ()))

@@ -65,7 +65,10 @@ def _decode_tensors(entries: list, buffers: list, verify: bool, ring: tuple | No
             if ring[0] is None:  # only an entry that uses the ring needs a reader
                 raise ShmUnavailableError(f"this message's tensors are in the shared-memory ring {ring[1]!r}; "
                                           "decode it with shm=ShmRingReader() (mia_stream.bus) on the producer's host")
-            if take is not None and p.method == "none" and len(p.shape) >= 2:
+            if p.layer_index is not None and p.method == "none":
+                data = _gather_layers(p, ring, take)  # only this reader's layers (and rows) leave the ring
+                gathered = True
+            elif take is not None and p.method == "none" and len(p.shape) >= 2:
                 # only this reader's rows leave the ring
                 row_bytes = WIRE_DTYPES[p.dtype][1]
                 for d in p.shape[2:]:
@@ -86,11 +89,19 @@ def _decode_tensors(entries: list, buffers: list, verify: bool, ring: tuple | No
         scale = None
         if p.scale is not None:
             scale = np.frombuffer(buffers[p.scale_buf], dtype="<f4").reshape(p.scale)
-        shape = p.shape
+        shape, layers = p.shape, p.layers
+        if p.layer_index is not None:  # (2.2) a selection of some stored layers
+            li = p.layer_index
+            shape = (len(li), *shape[1:])
+            layers = tuple(layers[i] for i in li.tolist()) if layers else layers
+            if not gathered:
+                data = np.ascontiguousarray(np.frombuffer(data, np.uint8).reshape(p.shape[0], -1)[li])
+            if scale is not None and scale.shape[0] == p.shape[0] and p.shape[0] != 1:
+                scale = scale[li]
         if take is not None:
             shape = (shape[0], len(take[1]), *shape[2:])
             if not gathered:
-                data = _take_rows(p, data, take)
+                data = _take_rows(p, data, take, shape[0])
             if scale is not None and scale.shape[1] == take[0] and take[0] != 1:  # per row: its rows too
                 scale = scale[:, take[1]]
         have = data.nbytes if type(data) is memoryview or isinstance(data, np.ndarray) else _len(data)
@@ -99,15 +110,39 @@ def _decode_tensors(entries: list, buffers: list, verify: bool, ring: tuple | No
             want *= d
         if have != want:
             raise MalformedFrameError(f"tensor {p.name!r}: {have} bytes for shape {shape} {p.dtype} (want {want})")
-        out.append(Tensor(p.name, p.dtype, shape, data, p.layers, p.shard, scale,
+        out.append(Tensor(p.name, p.dtype, shape, data, layers, p.shard, scale,
                           dict(p.meta) if p.meta else {}))
     return out
 
 
-def _take_rows(p: _Entry, data: Any, take: tuple) -> np.ndarray:
-    """Rows ``take[1]`` (dim 1) of a stored tensor's bytes, as a new ``[L, rows, ...]`` uint8 array."""
+def _row_bytes(p: _Entry) -> int:
     row_bytes = WIRE_DTYPES[p.dtype][1]
     for d in p.shape[2:]:
         row_bytes *= d
-    arr = np.frombuffer(data, np.uint8).reshape(p.shape[0], take[0], row_bytes)
+    return row_bytes
+
+
+def _take_rows(p: _Entry, data: Any, take: tuple, outer: int) -> np.ndarray:
+    """Rows ``take[1]`` (dim 1) of a stored tensor's bytes (``outer`` layers), as a new ``[L, rows, ...]`` uint8
+    array."""
+    arr = np.frombuffer(data, np.uint8).reshape(outer, take[0], _row_bytes(p))
     return np.ascontiguousarray(arr[:, take[1]])
+
+
+def _gather_layers(p: _Entry, ring: tuple, take: tuple | None) -> np.ndarray:
+    """The kept layers (``layer_index``) of an uncompressed ring payload, and of them only rows ``take`` when
+    given: each layer's bytes are one range of the payload, so only those leave the ring (each read checked)."""
+    stored_rows = p.shape[1]
+    row_bytes = _row_bytes(p)
+    layer_bytes = stored_rows * row_bytes
+    if p.nbytes != p.shape[0] * layer_bytes:
+        raise MalformedFrameError(f"tensor {p.name!r}: {p.nbytes} bytes are not {p.shape[0]} layers of {layer_bytes}")
+    parts = []
+    for li in p.layer_index.tolist():
+        pos = p.shm + li * layer_bytes
+        if take is None:
+            parts.append(np.frombuffer(ring[0].read(ring[1], pos, layer_bytes), np.uint8))
+        else:
+            parts.append(np.frombuffer(ring[0].gather(ring[1], pos, layer_bytes, 1, take[0], row_bytes, take[1]),
+                                       np.uint8))
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)

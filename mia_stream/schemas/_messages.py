@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 
 from mia_stream.schemas._tensors import Tensor
 
-SCHEMA_VERSION = (2, 1)  # (major, minor): a new major breaks decoders, a new minor only adds (see the spec)
+SCHEMA_VERSION = (2, 2)  # (major, minor): a new major breaks decoders, a new minor only adds (see the spec)
 
 # Finish reasons of a stream: vLLM's plus the ones only the bus knows.
 FINISH_REASONS = ("stop", "length", "abort", "error", "rejected", "producer_lost")
@@ -191,6 +191,9 @@ class Subscribe(Message):
     window_bytes: int = 0  # (1.1) credit flow control: bytes the broker may have in flight; 0 = off
     batch: bool = False  # (1.2) this consumer unpacks batch messages, so the broker may send it batches
     shm: bool = False  # (1.3) this consumer reads producers' shared-memory rings itself (same host)
+    # (2.2) the layers, positions and tensors of step batches it wants ({} = all): {"layers": [15],
+    # "positions": "generated" | "last_prompt" | "prompt" | "all" | [ints], "tensors": ["hs"]}; spec 3.9
+    select: dict = field(default_factory=dict)
 
     def topic(self) -> bytes:
         return b""

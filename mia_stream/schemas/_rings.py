@@ -59,9 +59,17 @@ def shm_extent(header: dict) -> tuple[str, int, int, int] | None:
                 oldest = pos if oldest is None else min(oldest, pos)
                 size = e.get("nbytes")
                 if type(size) is int:
-                    n += size if kept == stored else size * kept // max(stored, 1)
+                    n += _layer_share(e, size if kept == stored else size * kept // max(stored, 1))
                     end = max(end, pos + size)
     return (name, oldest, n, end) if oldest is not None else None
+
+
+def _layer_share(e: dict, size: int) -> int:
+    """(2.2) Of an entry with ``layer_index`` (a selection of some of its stored layers), those layers' share."""
+    li = e.get("layer_index")
+    if type(li) is not bytes:
+        return size
+    return size * (len(li) // 8) // max(e["shape"][0], 1)
 
 
 def shm_loss_reason(error: Exception) -> str:

@@ -170,13 +170,14 @@ class _Entry:
     """A tensor entry's fields, validated (``_parse_entry``)."""
 
     __slots__ = ("name", "dtype", "shape", "layers", "method", "nbytes", "raw_nbytes", "meta", "shm", "scale",
-                 "crc", "shard", "count", "buf", "scale_buf")
+                 "crc", "shard", "count", "buf", "scale_buf", "layer_index")
 
     def __init__(self, name, dtype, shape, layers, method, nbytes, raw_nbytes, meta, shm, scale, crc, shard, count):
         self.name, self.dtype, self.shape, self.layers, self.method = name, dtype, shape, layers, method
         self.nbytes, self.raw_nbytes, self.meta, self.shm, self.scale = nbytes, raw_nbytes, meta, shm, scale
         self.crc, self.shard, self.count = crc, shard, count
         self.buf = self.scale_buf = None  # indices of its payload and scale buffer frames (_check_tensor_entries)
+        self.layer_index = None  # (2.2, a row group's entry) the stored layers (dim 0) a selection keeps
 
 
 def _parse_entry(e: Any, max_message_bytes: int, has_ring: bool) -> _Entry:
@@ -266,6 +267,8 @@ def _check_tensor_entries(entries: Any, sizes: list[int], i: int, has_ring: bool
             if p.shard is not None and p.shard.dim < 2:  # dims 0 and 1 are layers and rows
                 raise MalformedFrameError(f"tensor {p.name!r}: in a row group a shard splits a dim >= 2, "
                                           f"got {p.shard.dim}")
+            if "layer_index" in e:
+                p.layer_index = _layer_index(p, e)
         if p.shm is None:
             if i >= len(sizes):
                 raise MalformedFrameError(f"tensor {p.name!r}: its buffer frame is missing")
@@ -282,6 +285,16 @@ def _check_tensor_entries(entries: Any, sizes: list[int], i: int, has_ring: bool
             p.scale_buf = i
             i += 1
     return i
+
+
+def _layer_index(p: _Entry, e: dict) -> np.ndarray:
+    """(2.2, spec 10.2) A row group entry's ``layer_index``: ascending stored layers (dim 0) it keeps."""
+    li = _column(f"tensor {p.name!r}", e, "layer_index", None)
+    if len(li) and (int(li[0]) < 0 or int(li[-1]) >= p.shape[0] or (len(li) > 1 and int(np.diff(li).min()) <= 0)):
+        raise MalformedFrameError(f"tensor {p.name!r}: layer_index must ascend within 0..{p.shape[0] - 1}")
+    if p.layers and len(p.layers) != p.shape[0]:
+        raise MalformedFrameError(f"tensor {p.name!r}: layer_index needs one of 'layers' per stored layer")
+    return li.astype(np.intp)
 
 
 # ---------------------------------------------------------------------------------------------- columnar checks
@@ -359,8 +372,8 @@ def _check_step_batch(header: dict, sizes: list[int], max_message_bytes: int) ->
         positions = _column(kind, g, "positions", n)
         token_ids = _column(kind, g, "token_ids", n, None)
         stored, take = n, None
-        if ("row0" in g) != ("stored_rows" in g):
-            raise MalformedFrameError(f"{kind}: a group has row0 and stored_rows together or neither")
+        if ("row0" in g or "row_index" in g) != ("stored_rows" in g):
+            raise MalformedFrameError(f"{kind}: a group has stored_rows with row0 or row_index, or none of them")
         if "row0" in g:
             row0 = _column(kind, g, "row0", len(requests))
             stored = g.get("stored_rows")
@@ -370,6 +383,13 @@ def _check_step_batch(header: dict, sizes: list[int], max_message_bytes: int) ->
                 raise MalformedFrameError(f"{kind}: row0 + rows runs past the group's {stored} stored rows")
             take = np.concatenate([np.arange(a, a + c, dtype=np.intp) for a, c in zip(row0.tolist(), rows.tolist())]
                                   ) if len(row0) else np.zeros(0, dtype=np.intp)
+        if "row_index" in g:  # (2.2) the stored row of each row: a selection of some positions (spec 10.2)
+            stored = g.get("stored_rows")
+            if "row0" in g or type(stored) is not int or stored < 0:
+                raise MalformedFrameError(f"{kind}: a group with row_index needs stored_rows (an int >= 0), no row0")
+            take = _column(kind, g, "row_index", n).astype(np.intp)
+            if n and (int(take.min()) < 0 or int(take.max()) >= stored):
+                raise MalformedFrameError(f"{kind}: row_index names a row outside the group's {stored} stored rows")
         plan = _GroupPlan(g, part, requests, rows, positions, token_ids, stored, take)
         plan.entries = []
         i = _check_tensor_entries(g.get("tensors", []), sizes, i, has_ring, max_message_bytes, stored, plan.entries)

@@ -38,7 +38,8 @@ POSITIONS = ("all", "prompt", "generated", "last_prompt")
 STEER_POSITIONS = ("all", "prompt", "generated")
 _TOP_KEYS = {"capture", "steer", "detect", "tags", "id", "prefix_cache"}
 PREFIX_CACHE_POLICIES = ("recompute", "reuse")  # what a capture of prompt positions does with cached ones
-_CAPTURE_KEYS = {"hidden_states", "qk"}
+_CAPTURE_KEYS = {"hidden_states", "qk", "quantize"}
+QUANTIZE_FORMATS = ("int8", "fp8_e4m3")  # capture.quantize: per-row absmax scales, on the device
 _HS_KEYS = {"layers", "positions"}
 _QK_KEYS = {"layers", "heads", "positions"}
 _STEER_KEYS = {"layer", "op", "vector", "scale", "threshold", "positions"}
@@ -119,6 +120,7 @@ class RequestSpec:
     tags: dict = field(default_factory=dict)
     stream_id: str | None = None
     prefix_cache: str = "recompute"
+    quantize: str = ""  # "" | one of QUANTIZE_FORMATS: captured rows travel quantized, with per-row scales
 
     @property
     def captures(self) -> bool:
@@ -152,6 +154,8 @@ class RequestSpec:
         if self.qk_layers:
             out["qk"] = {"layers": list(self.qk_layers), "heads": list(self.qk_heads),
                          "positions": self.qk_positions}
+        if self.quantize and out:
+            out["quantize"] = self.quantize
         return out
 
     def to_wire(self, compact: bool = True) -> dict:
@@ -229,6 +233,11 @@ def parse_spec(raw: Any, geo: ModelGeometry,
                           f"head {h!r} is out of range: the model has query heads 0..{geo.num_heads - 1}")
             kw["qk_heads"] = tuple(sorted(set(heads)))
         kw["qk_positions"] = _positions(qk.get("positions", "all"), "['capture']['qk']['positions']")
+    if "quantize" in cap:
+        if cap["quantize"] not in QUANTIZE_FORMATS:
+            _fail(CaptureSpecError, "['capture']['quantize']",
+                  f"must be one of {', '.join(QUANTIZE_FORMATS)}, got {cap['quantize']!r}")
+        kw["quantize"] = cap["quantize"]
     if "steer" in d:
         kw["steer"] = parse_steer_ops(d["steer"], geo, resolve_vector)
     if d.get("detect"):

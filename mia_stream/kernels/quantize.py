@@ -1,0 +1,109 @@
+"""Per-row quantization of captured rows on the device, before they leave it (issue 29).
+
+``quantize_rows(src, fmt)`` turns ``[..., W]`` rows (any float dtype) into ``int8`` or ``float8_e4m3fn`` rows and
+one float32 scale per row: ``scale = absmax(row) / QMAX`` (1 for a row of zeros), ``q = x / scale`` rounded
+(int8: half away from zero, clamped to +-127; fp8: round to nearest even, clamped to +-448). Dequantized,
+``q * scale`` is within ``scale / 2`` of ``x`` for int8 (1/254 of the row's absmax), and within half an fp8 step
+(``2^-4`` of ``|x|`` for normal values, ``2^-10 * scale`` below them) for fp8. The wire format carries the
+scales in a tensor's scale buffer (docs/wire-format.md 4.7).
+
+On CUDA a Triton kernel does one pass per row (read once, write once, no float32 temporary); elsewhere the
+torch reference, which is its spec (bit-identical: tests/test_quantize.py; the GPU run compares them).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from mia_stream.kernels import _dispatch
+
+try:
+    import triton
+    import triton.language as tl
+except Exception:  # no Triton: only the reference exists
+    triton = None
+
+__all__ = ["QUANT_FORMATS", "quantize_rows", "quantize_rows_reference", "quantize_rows_triton"]
+
+# format -> (torch dtype, wire dtype, largest magnitude)
+QUANT_FORMATS = {"int8": (torch.int8, "int8", 127.0), "fp8_e4m3": (torch.float8_e4m3fn, "float8_e4m3fn", 448.0)}
+
+
+def _empty(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"quantize: unknown format {fmt!r}; known: {sorted(QUANT_FORMATS)}")
+    q = torch.empty(src.shape, dtype=QUANT_FORMATS[fmt][0], device=src.device)
+    scale = torch.empty((*src.shape[:-1], 1), dtype=torch.float32, device=src.device)
+    return q, scale
+
+
+def quantize_rows(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """``(q, scale)``: ``src`` ``[..., W]`` quantized per row to ``fmt`` (``"int8"`` | ``"fp8_e4m3"``), and the
+    float32 scales ``[..., 1]``; new tensors on ``src``'s device."""
+    if _dispatch.active_backend(src.device) == "triton" and src.numel():
+        out = quantize_rows_triton(src, fmt)
+        _dispatch._record("quantize_rows", "triton")
+        return out
+    _dispatch._record("quantize_rows", "reference")
+    return quantize_rows_reference(src, fmt)
+
+
+def quantize_rows_reference(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """The torch reference of ``quantize_rows`` (and its spec)."""
+    q, scale = _empty(src, fmt)
+    qmax = QUANT_FORMATS[fmt][2]
+    x = src.to(torch.float32)
+    absmax = x.abs().amax(dim=-1, keepdim=True)
+    s = absmax / qmax
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    y = x / s
+    if fmt == "int8":
+        y = torch.sign(y) * torch.floor(y.abs() + 0.5)
+    q.copy_(y.clamp(-qmax, qmax))
+    scale.copy_(s)
+    return q, scale
+
+
+def quantize_rows_triton(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+    """The Triton implementation (CUDA, or CPU under ``TRITON_INTERPRET=1``): one program per row."""
+    if triton is None:
+        raise RuntimeError("Triton is not importable")
+    q, scale = _empty(src, fmt)
+    width = src.shape[-1]
+    rows = src.reshape(-1, width)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    n = rows.shape[0]
+    if n and width:
+        block = triton.next_power_of_2(width)
+        _quantize_rows_kernel[(n,)](rows, q.view(-1, width), scale.view(-1), width, rows.stride(0),
+                                    QMAX=QUANT_FORMATS[fmt][2], INT8=fmt == "int8", BLOCK=block,
+                                    num_warps=4 if block <= 2048 else 8)
+    return q, scale
+
+
+if triton is not None:
+
+    @triton.jit
+    def _quantize_rows_kernel(src_ptr, q_ptr, scale_ptr, width, src_row_stride,
+                              QMAX: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < width
+        x = tl.load(src_ptr + row * src_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        s = tl.max(tl.abs(x), axis=0) / QMAX
+        s = tl.where(s > 0, s, 1.0)
+        y = x / s
+        if INT8:
+            y = tl.where(y >= 0, tl.floor(y + 0.5), -tl.floor(-y + 0.5))
+        else:  # round to e4m3's grid here (nearest even), so the cast below is exact whatever its rounding mode
+            exponent = ((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+            step = ((tl.maximum(exponent, -6) - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2^(e-3), subnormal 2^-9
+            z = tl.abs(y) / step
+            r = tl.floor(z + 0.5)
+            r = tl.where((r - z == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r)
+            y = tl.where(y < 0, -(r * step), r * step)  # (a negative value rounded to 0 stays -0, as torch's cast)
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        tl.store(q_ptr + row * width + cols, y.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(scale_ptr + row, s)
