@@ -37,6 +37,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Sequence
 
+from mia_stream import metrics
 from mia_stream.bridge import _wire
 from mia_stream.bus.client import BrokerClient
 from mia_stream.errors import BridgeError, BrokerTimeoutError, MiaStreamError, WireError
@@ -76,14 +77,23 @@ async def ensure_stream(js: Any, name: str, prefix: str, *, replicas: int = 1, m
     return await js.add_stream(cfg)
 
 
+def _transient(error: str) -> bool:
+    """An error that a later try may not meet: no stream leader yet, no responders, a connection lost."""
+    e = error.lower()
+    return any(w in e for w in ("503", "no responders", "no ack within", "leader", "unavailable", "connection",
+                                "cancelled", "timeout", "err_code 10008"))
+
+
 class _Item:
     """One publish in flight: what to send again, and what to name lost if it never lands."""
 
-    __slots__ = ("subject", "payload", "headers", "msg", "tries", "deadline", "future", "sent_ns", "gap")
+    __slots__ = ("subject", "payload", "headers", "msg", "tries", "deadline", "future", "sent_ns", "gap", "first",
+                 "retry_at")
 
     def __init__(self, subject: str, payload: Any, headers: dict, msg: Any, gap: bool):
         self.subject, self.payload, self.headers, self.msg, self.gap = subject, payload, headers, msg, gap
         self.tries, self.deadline, self.future, self.sent_ns = 0, 0.0, None, 0
+        self.first, self.retry_at = time.monotonic(), 0.0
 
 
 class Bridge:
@@ -93,7 +103,7 @@ class Bridge:
                  kinds: Sequence[str] = _wire.DEFAULT_KINDS, prefix: str = _wire.DEFAULT_PREFIX,
                  stream: str = _wire.DEFAULT_STREAM, replicas: int = 1, max_age_s: float = DEFAULT_MAX_AGE_S,
                  max_bytes: int = DEFAULT_MAX_BYTES, max_msg_size: int | None = None, ack_timeout_s: float = 5.0,
-                 retries: int = 3, chunk_bytes: int | None = None, patterns: Sequence[str] = ("*",),
+                 retries: int = 3, give_up_s: float = 30.0, chunk_bytes: int | None = None, patterns: Sequence[str] = ("*",),
                  keys: Any = None, consumer_id: str | None = None):
         self.broker, self.servers = broker, split_servers(nats_url)
         if not self.servers:
@@ -104,6 +114,8 @@ class Bridge:
         self.kinds = _wire.wire_kinds(kinds)
         self.replicas, self.max_age_s, self.max_bytes, self.max_msg_size = replicas, max_age_s, max_bytes, max_msg_size
         self.ack_timeout_s, self.retries, self.chunk_bytes = ack_timeout_s, max(1, retries), chunk_bytes
+        self.give_up_s = give_up_s
+        self._retry: collections.deque[_Item] = collections.deque()  # transient failures, resent in order
         self.patterns, self.keys = tuple(patterns), keys
         self.consumer_id = consumer_id or f"bridge/{self.engine}"
         self.counters: collections.Counter[str] = collections.Counter()
@@ -123,6 +135,18 @@ class Bridge:
         self.nc: Any = None
         self.js: Any = None
         self.on_ready = None  # called once subscribed and connected (tests, the CLI's ready line)
+        if metrics.enabled():
+            metrics.watch("bridge", Bridge._metric_snapshot, {"engine": self.engine}, owner=self,
+                          gauges=("pending_publishes", "ack_p50_s", "ack_p99_s"))
+
+    def _metric_snapshot(self) -> dict:
+        out = dict(self.counters)
+        out["pending_publishes"] = len(self._pending)
+        acks = sorted(list(self.ack_seconds)[-10_000:])
+        if acks:
+            out["ack_p50_s"] = acks[len(acks) // 2]
+            out["ack_p99_s"] = acks[min(len(acks) - 1, int(len(acks) * 0.99))]
+        return out
 
     # ------------------------------------------------------------------------------------------ run
 
@@ -163,6 +187,9 @@ class Bridge:
         t_end = None if duration_s is None else time.monotonic() + duration_s
         try:
             while not self._stop.is_set() and (t_end is None or time.monotonic() < t_end):
+                if self._retry:  # head-of-line: nothing newer goes out before what the stream refused for now
+                    await asyncio.sleep(0.02)
+                    continue
                 got = await loop.run_in_executor(self._reader, self._read_burst)
                 for frames, msg in got:
                     await self._forward(frames, msg)
@@ -326,7 +353,14 @@ class Bridge:
                 self.counters["acked"] += 1
                 continue
             self.counters["publish_errors"] += 1
-            if item.tries < self.retries and "err_code 10054" not in error:  # 10054: too large, final
+            if self.counters["publish_errors"] <= 5:
+                log.warning("mia_stream bridge: publish to %s failed (try %d): %s", item.subject, item.tries, error)
+            if _transient(error) and time.monotonic() - item.first < self.give_up_s:
+                # no stream leader for now (an election after a node went), a reconnect: wait, keep order
+                self.counters["retries"] += 1
+                item.retry_at = time.monotonic() + min(1.0, 0.05 * 2 ** min(item.tries, 5))
+                self._retry.append(item)
+            elif item.tries < self.retries and "err_code 10054" not in error:  # 10054: too large, final
                 self.counters["retries"] += 1
                 await self._send(item)
             else:
@@ -349,16 +383,20 @@ class Bridge:
 
     async def _reap(self) -> None:
         while True:
-            await asyncio.sleep(0.1)
+            await asyncio.sleep(0.02 if self._retry else 0.1)
             try:
+                while self._retry and self._retry[0].retry_at <= time.monotonic():
+                    await self._send(self._retry.popleft())
                 await self._settle()
             except Exception:  # never let the reaper die: it is what names losses
                 log.exception("mia_stream bridge: settling publishes failed")
 
     async def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while self._pending and time.monotonic() < deadline:
+        while (self._pending or self._retry) and time.monotonic() < deadline:
             await self._settle(wait=True)
+            if self._retry and not self._pending:
+                await asyncio.sleep(0.05)
         self.counters["unsettled_at_exit"] += len(self._pending)
 
     # ------------------------------------------------------------------------------------------ steering
@@ -392,7 +430,12 @@ class Bridge:
         self.counters["nats_disconnects"] += 1
 
     async def _on_reconnect(self) -> None:
+        """The acks of publishes in flight may have gone with the old server: try them again now (same message
+        ids: what the stream already stored is dropped as a duplicate) instead of after their ack timeout."""
         self.counters["nats_reconnects"] += 1
+        for item in self._pending:
+            if item.future is not None and not item.future.done():
+                item.future.set_exception(BridgeError("connection lost before the ack"))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -413,14 +456,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(message)s")
     try:
+        if args.metrics_port is not None:
+            metrics.serve(args.metrics_port or None)
         bridge = Bridge(args.broker, args.nats, engine=args.engine, kinds=args.kinds, prefix=args.prefix,
                         stream=args.stream, replicas=args.replicas, max_age_s=args.max_age,
                         max_bytes=args.max_bytes, keys=args.keys)
-        if args.metrics_port is not None:
-            from mia_stream import metrics
-
-            metrics.serve(args.metrics_port or None)
-            metrics.watch_counters("bridge", lambda: bridge.counters, {"engine": bridge.engine})
         bridge.on_ready = lambda b: print(f"mia-stream bridge ready: engine {b.engine} -> {b.servers[0]} "
                                           f"stream {b.stream}", flush=True)
         counters = bridge.run()

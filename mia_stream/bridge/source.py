@@ -36,6 +36,7 @@ import uuid
 from typing import Any, Sequence
 from urllib.parse import parse_qsl, unquote, urlsplit
 
+from mia_stream import metrics
 from mia_stream.bridge import _wire
 from mia_stream.bridge._loop import LoopThread
 from mia_stream.errors import BrokerTimeoutError, BridgeError, SteeringCommandError, WireError
@@ -107,8 +108,10 @@ class NatsClient:
         self._task = None
         self._closing = False
         self._lt = LoopThread("mia-nats-consumer")
+        self._reconnected = False
         opts = dict(servers=servers, name=self.consumer_id, max_reconnect_attempts=-1, reconnect_time_wait=0.2,
-                    connect_timeout=connect_timeout, error_cb=self._on_error, allow_reconnect=True)
+                    connect_timeout=connect_timeout, error_cb=self._on_error, allow_reconnect=True,
+                    reconnected_cb=self._on_reconnect)
         if user is not None:
             opts.update(user=user, password=password)
         try:
@@ -117,6 +120,14 @@ class NatsClient:
             self._lt.stop()
             raise BridgeError(f"cannot connect to NATS at {url}: {e}") from e
         self.js = self.nc.jetstream()
+        if metrics.enabled():
+            metrics.watch("nats_consumer", NatsClient._metric_snapshot, {"consumer": self.consumer_id}, owner=self,
+                          gauges=("lag_messages", "last_stream_seq", "fetched_batches_waiting"))
+
+    def _metric_snapshot(self) -> dict:
+        # lag: what JetStream holds for this consumer past its last fetch, and fetches not yet read by recv
+        return {**self.counters, "lag_messages": self.pending, "fetched_batches_waiting": self._q.qsize(),
+                "last_stream_seq": self.last_stream_seq}
 
     # ------------------------------------------------------------------------------------------ API
 
@@ -275,13 +286,22 @@ class NatsClient:
                 cfg = api.ConsumerConfig(deliver_policy=api.DeliverPolicy.BY_START_SEQUENCE, opt_start_seq=next_seq,
                                          ack_policy=api.AckPolicy.NONE, filter_subjects=self._filters(),
                                          inactive_threshold=30.0, mem_storage=True, num_replicas=1)
-                sub = await self.js.pull_subscribe(cfg.filter_subjects[0], stream=self.stream, config=cfg)
+                sub = await asyncio.wait_for(
+                    self.js.pull_subscribe(cfg.filter_subjects[0], stream=self.stream, config=cfg), 10.0)
                 self.counters["consumers_made"] += 1
+                idle = 0
                 while not self._closing:
                     try:
-                        msgs = await sub.fetch(FETCH_BATCH, timeout=1.0, heartbeat=0.25)
+                        msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
                     except NatsTimeout:
+                        if self._reconnected:  # its server may be gone, and our consumer with it: make a new one
+                            self._reconnected = False
+                            raise BridgeError("reconnected to NATS")
+                        idle += 1
+                        if idle % 5 == 0:  # quiet, or its consumer died with a server: this raises if gone
+                            await asyncio.wait_for(sub.consumer_info(), 10.0)
                         continue
+                    idle = 0
                     batch = []
                     for m in msgs:
                         seq = m.metadata.sequence.stream
@@ -304,13 +324,13 @@ class NatsClient:
                 if self._closing:
                     return
                 self.counters["consumer_restarts"] += 1
-                log.warning("mia_stream consumer: NATS read from seq %d failed (%s: %s); reading again", next_seq,
+                (log.info if isinstance(e, (asyncio.TimeoutError, NatsTimeout)) else log.warning)("mia_stream consumer: NATS read from seq %d failed (%s: %s); reading again", next_seq,
                             type(e).__name__, e)
                 await asyncio.sleep(0.2)
             finally:
                 if sub is not None:
                     try:
-                        await sub.unsubscribe()
+                        await asyncio.wait_for(sub.unsubscribe(), 2.0)
                     except Exception:
                         pass
 
@@ -376,6 +396,10 @@ class NatsClient:
         if len(keep) == len(ids):
             return frames
         return select_requests(frames, header, keep)[0]
+
+    async def _on_reconnect(self) -> None:
+        self._reconnected = True
+        self.counters["nats_reconnects"] += 1
 
     async def _on_error(self, e: Exception) -> None:
         text = str(e)
