@@ -8,8 +8,9 @@ own count of the messages in the stream.
 - a consumer identity the NATS server lets steer aborts a request: the ack comes back through NATS, the stream
   ends with ``abort`` and vLLM's output stops where the stream did; an identity without that permission gets
   ``not_authorised`` and its command never reaches the bridge;
-- metrics: the bridge's published count equals the messages the NATS stream holds; the broker received every
-  message the engine's publisher sent; the remote consumer's lag is zero at the end.
+- metrics, scraped from the engine's drain, the broker and the bridge while the engine runs: the messages the
+  drain sent, the broker delivered to the bridge and the bridge published all equal the messages the NATS stream
+  holds (the server's own count); no lag left; one steering command routed.
 """
 
 from __future__ import annotations
@@ -144,6 +145,11 @@ def test_engine_stream_through_nats_steered_remotely_with_metrics(model_dir, tmp
     # metrics against the stream's own counts
     published = _sum(pages, "mia_stream_bridge_published_total", engine="cpu0")
     assert published == held > 0, (published, held)
-    sent = _sum(pages, "mia_stream_publisher_sent_total")
-    got = _sum(pages, "mia_stream_broker_producer_messages_total")
-    assert sent > 0 and got >= sent, (sent, got)
+    # the worker's drain publisher (producer id HOST:PID:tp0) sent every stream message; the broker delivered
+    # each to the bridge, which published each: one count at every hop, equal to what the stream holds
+    drain_sent = sum(v for page in pages.values() for (n, lab), v in page.items()
+                     if n == "mia_stream_publisher_sent_total" and dict(lab).get("producer", "").endswith(":tp0"))
+    to_bridge = _sum(pages, "mia_stream_broker_consumer_delivered_total", consumer="bridge/cpu0")
+    assert drain_sent == to_bridge == published == held, (drain_sent, to_bridge, published, held)
+    assert _sum(pages, "mia_stream_broker_consumer_queue_messages", consumer="bridge/cpu0") == 0  # no lag left
+    assert _sum(pages, "mia_stream_broker_steering_commands_total") == 1
