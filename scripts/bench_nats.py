@@ -10,7 +10,9 @@ every request and one AnalysisBatch (a score per request, from an analyzer publi
 consumer (this process) reads every engine from NATS (``open_batches("nats://...")``) while a second reads
 producer 0's broker directly. Printed: request-steps/s delivered through NATS (token rows), whether it was
 lossless (every request-step delivered, no gap event), and the latency from the step's publish (``time_ns``) to
-the consumer, p50/p99, through NATS and through the local bus, and their difference (the added latency).
+the consumer, p50/p99, through NATS and through the local bus, and their difference (the added latency); and the
+hop alone, from the bridges' metrics: their JetStream ack latency (publish to stored on R=nodes), p50/p99 over
+the last 10,000 acks, and how long after the last step every bridge had every message acked.
 
 Part 2, tensors. One producer publishes hidden-state frames of ``--tensor-mb`` MB as fast as it can for
 ``--tensor-seconds``; GB/s read by a consumer on its broker, then through the bridge (``--kinds tensors``, chunked
@@ -60,8 +62,9 @@ def _wait_line(proc: subprocess.Popen, word: str, timeout: float = 60.0) -> None
     raise RuntimeError(f"no {word!r} from {proc.args[:4]}")
 
 
-def _start(args: list, word: str) -> subprocess.Popen:
-    p = subprocess.Popen([PY, *args], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+def _start(args: list, word: str, env: dict | None = None) -> subprocess.Popen:
+    p = subprocess.Popen([PY, *args], env={**_env(), **(env or {})}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True)
     _wait_line(p, word)
     return p
 
@@ -169,8 +172,26 @@ def _pct(xs, q) -> float:
     return float(np.percentile(xs, q)) if xs else float("nan")
 
 
+def _bridge_metrics(base: int) -> dict:
+    """Each bridge's metrics page (the range from ``base``): JetStream ack latency and counts per engine."""
+    from mia_stream.metrics.top import scrape
+
+    out = {}
+    for port in range(base, base + 64):
+        page = scrape(f"127.0.0.1:{port}")
+        if not page:
+            continue
+        for (name, labels), v in page.items():
+            if name.startswith("mia_stream_bridge_"):
+                out.setdefault(dict(labels).get("engine"), {})[name[len("mia_stream_bridge_"):]] = v
+    return out
+
+
 def part1(args, cluster, work: Path) -> dict:
+    from mia_stream.bridge.server import free_ports
+
     procs = []
+    metrics_base = free_ports(1)[0]
     try:
         addrs = []
         for i in range(args.producers):
@@ -180,7 +201,7 @@ def part1(args, cluster, work: Path) -> dict:
             procs.append(_start(["-m", "mia_stream.broker", "--address", d], "ready"))
             procs.append(_start(["-m", "mia_stream.cli", "bridge", "--broker", d, "--nats", cluster.urls,
                                  "--engine", f"e{i}", "--replicas", str(args.nodes), "--max-bytes",
-                                 str(2 << 30)], "ready"))
+                                 str(2 << 30)], "ready", env={"MIA_STREAM_METRICS_PORT": str(metrics_base)}))
         url = f"{cluster.urls}"
         nats_reader = Reader(url, args.producers * args.requests, args.seconds + 60)
         local_reader = Reader(addrs[0], args.requests, args.seconds + 60)
@@ -193,6 +214,15 @@ def part1(args, cluster, work: Path) -> dict:
                          "--steps", str(steps), "--rate", str(args.rate)], "started") for i, a in enumerate(addrs)]
         procs += prods
         outs = [json.loads(p.stdout.readline() or "{}") for p in prods]
+        t_sent = time.monotonic()
+        # the hop alone: every message acked by the stream (R=nodes) within how long of the last step's publish
+        bridges = {}
+        while time.monotonic() - t_sent < 60:
+            bridges = _bridge_metrics(metrics_base)
+            if bridges and all(b.get("pending_publishes", 1) == 0 for b in bridges.values()):
+                break
+            time.sleep(0.2)
+        hop_drained_s = time.monotonic() - t_sent
         nats_reader.join(args.seconds + 120)
         local_reader.join(30)
         want = args.producers * args.requests * steps
@@ -204,7 +234,12 @@ def part1(args, cluster, work: Path) -> dict:
                "request_steps_per_s": nats_reader.token_rows / span if span > 0 else float("nan"),
                "nats_latency_ms_p50": _pct(nats_reader.lat, 50), "nats_latency_ms_p99": _pct(nats_reader.lat, 99),
                "local_latency_ms_p50": _pct(local_reader.lat, 50), "local_latency_ms_p99": _pct(local_reader.lat, 99),
-               "producers_behind_s": [o.get("behind_s") for o in outs]}
+               "producers_behind_s": [o.get("behind_s") for o in outs],
+               "bridges_acked_after_last_step_s": hop_drained_s,
+               "bridge_ack_ms_p99": [1e3 * b.get("ack_p99_seconds", float("nan")) for b in bridges.values()],
+               "bridge_ack_ms_p50": [1e3 * b.get("ack_p50_seconds", float("nan")) for b in bridges.values()],
+               "bridge_refused": sum(b.get("refused_total", 0) for b in bridges.values()),
+               "bridge_published": sum(b.get("published_total", 0) for b in bridges.values())}
         res["added_latency_ms_p99"] = res["nats_latency_ms_p99"] - res["local_latency_ms_p99"]
         return res
     finally:

@@ -15,6 +15,7 @@ every stream (and each tensor's content, filled with its seq) arrives once or is
 from __future__ import annotations
 
 import itertools
+import os
 import json
 import threading
 import time
@@ -229,3 +230,44 @@ def test_cluster_node_killed_mid_stream_every_message_delivered_or_named(tmp_pat
     named = sum(len(rec[r]["gap_seqs"]) for r in rids)
     assert delivered + named == 4 * (2 * 300 + 2)  # start, 300 tensor frames (not_bridged gaps), 300 tokens, end
     assert sum(len(rec[r]["tokens"]) for r in rids) == 4 * 300, "a token frame was lost in the failover"
+
+
+def test_top_shows_each_process_rates_from_its_metrics(monkeypatch, tmp_path):
+    """A broker process and a publisher serve metrics (MIA_STREAM_METRICS_PORT); ``mia-stream top --once``
+    shows the broker, its consumer and the publisher with the counts the consumer itself received."""
+    import subprocess
+    import sys
+
+    from mia_stream import metrics
+    from mia_stream.bridge.server import free_ports
+    from mia_stream.consumers import open_stream
+
+    base = free_ports(1)[0]
+    monkeypatch.setenv("MIA_STREAM_METRICS_PORT", str(base))
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d))
+        from mia_stream.bus.publisher import FramePublisher
+
+        pub = FramePublisher(d, producer_id="top-pub")  # open while top reads its metrics
+        with open_stream(d, timeout=10, consumer_id="top-reader") as s:
+            time.sleep(0.5)
+            publish_stream(pub, "m1", 20, 4096, tokens=True)
+            rec = account(events_until(s, 1, 10))
+            assert_exact(rec["m1"])
+            here = metrics.bound_port()  # this process: the publisher's and the consumer's metrics
+            out = subprocess.run([sys.executable, "-m", "mia_stream.cli", "top", "--once", "--interval", "0.3",
+                                  "--endpoints", *[f"127.0.0.1:{p}" for p in range(base, base + 4)]],
+                                 capture_output=True, text=True, timeout=60, env={**os.environ, "COLUMNS": "200"})
+            page = metrics.parse_exposition(
+                __import__("urllib.request").request.urlopen(f"http://127.0.0.1:{here}/metrics").read().decode())
+        pub.close(timeout=5)
+    assert out.returncode == 0, out.stderr
+    for part in ("broker_consumer", "broker_producer", "publisher", "producer=top-pub", "consumer=top-reader"):
+        assert part in out.stdout, out.stdout
+    # the metrics equal the stream's own count: 1 start + 20 frames + 20 tokens + 1 end, as the consumer saw them
+    def metric(name, **labels):
+        return sum(v for (n, lab), v in page.items() if n == name and all(dict(lab).get(k) == x
+                                                                          for k, x in labels.items()))
+
+    assert metric("mia_stream_consumer_messages_total", consumer="top-reader") == len(rec["m1"]["seqs"]) == 42
+    assert metric("mia_stream_publisher_published_total", producer="top-pub") == 42

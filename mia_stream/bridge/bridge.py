@@ -446,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--engine", help="this engine's name in subjects (default: the host name)")
     ap.add_argument("--kinds", nargs="+", default=list(_wire.DEFAULT_KINDS), choices=sorted(_wire.KIND_GROUPS),
                     help="what crosses besides starts, ends and gaps (default: tokens analysis)")
+    ap.add_argument("--patterns", nargs="+", default=["*"], help="request-id globs to bridge (default: all)")
     ap.add_argument("--prefix", default=_wire.DEFAULT_PREFIX, help="subject prefix (default mia)")
     ap.add_argument("--stream", default=_wire.DEFAULT_STREAM, help="JetStream stream (made when missing)")
     ap.add_argument("--replicas", type=int, default=1, help="the stream's replicas when this bridge makes it")
@@ -460,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
             metrics.serve(args.metrics_port or None)
         bridge = Bridge(args.broker, args.nats, engine=args.engine, kinds=args.kinds, prefix=args.prefix,
                         stream=args.stream, replicas=args.replicas, max_age_s=args.max_age,
-                        max_bytes=args.max_bytes, keys=args.keys)
+                        max_bytes=args.max_bytes, keys=args.keys, patterns=args.patterns)
         bridge.on_ready = lambda b: print(f"mia-stream bridge ready: engine {b.engine} -> {b.servers[0]} "
                                           f"stream {b.stream}", flush=True)
         counters = bridge.run()

@@ -30,6 +30,8 @@ COLUMNS = {
     "broker_consumer": (("broker_consumer_delivered_total", "broker_consumer_delivered_bytes_total"),
                         ("broker_consumer_queue_messages", "broker_consumer_queue_bytes"),
                         ("broker_consumer_dropped_total",)),
+    "broker_producer": (("broker_producer_messages_total", "broker_producer_bytes_total"),
+                        ("broker_producer_open_streams",), ()),
     "bridge": (("bridge_published_total", "bridge_published_bytes_total"), ("bridge_pending_publishes",),
                ("bridge_refused_total",)),
     "nats_consumer": (("nats_consumer_messages_total",), ("nats_consumer_lag_messages",),
