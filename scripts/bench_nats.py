@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/bench_nats.py [--nodes 3] [--producers 4] [--requests 256] [--rate 100]
                                            [--seconds 20] [--tensor-mb 4] [--tensor-seconds 10] [--skip-tensors]
+                                           [--skip-monitoring] [--out FILE]
 
 Part 1, monitoring traffic. ``--producers`` engines, each a producer process, its own broker and its own bridge
 (``--kinds tokens analysis``), publish through a ``--nodes`` JetStream cluster (R=nodes) on loopback: each
@@ -316,6 +317,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--tensor-mb", type=float, default=4.0)
     ap.add_argument("--tensor-seconds", type=float, default=10.0)
     ap.add_argument("--skip-tensors", action="store_true")
+    ap.add_argument("--skip-monitoring", action="store_true")
     ap.add_argument("--out", help="also write the results as JSON here")
     args = ap.parse_args(argv)
     from mia_stream.bridge.server import NatsCluster
@@ -323,9 +325,10 @@ def main(argv: list[str]) -> int:
     work = Path(tempfile.mkdtemp(prefix="mia-bn-", dir="/tmp"))
     results = {"cpus": os.cpu_count()}
     try:
-        with NatsCluster(args.nodes) as cluster:
-            results["monitoring"] = part1(args, cluster, work)
-        print(json.dumps(results["monitoring"], indent=1), flush=True)
+        if not args.skip_monitoring:
+            with NatsCluster(args.nodes) as cluster:
+                results["monitoring"] = part1(args, cluster, work)
+            print(json.dumps(results["monitoring"], indent=1), flush=True)
         if not args.skip_tensors:
             results["tensors"] = part2(args, work)
             print(json.dumps(results["tensors"], indent=1), flush=True)

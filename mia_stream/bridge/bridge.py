@@ -88,12 +88,12 @@ class _Item:
     """One publish in flight: what to send again, and what to name lost if it never lands."""
 
     __slots__ = ("subject", "payload", "headers", "msg", "tries", "deadline", "future", "sent_ns", "gap", "first",
-                 "retry_at")
+                 "retry_at", "token")
 
     def __init__(self, subject: str, payload: Any, headers: dict, msg: Any, gap: bool):
         self.subject, self.payload, self.headers, self.msg, self.gap = subject, payload, headers, msg, gap
         self.tries, self.deadline, self.future, self.sent_ns = 0, 0.0, None, 0
-        self.first, self.retry_at = time.monotonic(), 0.0
+        self.first, self.retry_at, self.token = time.monotonic(), 0.0, ""
 
 
 class Bridge:
@@ -168,10 +168,14 @@ class Bridge:
                 pass
         self._client = await loop.run_in_executor(self._reader, self._open_client, True)
         self._steer_client = await loop.run_in_executor(self._steerer, self._open_client, False)
-        self.nc = await nats.connect(servers=self.servers, name=self.consumer_id, max_reconnect_attempts=-1,
-                                     reconnect_time_wait=0.2, connect_timeout=5, error_cb=self._on_error,
-                                     disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
-                                     pending_size=256 << 20)
+        try:  # nats-py retries a first connect for ever when reconnects are unbounded: bound it here
+            self.nc = await asyncio.wait_for(
+                nats.connect(servers=self.servers, name=self.consumer_id, max_reconnect_attempts=-1,
+                             reconnect_time_wait=0.2, connect_timeout=5, error_cb=self._on_error,
+                             disconnected_cb=self._on_disconnect, reconnected_cb=self._on_reconnect,
+                             pending_size=256 << 20), 20.0)
+        except asyncio.TimeoutError as e:
+            raise BridgeError(f"no NATS server answered at {', '.join(self.servers)} within 20 s") from e
         self.js = self.nc.jetstream()
         self._inbox = self.nc.new_inbox()
         await self.nc.subscribe(self._inbox + ".*", cb=self._on_ack)
@@ -288,7 +292,7 @@ class Bridge:
         loop = asyncio.get_running_loop()
         item.future = loop.create_future()
         self._token += 1
-        token = str(self._token)
+        token = item.token = str(self._token)
         self._acks[token] = (item.future, item.sent_ns)
         try:
             await self.nc.publish(item.subject, bytes(item.payload), reply=f"{self._inbox}.{token}",
@@ -349,6 +353,7 @@ class Bridge:
                 exc = fut.exception()
                 error = None if exc is None else (str(exc) or type(exc).__name__)
             pending.popleft()
+            self._acks.pop(item.token, None)  # an ack that never came (or came): its entry goes with the try
             if error is None:
                 self.counters["acked"] += 1
                 continue
@@ -424,7 +429,9 @@ class Bridge:
 
     async def _on_error(self, e: Exception) -> None:
         self.counters["nats_errors"] += 1
-        log.warning("mia_stream bridge: nats: %s", e)
+        n = self.counters["nats_errors"]
+        if n <= 10 or n % 100 == 0:  # a server down is one error per reconnect attempt
+            log.warning("mia_stream bridge: nats (error %d): %s", n, e)
 
     async def _on_disconnect(self) -> None:
         self.counters["nats_disconnects"] += 1
@@ -468,5 +475,10 @@ def main(argv: list[str] | None = None) -> int:
     except (MiaStreamError, OSError) as e:
         print(f"mia-stream bridge: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # nats-py's errors (no server, a stream that cannot be made): one line, not a trace
+        if type(e).__module__.startswith("nats"):
+            print(f"mia-stream bridge: NATS: {type(e).__name__}: {e}", file=sys.stderr)
+            return 2
+        raise
     print(f"mia-stream bridge: {dict(counters)}", file=sys.stderr)
     return 0

@@ -46,6 +46,7 @@ from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapNotic
 log = logging.getLogger("mia_stream.consumers")
 
 FETCH_BATCH = 256
+FETCH_BYTES = 32 << 20  # what one fetch asks for at most (nats-py drops deliveries past 256 MiB pending)
 QUEUE_LIMIT = 64  # fetched batches waiting for recv: past it the pull task waits (JetStream keeps the rest)
 
 
@@ -290,9 +291,12 @@ class NatsClient:
                     self.js.pull_subscribe(cfg.filter_subjects[0], stream=self.stream, config=cfg), 10.0)
                 self.counters["consumers_made"] += 1
                 idle = 0
+                consumer_seq = 0  # the last delivery of this consumer: each is numbered, so a drop shows
+                avg = 1024.0  # bytes per message, so one fetch stays under FETCH_BYTES
                 while not self._closing:
+                    batch_n = max(1, min(FETCH_BATCH, int(FETCH_BYTES // avg)))
                     try:
-                        msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
+                        msgs = await sub.fetch(batch_n, timeout=1.0)
                     except NatsTimeout:
                         if self._reconnected:  # its server may be gone, and our consumer with it: make a new one
                             self._reconnected = False
@@ -303,8 +307,17 @@ class NatsClient:
                         continue
                     idle = 0
                     batch = []
+                    dropped = False
                     for m in msgs:
-                        seq = m.metadata.sequence.stream
+                        meta = m.metadata
+                        if meta.sequence.consumer != consumer_seq + 1 and consumer_seq:
+                            # the client dropped deliveries (a slow consumer past its pending limit): read them
+                            # again from the stream with a new consumer, from the first one not taken
+                            dropped = True
+                            break
+                        consumer_seq = meta.sequence.consumer
+                        avg = 0.9 * avg + 0.1 * len(m.data)
+                        seq = meta.sequence.stream
                         if seq < next_seq:
                             self.counters["stream_duplicates"] += 1
                             continue
@@ -318,6 +331,9 @@ class NatsClient:
                         self.last_stream_seq = next_seq - 1
                     if batch:
                         await loop.run_in_executor(None, self._q.put, batch)
+                    if dropped:
+                        self.counters["client_drops_reread"] += 1
+                        raise BridgeError("deliveries dropped by the client: reading them again")
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # a server gone, a consumer lost: start over from next_seq
