@@ -13,7 +13,9 @@ producer 0's broker directly. Printed: request-steps/s delivered through NATS (t
 lossless (every request-step delivered, no gap event), and the latency from the step's publish (``time_ns``) to
 the consumer, p50/p99, through NATS and through the local bus, and their difference (the added latency); and the
 hop alone, from the bridges' metrics: their JetStream ack latency (publish to stored on R=nodes), p50/p99 over
-the last 10,000 acks, and how long after the last step every bridge had every message acked.
+the last 10,000 acks, and how long after the last step every bridge had every message acked; and the read side
+alone: the same consumer replaying the retained stream from its start once the producers are done (its rate
+includes connecting and the first fetches).
 
 Part 2, tensors. One producer publishes hidden-state frames of ``--tensor-mb`` MB as fast as it can for
 ``--tensor-seconds``; GB/s read by a consumer on its broker, then through the bridge (``--kinds tensors``, chunked
@@ -137,9 +139,9 @@ def produce_tensors(args) -> int:
 class Reader(threading.Thread):
     """Reads batch events from ``source``; counts token rows and analysis rows; latencies of token batches."""
 
-    def __init__(self, source: str, ends: int, timeout: float):
+    def __init__(self, source: str, ends: int, timeout: float, from_start: bool = False):
         super().__init__(daemon=True)
-        self.source, self.ends, self.timeout = source, ends, timeout
+        self.source, self.ends, self.timeout, self.from_start = source, ends, timeout, from_start
         self.token_rows = self.score_rows = self.gaps = self.ended = 0
         self.lat: list[float] = []
         self.first = self.last = None
@@ -148,7 +150,7 @@ class Reader(threading.Thread):
     def run(self) -> None:
         from mia_stream.consumers import open_batches
 
-        with open_batches(self.source, timeout=self.timeout) as s:
+        with open_batches(self.source, timeout=self.timeout, from_start=self.from_start) as s:
             self.ready.set()
             for ev in s:
                 if ev.kind == "batch":
@@ -226,6 +228,12 @@ def part1(args, cluster, work: Path) -> dict:
         hop_drained_s = time.monotonic() - t_sent
         nats_reader.join(args.seconds + 120)
         local_reader.join(30)
+        # the read side alone: the same consumer replaying the whole retained stream, nothing else running
+        replay = Reader(url, args.producers * args.requests, 120, from_start=True)
+        t_replay = time.monotonic()
+        replay.start()
+        replay.join(180)
+        replay_s = time.monotonic() - t_replay
         want = args.producers * args.requests * steps
         span = (nats_reader.last or 0) - (nats_reader.first or 0)
         res = {"producers": args.producers, "requests": args.requests, "rate": args.rate, "steps": steps,
@@ -237,6 +245,8 @@ def part1(args, cluster, work: Path) -> dict:
                "local_latency_ms_p50": _pct(local_reader.lat, 50), "local_latency_ms_p99": _pct(local_reader.lat, 99),
                "producers_behind_s": [o.get("behind_s") for o in outs],
                "bridges_acked_after_last_step_s": hop_drained_s,
+               "replay_request_steps": replay.token_rows,
+               "replay_request_steps_per_s": replay.token_rows / replay_s,
                "bridge_ack_ms_p99": [1e3 * b.get("ack_p99_seconds", float("nan")) for b in bridges.values()],
                "bridge_ack_ms_p50": [1e3 * b.get("ack_p50_seconds", float("nan")) for b in bridges.values()],
                "bridge_refused": sum(b.get("refused_total", 0) for b in bridges.values()),
