@@ -9,7 +9,9 @@ every stream (and each tensor's content, filled with its seq) arrives once or is
 - late join (``from_start=False``): a live request opens with its start and a ``joined_late`` gap; an ended one
   is not replayed;
 - two brokers with a bridge each fan in to one consumer, each request tagged with its engine;
-- a 3-node JetStream cluster loses the stream leader's node mid-stream: every message delivered or named.
+- a 3-node JetStream cluster loses the stream leader's node mid-stream: every message delivered or named;
+- ``mia-stream top`` and the metrics pages count what the consumer itself received;
+- ``mia-stream monitor --terminal --source nats://...`` draws a bridged request's text and risks.
 """
 
 from __future__ import annotations
@@ -271,3 +273,31 @@ def test_top_shows_each_process_rates_from_its_metrics(monkeypatch, tmp_path):
 
     assert metric("mia_stream_consumer_messages_total", consumer="top-reader") == len(rec["m1"]["seqs"]) == 42
     assert metric("mia_stream_publisher_published_total", producer="top-pub") == 42
+
+
+def test_terminal_monitor_reads_a_nats_source(nats_one, tmp_path):
+    """``mia-stream monitor --terminal --source nats://...``: a scripted request (tokens and a detector's risks,
+    as tests/test_monitoring_terminal.py) through broker + bridge; printed to a file, the final view shows its
+    text and the alert, as from the broker itself."""
+    import subprocess
+
+    from bus_helpers import _env
+    from mia_stream.model import default_model_dir
+    from monitoring_helpers import monitor_argv, scripted_request
+
+    model_dir = str(default_model_dir())
+    from test_monitoring_terminal import RID, TEXT, _risks
+
+    stream, prefix = _names()
+    url = f"{nats_one.urls}?stream={stream}&prefix={prefix}"
+    risks, alert = _risks(model_dir)
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(d))
+        procs.append(start_bridge(d, nats_one.urls, "mon", "--stream", stream, "--prefix", prefix))
+        scripted_request(d, RID, model_dir, TEXT, risks, alert, action_applied_step=None, finish="stop")
+        time.sleep(1.0)
+        out = subprocess.run(monitor_argv(url, "--idle-timeout", "4"), capture_output=True,
+                             text=True, env=_env(), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert RID in out.stdout and "The capital of Australia is !Sydney." in out.stdout, out.stdout
+    assert "risk 0.30 (max 0.90)" in out.stdout, out.stdout
