@@ -191,8 +191,12 @@ class NatsClient:
 
     def close(self) -> None:
         self._closing = True
-        if self._task is not None:
+        if self._task is not None:  # the pull task ends (and unsubscribes) before the connection closes
             self._task.cancel()
+            try:
+                self._task.result(timeout=5)
+            except BaseException:  # CancelledError, or what made it stop
+                pass
         try:
             self._lt.run(self.nc.close(), timeout=5)
         except Exception:
@@ -260,7 +264,7 @@ class NatsClient:
             while True:
                 try:
                     msgs = await sub.fetch(FETCH_BATCH, timeout=1.0)
-                except NatsTimeout:
+                except (NatsTimeout, asyncio.TimeoutError):
                     break
                 done = False
                 for m in msgs:
@@ -297,7 +301,7 @@ class NatsClient:
                     batch_n = max(1, min(FETCH_BATCH, int(FETCH_BYTES // avg)))
                     try:
                         msgs = await sub.fetch(batch_n, timeout=1.0)
-                    except NatsTimeout:
+                    except (NatsTimeout, asyncio.TimeoutError):  # nats-py raises either when nothing came
                         if self._reconnected:  # its server may be gone, and our consumer with it: make a new one
                             self._reconnected = False
                             raise BridgeError("reconnected to NATS")
