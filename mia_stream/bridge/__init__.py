@@ -11,10 +11,11 @@ The local bus stays ZeroMQ + shared memory; only what monitoring needs crosses h
 analysis, gaps; tensors when asked).
 """
 
-from mia_stream.bridge._wire import DEFAULT_KINDS, DEFAULT_PREFIX, DEFAULT_STREAM, KIND_GROUPS
+from mia_stream.bridge._wire import DEFAULT_KINDS, DEFAULT_PREFIX, DEFAULT_STREAM, KIND_GROUPS, REORDER_OPTIONS
 from mia_stream.bridge.source import NatsClient, is_nats_url
 
-__all__ = ["DEFAULT_KINDS", "DEFAULT_PREFIX", "DEFAULT_STREAM", "KIND_GROUPS", "NatsClient", "is_nats_url"]
+__all__ = ["DEFAULT_KINDS", "DEFAULT_PREFIX", "DEFAULT_STREAM", "KIND_GROUPS", "NatsClient", "REORDER_OPTIONS",
+           "is_nats_url"]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -43,6 +43,11 @@ ALWAYS = ("start", "end", "gap", "gap_batch")
 DEFAULT_KINDS = ("tokens", "analysis")
 COLUMNAR = ("step_batch", "token_batch", "analysis_batch", "gap_batch")
 
+# The consumer's reorder tolerance for a stream read from NATS: a message the bridge published again after a
+# failover lands after later ones (by up to its ack timeout plus the election), so a hole waits this long before
+# the consumer names it itself; the bridge names what it gave up on.
+REORDER_OPTIONS = {"reorder_window": 10_000, "reorder_timeout_s": 15.0}
+
 _SAFE = re.compile(r"[A-Za-z0-9_-]+")
 
 

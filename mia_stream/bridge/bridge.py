@@ -19,7 +19,8 @@ producer's ack is the reply. Who may send them is the NATS server's subject perm
 consumer identity without publish permission on ``PREFIX-steer.>`` gets ``not_authorised``.
 
 Rule: ``Bridge`` owns its two broker clients (each used from its own one-thread executor: the reader and the
-steering relay), its NATS connection, the pending publishes (``_pending``) and ``counters``.
+steering relay), its NATS connection, the publishes in flight (``_pending``, ``_acks``), those waiting to be
+tried again (``_retry``), what it read while they wait (``_backlog``) and ``counters``.
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ log = logging.getLogger("mia_stream.bridge")
 DEFAULT_MAX_AGE_S = 3600.0
 DEFAULT_MAX_BYTES = 1 << 30  # reserved in the server's store when the stream is made
 READ_BURST = 512
+BACKLOG_BYTES = 256 << 20  # what a bridge holds while the stream cannot take messages (a failover)
+
+
+def _nbytes(frames: list) -> int:
+    return sum(len(f) for f in frames)
 
 
 def default_engine_name() -> str:
@@ -116,6 +122,8 @@ class Bridge:
         self.ack_timeout_s, self.retries, self.chunk_bytes = ack_timeout_s, max(1, retries), chunk_bytes
         self.give_up_s = give_up_s
         self._retry: collections.deque[_Item] = collections.deque()  # transient failures, resent in order
+        self._backlog: collections.deque = collections.deque()  # read from the broker while _retry blocks
+        self._backlog_bytes = 0
         self.patterns, self.keys = tuple(patterns), keys
         self.consumer_id = consumer_id or f"bridge/{self.engine}"
         self.counters: collections.Counter[str] = collections.Counter()
@@ -179,8 +187,15 @@ class Bridge:
         self.js = self.nc.jetstream()
         self._inbox = self.nc.new_inbox()
         await self.nc.subscribe(self._inbox + ".*", cb=self._on_ack)
-        await ensure_stream(self.js, self.stream, self.prefix, replicas=self.replicas, max_age_s=self.max_age_s,
-                            max_bytes=self.max_bytes, max_msg_size=self.max_msg_size)
+        for attempt in range(100):  # a cluster still forming has no peers to place replicas on: wait for them
+            try:
+                await ensure_stream(self.js, self.stream, self.prefix, replicas=self.replicas,
+                                    max_age_s=self.max_age_s, max_bytes=self.max_bytes, max_msg_size=self.max_msg_size)
+                break
+            except Exception as e:
+                if attempt == 99 or not any(w in str(e) for w in ("10005", "10008", "timeout", "503")):
+                    raise
+                await asyncio.sleep(0.2)
         limit = self.nc.max_payload - _wire.HEADER_ROOM
         self.chunk_bytes = min(self.chunk_bytes or limit, limit)
         await self.nc.subscribe(_wire.steer_subject(self.prefix, self.engine), cb=self._on_steer)
@@ -190,9 +205,26 @@ class Bridge:
             self.on_ready(self)
         t_end = None if duration_s is None else time.monotonic() + duration_s
         try:
+            backlog = self._backlog
             while not self._stop.is_set() and (t_end is None or time.monotonic() < t_end):
-                if self._retry:  # head-of-line: nothing newer goes out before what the stream refused for now
-                    await asyncio.sleep(0.02)
+                if self._retry:
+                    # head-of-line: nothing newer goes out before what the stream refused for now (no leader
+                    # during an election); what the broker sends meanwhile waits here, up to BACKLOG_BYTES, so a
+                    # failover of a few seconds costs the broker's queue nothing
+                    if self._backlog_bytes < BACKLOG_BYTES:
+                        for frames, msg in await loop.run_in_executor(self._reader, self._read_burst):
+                            backlog.append((frames, msg))
+                            self._backlog_bytes += _nbytes(frames)
+                    else:
+                        await asyncio.sleep(0.02)
+                    continue
+                if backlog:
+                    for _ in range(min(len(backlog), READ_BURST)):
+                        frames, msg = backlog.popleft()
+                        self._backlog_bytes -= _nbytes(frames)
+                        await self._forward(frames, msg)
+                        if self._retry:
+                            break
                     continue
                 got = await loop.run_in_executor(self._reader, self._read_burst)
                 for frames, msg in got:
@@ -398,6 +430,14 @@ class Bridge:
 
     async def _drain(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        while self._backlog and time.monotonic() < deadline:  # read during a failover, not yet published
+            if self._retry:
+                await asyncio.sleep(0.02)
+                continue
+            frames, msg = self._backlog.popleft()
+            self._backlog_bytes -= _nbytes(frames)
+            await self._forward(frames, msg)
+        self.counters["unpublished_at_exit"] += len(self._backlog)
         while (self._pending or self._retry) and time.monotonic() < deadline:
             await self._settle(wait=True)
             if self._retry and not self._pending:

@@ -149,10 +149,36 @@ class NatsCluster:
         """Every node's URL, comma-separated (what nats clients take to fail over)."""
         return ",".join(n.url for n in self.nodes)
 
-    def start(self) -> "NatsCluster":
+    def start(self, timeout: float = 60.0) -> "NatsCluster":
+        """Start every node; return once each has its routes to the others and reports JetStream healthy (a
+        stream made earlier finds no peers to place its replicas on)."""
         for n in self.nodes:
             n.start()
+        deadline = time.monotonic() + timeout
+        for port in self.http_ports:
+            while not self._node_ready(port):
+                if time.monotonic() > deadline:
+                    raise BridgeError(f"the NATS cluster did not form within {timeout:g} s (see {self.workdir})")
+                time.sleep(0.1)
         return self
+
+    def _node_ready(self, http_port: int) -> bool:
+        import urllib.request
+
+        base = f"http://127.0.0.1:{http_port}"
+        try:
+            if len(self.nodes) > 1:
+                with urllib.request.urlopen(f"{base}/routez", timeout=1) as r:
+                    if json.load(r).get("num_routes", 0) < len(self.nodes) - 1:
+                        return False
+                with urllib.request.urlopen(f"{base}/jsz", timeout=1) as r:
+                    meta = json.load(r).get("meta_cluster") or {}
+                    if not meta.get("leader") or len(meta.get("replicas") or []) < len(self.nodes) - 1:
+                        return False
+            with urllib.request.urlopen(f"{base}/healthz", timeout=1) as r:
+                return r.status == 200
+        except (OSError, ValueError):
+            return False
 
     def close(self) -> None:
         for n in self.nodes:

@@ -38,7 +38,7 @@ from mia_stream.consumers._frames import StepFrame
 from mia_stream.consumers._tp_merge import merge_shards
 from mia_stream.consumers._batch_ops import subset_batch
 from mia_stream.bus.client import BrokerClient
-from mia_stream.bridge import NatsClient, is_nats_url
+from mia_stream.bridge import REORDER_OPTIONS, NatsClient, is_nats_url
 from mia_stream.errors import MiaStreamError, SteeringCommandError
 from mia_stream.schemas import SteeringAck, SteeringCommand
 
@@ -71,7 +71,7 @@ class _Source:
                  keys: Any = None, window_bytes: int | None = None, shm: bool | None = None, batches: bool = False,
                  **nats_options: Any):
         self.source, self.patterns, self.from_start = source, tuple(patterns), from_start
-        self.assembler = StreamAssembler(batches=batches)
+        self.assembler = StreamAssembler(batches=batches, **(REORDER_OPTIONS if is_nats_url(source) else {}))
         self.client: BrokerClient | NatsClient | None = None
         if is_nats_url(source):  # stream, prefix, engines: NatsClient's options
             self.client = NatsClient(source, consumer_id=consumer_id, **nats_options)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from mia_stream.bridge import NatsClient, is_nats_url
+from mia_stream.bridge import REORDER_OPTIONS, NatsClient, is_nats_url
 from mia_stream.consumers import BatchEvent, BrokerClient, EndEvent, GapEvent, StartEvent, StreamAssembler
 from mia_stream.monitor._state import MonitorState
 
@@ -83,9 +83,10 @@ class Ingest:
     def _run_live(self) -> None:
         if is_nats_url(self.source):  # streams bridged to NATS JetStream (docs/nats.md)
             client = self.client = NatsClient(self.source, consumer_id=self.consumer_id)
+            asm = StreamAssembler(batches=True, **REORDER_OPTIONS)
         else:
             client = self.client = BrokerClient(self.source, consumer_id=self.consumer_id, keys=self.keys)
-        asm = StreamAssembler(batches=True)
+            asm = StreamAssembler(batches=True)
         try:
             client.subscribe(self.patterns, self.from_start)
             holding, next_check = False, 0.0
