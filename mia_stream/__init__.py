@@ -9,13 +9,14 @@ Dependency rule
 
   tier 0: errors
   tier 1: settings, spans
-  tier 2: model
+  tier 2: model, metrics
   tier 3: schemas
   tier 4: bus, kernels, spec
-  tier 5: broker, producer, consumers
-  tier 6: analyzers, monitor, served
-  tier 7: lab, demo
-  tier 8: cli, client, root
+  tier 5: bridge
+  tier 6: broker, producer, consumers
+  tier 7: analyzers, monitor, served
+  tier 8: lab, demo
+  tier 9: cli, client, root
 
 A module imports modules of its own unit (its first package or module under mia_stream) and of lower tiers only,
 never a unit of its own tier or above. No module imports the producer: vLLM loads it through the entry point
@@ -23,10 +24,13 @@ never a unit of its own tier or above. No module imports the producer: vLLM load
 tests/test_dependency_rule.py walks every import and reads the tiers from this docstring.
 
 - ``errors`` (the one error hierarchy), ``settings`` (the one settings table), ``spans`` (prompt spans, tagged by
-  served mode and read by analyzers), ``model`` (the embedded model): leaves.
+  served mode and read by analyzers), ``model`` (the embedded model): leaves. ``metrics``: Prometheus metrics of
+  any process (``mia_stream_*``), read from the counters each component already keeps.
 - ``schemas``: the wire format only; it reaches shared-memory rings through an out-of-band hook (``_oob``).
 - ``bus``: sockets, rings, the publisher and the broker client. ``spec``: the per-request spec (parse, admission,
   named vectors), pure, so an API server checks a request without torch. ``kernels``: the in-graph ops.
+- ``bridge``: beyond one host: the bridge (a broker's streams onto NATS JetStream, steering back) and the
+  ``nats://`` source the consumers open; it speaks to the broker through ``bus`` like any consumer.
 - ``broker``, ``producer``, ``consumers`` speak through the bus; ``analyzers``, ``monitor``, ``served`` are
   built on consumers; ``lab`` and ``demo`` on all of them.
 - ``client``: the public alias of ``served.client``.

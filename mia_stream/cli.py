@@ -20,6 +20,8 @@ SUBCOMMANDS: dict[str, tuple[str, str, str]] = {
     "probes": ("mia_stream.spec.probes", "main", "register detector probes for in-engine detectors"),
     "analyze": ("mia_stream.analyzers", "analyze_main", "run an analyzer on live or recorded streams (--list)"),
     "monitor": ("mia_stream.monitor", "main", "watch a broker's requests or a recording: a web page, or --terminal"),
+    "bridge": ("mia_stream.bridge", "main", "publish a broker's streams to NATS JetStream; steering back (docs/nats.md)"),
+    "top": ("mia_stream.metrics.top", "main", "a live table of every process's metrics (MIA_STREAM_METRICS_PORT)"),
     "probe": ("mia_stream.lab.probe_cli", "main", "collect data, train and evaluate hallucination probes"),
     "heads": ("mia_stream.lab.head_discovery", "main", "choose an attention analyzer's heads and write its config"),
 }

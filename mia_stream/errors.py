@@ -15,7 +15,8 @@
     ├── StreamError                a stream that cannot be assembled
     │   └── IncompleteShardError   a TP step missing some ranks' shards
     ├── TransportError             sockets, endpoints, keys
-    │   └── BrokerTimeoutError     no answer from the broker in time
+    │   ├── BrokerTimeoutError     no answer from the broker in time
+    │   └── BridgeError            a NATS server, stream or bridge setting that cannot be used (mia_stream.bridge)
     ├── SteeringCommandError       a steering command the producer refused (unknown request, not authorised…)
     ├── ModelError                 a model dir that is missing or corrupt
     ├── SettingError (ValueError)  a MIA_STREAM_* environment setting that does not parse
@@ -95,6 +96,10 @@ class TransportError(MiaStreamError):
 
 
 class BrokerTimeoutError(TransportError):
+    pass
+
+
+class BridgeError(TransportError):
     pass
 
 

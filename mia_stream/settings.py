@@ -166,6 +166,12 @@ SETTINGS: dict[str, Setting] = _table(
             "CURVE key dir (`mia-stream keys DIR`) that peers use when given none; needed for tcp."),
     Setting("MIA_STREAM_KEY_NAME", "text", "bus",
             "The client key name within the key dir.", default_doc="producer (publishers), consumer (others)"),
+    Setting("MIA_STREAM_METRICS_PORT", "int", "bus",
+            "Opt-in Prometheus metrics (`mia_stream_*`, docs/nats.md): each mia_stream process (broker, "
+            "publishers in the drain sidecars, consumers, analyzers, bridges) serves /metrics on the first free "
+            "port of PORT .. PORT+63; unset: no metrics server.", minimum=1),
+    Setting("MIA_STREAM_METRICS_HOST", "text", "bus",
+            "The address the metrics servers listen on.", default="127.0.0.1"),
     # ---- broker (limits per peer: docs/security.md says what happens past each)
     Setting("MIA_STREAM_BROKER_MAX_STATS_BYTES", "size", "broker",
             "Bytes of free-form `stats` a peer's heartbeat may carry (its header); a larger heartbeat is still a "

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import msgpack
 import zmq
 
+from mia_stream import metrics
 from mia_stream.bus import transport
 from mia_stream.broker._config import CONSUMERS, PRODUCERS, BrokerConfig
 from mia_stream.broker._routing import Router
@@ -104,6 +105,10 @@ class Broker:
                              steer_ids={k.decode("ascii") for k in keys.steer_public_keys} if keys else None,
                              roles=keys if keys is not None and keys.roles is not None else None,
                              flush=self._flush_one, now=self._started)
+
+        if metrics.enabled():
+            metrics.watch("broker", _metric_totals, owner=self, gauges=("late_join_buffer_bytes", "uptime_s"),
+                          rows=_metric_rows)
 
     @property
     def counters(self):
@@ -249,6 +254,30 @@ class Broker:
             self._stats_sock.send(reply, zmq.NOBLOCK)
         except zmq.ZMQError:
             self.router.counters.stats_reply_failed += 1
+
+
+def _metric_totals(broker: "Broker") -> dict:
+    """The router's counters, for mia_stream.metrics (read from the scrape thread: ints only)."""
+    router = broker.router
+    out = router.counters.as_dict()
+    out["messages_in"] = out.get("messages_in", 0) + router.messages_in
+    out["bytes_in"] = out.get("bytes_in", 0) + router.bytes_in
+    out["late_join_buffer_bytes"] = router.buffered_bytes
+    out["uptime_s"] = time.monotonic() - broker._started
+    return out
+
+
+def _metric_rows(broker: "Broker"):
+    """Per consumer (its queue is its lag) and per producer, for mia_stream.metrics."""
+    router = broker.router
+    for c in list(router.delivery.consumers.values()):
+        yield ("broker_consumer", {"consumer": c.name},
+               {"queue_messages": len(c.queue), "queue_bytes": c.queue_bytes, "in_flight_bytes": c.in_flight,
+                "delivered": c.delivered, "delivered_bytes": c.delivered_bytes, "dropped": c.dropped,
+                "gaps_notified": c.gaps_sent}, ("queue_messages", "queue_bytes", "in_flight_bytes"))
+    for p in list(router.peers.producers.values()):
+        yield ("broker_producer", {"producer": p.name},
+               {"messages": p.messages, "bytes": p.bytes, "open_streams": len(p.streams)}, ("open_streams",))
 
 
 class run_broker_in_thread:

@@ -19,6 +19,7 @@ from typing import Any
 
 import zmq
 
+from mia_stream import metrics
 from mia_stream.bus import transport as _transport
 from mia_stream.errors import BrokerTimeoutError, MalformedFrameError, SharedBufferError, SpecError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, Credit, ErrorNotice, GapBatch, GapNotice, Heartbeat,
@@ -68,6 +69,8 @@ class BrokerClient:
         self.instance = random.getrandbits(63)
         self.broker = BrokerSession(announce_on_first=False)  # what the broker's heartbeats said
         self.counters: collections.Counter[str] = collections.Counter()
+        if metrics.enabled():  # its lag is the broker's queue for it (mia_stream_broker_consumer_queue_*)
+            metrics.watch("consumer", lambda c: dict(c.counters), {"consumer": self.consumer_id}, owner=self)
         self.errors: collections.deque[ErrorNotice] = collections.deque(maxlen=100)
         self._patterns: list[str] = []
         self._subscribed = False

@@ -59,7 +59,7 @@ from typing import Any, Callable
 import numpy as np
 import zmq
 
-from mia_stream import settings
+from mia_stream import metrics, settings
 from mia_stream.bus import transport as _transport
 from mia_stream.errors import WireError
 from mia_stream.schemas import (COLUMNAR_KINDS, DEFAULT_MAX_MESSAGE_BYTES, ErrorNotice, GapBatch, GapNotice,
@@ -166,6 +166,10 @@ class FramePublisher:
         self._ended: collections.OrderedDict[str, _PubStream] = collections.OrderedDict()
         self._steering: collections.deque[SteeringCommand] = collections.deque(maxlen=10_000)
         self.counters: collections.Counter[str] = collections.Counter()
+        if metrics.enabled():  # read at scrape time: stats() under its lock
+            metrics.watch("publisher", FramePublisher._metric_snapshot, {"producer": self.producer_id}, owner=self,
+                          gauges=("queue_bytes", "queue_messages", "open_streams", "shm_bytes_ahead_of_broker",
+                                  "shm_ring_bytes"))
         self.broker = BrokerSession(announce_on_first=True)  # what the broker's heartbeats said (sender thread)
         # its capabilities as this publisher acts on them (attributes: publish() reads them for every message)
         self.broker_batches = False  # the broker's heartbeats say it accepts batches (sender thread only)
@@ -319,6 +323,13 @@ class FramePublisher:
                    **{k: v for k, v in self.counters.items()}}
         if self.shm_ring is not None and self.broker_shm_received:
             out["shm_bytes_ahead_of_broker"] = self._ring_ahead(self.shm_ring)
+        return out
+
+    def _metric_snapshot(self) -> dict:
+        out = self.stats()
+        out.pop("epoch", None)
+        if self.shm_ring is not None:
+            out["shm_ring_bytes"] = self.shm_ring.size
         return out
 
     def _ring_ahead(self, ring: ShmRingWriter) -> int:
@@ -593,6 +604,7 @@ class FramePublisher:
             if group > 1:
                 batches += 1
         self.counters["sent"] += count
+        self.counters["sent_bytes"] += sent  # wire bytes (ring-held tensors not counted: they are not sent)
         if batches:
             self.counters["batches_sent"] += batches
         with self._lock:

@@ -6,7 +6,8 @@
 
 or subclass ``Consumer`` and hand it to ``run_consumer``. ``source`` is a broker address (a run dir with
 the broker's sockets, ``ipc://...``, ``tcp://...``; None = ``$MIA_STREAM_BROKER`` or the default run dir) or
-the path of a recording (a file, or a directory without broker sockets). Events (``_events``: one class per
+the path of a recording (a file, or a directory without broker sockets), or ``nats://host:4222`` (the streams
+bridges publish to NATS JetStream: ``mia_stream.bridge``, docs/nats.md). Events (``_events``: one class per
 kind, each with its ``kind`` string): "start", "frame", "tokens", "analysis", "gap", "end" (see ``_assemble``
 for ordering, gap and TP-merge rules).
 
@@ -37,6 +38,7 @@ from mia_stream.consumers._frames import StepFrame
 from mia_stream.consumers._tp_merge import merge_shards
 from mia_stream.consumers._batch_ops import subset_batch
 from mia_stream.bus.client import BrokerClient
+from mia_stream.bridge import REORDER_OPTIONS, NatsClient, is_nats_url
 from mia_stream.errors import MiaStreamError, SteeringCommandError, StreamError
 from mia_stream.schemas import SteeringAck, SteeringCommand
 
@@ -67,11 +69,16 @@ class _Source:
 
     def __init__(self, source: Any, patterns=("*",), from_start: bool = False, *, consumer_id: str | None = None,
                  keys: Any = None, window_bytes: int | None = None, shm: bool | None = None, batches: bool = False,
-                 select: dict | None = None):
+                 select: dict | None = None, **nats_options: Any):
         self.source, self.patterns, self.from_start = source, tuple(patterns), from_start
-        self.assembler = StreamAssembler(batches=batches)
-        self.client: BrokerClient | None = None
-        if not _is_recording(source):
+        self.assembler = StreamAssembler(batches=batches, **(REORDER_OPTIONS if is_nats_url(source) else {}))
+        self.client: BrokerClient | NatsClient | None = None
+        if is_nats_url(source):  # stream, prefix, engines: NatsClient's options
+            if select:
+                raise StreamError("select= narrows a local broker's step batches; a nats:// source carries them whole")
+            self.client = NatsClient(source, consumer_id=consumer_id, **nats_options)
+            self.client.subscribe(self.patterns, from_start)
+        elif not _is_recording(source):
             self.client = BrokerClient(source, consumer_id=consumer_id, keys=keys, window_bytes=window_bytes,
                                        shm=shm, select=select)
             self.client.subscribe(self.patterns, from_start)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from mia_stream.bridge import REORDER_OPTIONS, NatsClient, is_nats_url
 from mia_stream.consumers import BatchEvent, BrokerClient, EndEvent, GapEvent, StartEvent, StreamAssembler
 from mia_stream.monitor._state import MonitorState
 
@@ -51,7 +52,7 @@ class Ingest:
         self.consumer_id = consumer_id
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
-        self.client: BrokerClient | None = None
+        self.client: BrokerClient | NatsClient | None = None
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------------------------------ threads
@@ -60,7 +61,7 @@ class Ingest:
         target = self._run_recording if self.state.recording else self._run_live
         self._threads.append(threading.Thread(target=self._guard, args=(target,), name="monitor-ingest",
                                               daemon=True))
-        if not self.state.recording:
+        if not self.state.recording and not is_nats_url(self.source):  # NATS: no broker to ask
             self._threads.append(threading.Thread(target=self._poll_stats, name="monitor-stats", daemon=True))
         for t in self._threads:
             t.start()
@@ -80,8 +81,12 @@ class Ingest:
                                        problem=True)
 
     def _run_live(self) -> None:
-        client = self.client = BrokerClient(self.source, consumer_id=self.consumer_id, keys=self.keys)
-        asm = StreamAssembler(batches=True)
+        if is_nats_url(self.source):  # streams bridged to NATS JetStream (docs/nats.md)
+            client = self.client = NatsClient(self.source, consumer_id=self.consumer_id)
+            asm = StreamAssembler(batches=True, **REORDER_OPTIONS)
+        else:
+            client = self.client = BrokerClient(self.source, consumer_id=self.consumer_id, keys=self.keys)
+            asm = StreamAssembler(batches=True)
         try:
             client.subscribe(self.patterns, self.from_start)
             holding, next_check = False, 0.0
