@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -233,9 +234,16 @@ def test_core_reranker_equals_hf_reference(streams, hf_eager):
     assert list(res.value("ranking")[0][:n_docs]) == sorted(range(n_docs), key=lambda i: -ref[i])
 
 
-@pytest.mark.parametrize("anchor", ["last_prompt", "question"])
-def test_attnlink_equals_hf_reference(streams, hf_eager, anchor):
-    cfg = {**LINK, "anchor": anchor}
+@pytest.mark.parametrize("anchor,pooling", [("last_prompt", None), ("question", "sum")])
+def test_attnlink_equals_hf_reference(streams, hf_eager, anchor, pooling):
+    """The seed's AttnLink-U (docs/use_cases/attnlink.md of IBM/vLLM-Hook), written out from its definition:
+    score = the MEAN attention over the candidate's tokens, p = softmax(log(score + 1e-8) / T), the shortest
+    descending prefix reaching top_p. ``pooling=None`` runs the analyzer's defaults (they must be the seed's:
+    mean, top_p 0.8); "sum" is the project's named variant."""
+    cfg = {"layer": LINK["layer"], "head": LINK["head"], "temperature": LINK["temperature"], "anchor": anchor}
+    if pooling is not None:
+        cfg["pooling"] = pooling
+    top_p = 0.8  # the seed's default: not passed, so the analyzer's default is what is checked
     rejected, results = _run("attnlink", cfg, streams["events"], {"at-sql"})
     assert not rejected
     (res,) = results["at-sql"]
@@ -244,23 +252,43 @@ def test_attnlink_equals_hf_reference(streams, hf_eager, anchor):
     att = _hf_attn(hf_eager, pp.token_ids)[LINK["layer"]][LINK["head"]]
     rows = [n - 1] if anchor == "last_prompt" else range(*tags["spans"]["question"][0])
     row = sum(att[r] for r in rows) / len(rows)
-    scores = np.array([sum(row[j] for j in range(a, b)) for a, b in tags["spans"]["column"]])
-    w = scores ** (1 / LINK["temperature"])  # softmax(log S / T)
-    probs = w / w.sum()
-    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    spans = tags["spans"]["column"]
+    if pooling == "sum":
+        scores = np.array([sum(row[j] for j in range(a, b)) for a, b in spans])
+    else:
+        scores = np.array([sum(row[j] for j in range(a, b)) / (b - a) for a, b in spans])
+    logits = [math.log(s + 1e-8) / LINK["temperature"] for s in scores]
+    z = sum(math.exp(v - max(logits)) for v in logits)
+    probs = np.array([math.exp(v - max(logits)) / z for v in logits])
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
     chosen, cum = [], 0.0
     for i in order:
         chosen.append(i)
         cum += probs[i]
-        if cum >= LINK["top_p"]:
+        if cum >= top_p:
             break
     c = int(res.value("num_columns")[0])
     assert c == len(streams["sq"].columns)
+    assert any(b - a > 1 for a, b in spans)  # multi-token spans: mean and sum differ
     assert res.positions == [n - 1]
     np.testing.assert_allclose(res.value("scores")[0][:c], scores, atol=TOL, rtol=0)
     np.testing.assert_allclose(res.value("probs")[0][:c], probs, atol=TOL, rtol=0)
     assert sorted(np.flatnonzero(res.value("selected")[0][:c]).tolist()) == sorted(chosen)
     assert res.labels["columns"] == [",".join(streams["sq"].columns[i] for i in chosen)]
+
+
+def test_attnlink_seed_prompt_makes_the_next_token_an_identifier(tokenizer):
+    """The seed's prompt form: the candidates are the last block, written `column@table`, one span each."""
+    from mia_stream.lab.attention_data import sql_set
+    from mia_stream.spans import prompt_parts
+
+    e = sql_set(1, seed=3, pool="test")[0]
+    pp = prompt_parts(tokenizer, e.messages)
+    spans = pp.ranges("column")
+    texts = [tokenizer.decode(pp.token_ids[a:b]).strip() for a, b in spans]
+    assert texts == [f"{c.split('.')[1]}@{c.split('.')[0]}" for c in e.columns]
+    tail = tokenizer.decode(pp.token_ids[spans[-1][1]:])
+    assert "Candidate Columns" not in tail and "@" not in tail and tail.rstrip().endswith("assistant")
 
 
 def test_bad_requests_are_rejected_with_one_line(streams):

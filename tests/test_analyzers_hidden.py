@@ -136,18 +136,18 @@ def test_analyzers_equal_the_hf_reference_live_and_on_replay(engine, broker_addr
         assert rel_err(np.asarray(final[0]["values"]["mean"][0]), ref64[HS_LAYERS].mean(axis=1)).max() < TOL
         assert rel_err(np.asarray(final[0]["values"]["last"][0]), ref64[HS_LAYERS, -1]).max() < TOL
 
-        # hnode: the probe formula on HF's residual at the last prompt token
+        # hnode, the seed's definitions (IBM/vLLM-Hook mia/utils/hnode/score.py) on HF's raw residual at the last
+        # prompt token: p = sigmoid(((h - mean) / scale) . w + b); excess = mean_j max(0, h_j - baseline_j) over
+        # the H-Nodes, in raw (unstandardized) units
         x = ref64[hnode["layer"], len(prompt_ids) - 1]
         z = (x - np.asarray(hnode["mean"])) / np.asarray(hnode["scale"])
         p_ref = 1 / (1 + np.exp(-(z @ np.asarray(hnode["weights"]) + hnode["bias"])))
-        nodes = np.asarray(hnode["extra"]["h_nodes"])
-        sign = np.sign(np.asarray(hnode["weights"])[nodes])
-        dev = sign * (z[nodes] - np.asarray(hnode["extra"]["grounded_mean"])) / np.asarray(
-            hnode["extra"]["grounded_std"])
+        nodes = hnode["extra"]["h_nodes"]
+        excess_ref = sum(max(0.0, x[j] - b) for j, b in zip(nodes, hnode["extra"]["h_node_baselines"])) / len(nodes)
         (row,) = res["hnode"][rid]
         assert row["positions"] == [len(prompt_ids) - 1]
         assert abs(row["values"]["p_hallucination"][0] - p_ref) < 1e-4
-        assert abs(row["values"]["h_node_excess"][0] - np.maximum(dev, 0).mean()) < 1e-3
+        assert abs(row["values"]["h_node_excess"][0] - excess_ref) < 1e-3 * max(1.0, excess_ref)
         assert row["alerts"] == [bool(row["values"]["p_hallucination"][0] >= hnode["threshold"])]
 
         # science_hallucination: HF's own final norm (hidden_states[-1]) at the generated positions, pooled
