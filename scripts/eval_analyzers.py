@@ -188,10 +188,11 @@ def eval_rerank(sllm, tok, geo, args):
                         seed=1)
     Path(args.configs).mkdir(parents=True, exist_ok=True)
     (Path(args.configs) / "core_reranker.json").write_text(json.dumps(core, indent=1))
-    print(f"CoRe heads (top {args.top} by MRR on {args.num_detection} detection questions, seed 1): {core['heads']} "
+    print(f"CoRe heads (top {args.top} by MRR on {args.num_detection} detection questions of the selection pool: "
+          f"people, document and query templates disjoint from the test pool): {core['heads']} "
           f"({time.time() - t0:.0f} s)")
 
-    test = rerank_set(args.num_test, seed=0)
+    test = rerank_set(args.num_test, seed=0, pool="test")
     prompts, tags = [], []
     for i, e in enumerate(test):
         for role, msgs in (("calibration", e.calibration_messages), ("query", e.messages)):  # calibration first

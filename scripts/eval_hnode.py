@@ -17,8 +17,8 @@ Data (``lab.datasets``: ``countryinfo`` capitals, ``periodictable`` symbols; one
   label is whether the model's greedy answer (16 tokens) is wrong. Baselines at that moment: the entropy of the
   first answer token's distribution (top-20) and the negative log-probability of the greedy first token.
 
-Training: per layer, standardized L2 logistic regression; layer and C by grouped 5-fold CV on the training
-entities only; 30% of the entities held out (seed 0). H-Nodes: the 16 dimensions with the largest positive
+Training: standardized L2 logistic regression; layer (every other one) and C by grouped 5-fold CV on the
+training entities only; 30% of the entities held out (seed 0). H-Nodes: the 16 dimensions with the largest positive
 standardized weights; baselines: the 90th percentile of their raw activation on the grounded training rows.
 Every AUROC comes with a 95% bootstrap interval over held-out entities.
 """
@@ -50,7 +50,7 @@ from mia_stream.lab.eval_stats import auroc, bootstrap_ci, fmt_ci  # noqa: E402
 SEED = 0
 H_NODES = 16
 BASELINE_PERCENTILE = 90
-CS = (0.001, 0.01, 0.1, 1.0)
+CS = (0.001, 0.01, 0.1)
 MAX_TOKENS = 16
 TOPK = 20
 
@@ -155,7 +155,7 @@ def train_probe(X, y, groups, tr, te, mode, model_dir, extra_baselines, command,
 
     cfg = json.loads((Path(model_dir) / "config.json").read_text())
     best, per_layer = None, {}
-    for layer in range(X.shape[1]):
+    for layer in range(0, X.shape[1], 2):  # every other layer: the CV grid stays small on 2 shared cores
         for C in CS:
             a = _cv_auc(X[tr, layer].astype(np.float64), y[tr], groups[tr], C)
             per_layer[layer] = max(per_layer.get(layer, 0.0), a)

@@ -123,6 +123,11 @@ def streams(engine, tokenizer, broker_address):
     for i, e in enumerate(inj):
         pp = prompt_parts(tokenizer, e.messages)
         prompts[f"at-inj-{i}"], messages[f"at-inj-{i}"] = (pp, pp.tags(), CAPTURE), e.messages
+    from mia_stream.analyzers.attention_tracker import probe_messages
+
+    pm = probe_messages(inj[1].data)  # attention_tracker's mode "probe": the data under "Say xxxxxx"
+    pp = prompt_parts(tokenizer, pm)
+    prompts["at-probe-1"], messages["at-probe-1"] = (pp, pp.tags(), CAPTURE), pm
     for role, msgs in (("calibration", rr.calibration_messages), ("query", rr.messages)):
         pp = prompt_parts(tokenizer, msgs)
         prompts[f"at-rr-{role}"] = (pp, {**pp.tags(), "core_reranker": {"group": "g0", "role": role}}, CAPTURE)
@@ -172,7 +177,7 @@ def test_spans_reproduce_the_hf_tokenization(tokenizer, streams):
     # each named piece's tokens decode to its text (an edge token may carry a neighbouring space)
     pp = streams["prompts"]["at-sql"][0]
     cols = [tokenizer.decode(pp.token_ids[a:b]).strip() for a, b in pp.ranges("column")]
-    assert [c.split()[0] for c in cols] == [c.split(".")[1] for c in streams["sq"].columns]
+    assert cols == [f"{c.split('.')[1]}@{c.split('.')[0]}" for c in streams["sq"].columns]  # the seed's identifiers
     pp = streams["prompts"]["at-inj-1"][0]
     (a, b), = pp.ranges("data")
     assert tokenizer.decode(pp.token_ids[a:b]).strip() == streams["inj"][1].data
@@ -199,8 +204,55 @@ def test_attention_tracker_equals_hf_reference(streams, hf_eager):
         assert res.positions == [n - 1]
         np.testing.assert_allclose(res.value("head_ratios")[0], ref, atol=TOL, rtol=0)
         assert abs(float(res.value("focus")[0]) - focus) < TOL
-        assert res.alerts == [focus < TRACKER["threshold"]]
-        assert res.labels["verdict"] == ["injection" if focus < TRACKER["threshold"] else "normal"]
+        assert res.alerts == [focus <= TRACKER["threshold"]]  # the reference code flags focus <= threshold
+        assert res.labels["verdict"] == ["injection" if focus <= TRACKER["threshold"] else "normal"]
+
+
+def test_attention_tracker_probe_mode(streams, hf_eager, tokenizer):
+    """Mode "probe" (the paper's detector): the untrusted text under the fixed instruction "Say xxxxxx"; with the
+    probe instruction's token ids configured, a request carrying any other instruction is rejected (one line)."""
+    from mia_stream.analyzers.attention_tracker import PROBE_INSTRUCTION, probe_messages
+    from mia_stream.spans import prompt_parts
+
+    ids = tokenizer(PROBE_INSTRUCTION, add_special_tokens=False)["input_ids"]
+    cfg = {**TRACKER, "mode": "probe", "probe_token_ids": ids}
+    rejected, results = _run("attention_tracker", cfg, streams["events"], {"at-probe-1", "at-inj-1"})
+    assert set(rejected) == {"at-inj-1"} and "mode 'probe'" in rejected["at-inj-1"]
+    assert _one_line(rejected["at-inj-1"])
+    pp, tags, _ = streams["prompts"]["at-probe-1"]
+    assert pp.token_ids == prompt_parts(tokenizer, probe_messages(streams["inj"][1].data)).token_ids
+    n = len(pp.token_ids)
+    att = _hf_attn(hf_eager, pp.token_ids)
+    (i0, i1), = tags["spans"]["instruction"]
+    (d0, d1), = tags["spans"]["data"]
+    assert tokenizer.decode(pp.token_ids[i0:i1]).strip() == PROBE_INSTRUCTION
+    ref = []
+    for layer, head in TRACKER["heads"]:
+        row = att[layer][head, n - 1]
+        s_i, s_d = sum(row[i0:i1]), sum(row[d0:d1])
+        ref.append(s_i / (s_i + s_d + 1e-8))
+    (res,) = results["at-probe-1"]
+    assert abs(float(res.value("focus")[0]) - sum(ref) / len(ref)) < TOL
+
+
+def test_attention_tracker_threshold_is_set_on_normal_prompts():
+    """The reference code's rule (Attention-Tracker detector, normal examples only): threshold = mean - 4 std of
+    the normal prompts' focus over the kept heads; the attacked prompts do not move it."""
+    from mia_stream.analyzers.attention_tracker import discover_heads
+
+    rng = np.random.default_rng(0)
+    normal = rng.uniform(0.55, 0.65, (30, 4, 3))
+    attack = rng.uniform(0.05, 0.15, (20, 4, 3))
+    normal[:, 0, 0] = rng.uniform(0.2, 0.9, 30)  # a noisy head that fails the k = 4 criterion
+    res = discover_heads(normal, attack, k=4.0)
+    kept = [(l, h) for l in range(4) for h in range(3) if (l, h) != (0, 0)]
+    assert sorted(map(tuple, res["heads"])) == kept
+    focus = [float(np.mean([normal[i, l, h] for l, h in kept])) for i in range(30)]
+    mu = sum(focus) / 30
+    sd = (sum((f - mu) ** 2 for f in focus) / 30) ** 0.5
+    assert abs(res["threshold"] - (mu - 4 * sd)) < 1e-12
+    res2 = discover_heads(normal, attack * 0.5, k=4.0)
+    assert res2["threshold"] == res["threshold"]
 
 
 def test_core_reranker_equals_hf_reference(streams, hf_eager):

@@ -311,12 +311,23 @@ def rerank_messages(query: str, documents: list) -> list:
     return [{"role": "system", "content": "You are a search assistant."}, {"role": "user", "content": content}]
 
 
-def rerank_set(n: int, seed: int = 0, num_docs: int = 10) -> list[RerankExample]:
+RERANK_POOLS = ("all", "selection", "test")
+
+
+def rerank_set(n: int, seed: int = 0, num_docs: int = 10, pool: str = "all") -> list[RerankExample]:
+    """``n`` questions over ``num_docs`` documents each. ``pool``: "selection" (head selection) and "test" use
+    disjoint halves of everything that could leak: the people's first names, the document templates and the
+    query templates (each attribute's first template of each kind for "selection", its second for "test");
+    "all" draws from both."""
     if not 7 <= num_docs <= 16:
         raise ValueError(f"num_docs must be 7..16 (1 relevant, 6 hard negatives, the rest other facts), got "
                          f"{num_docs}")
-    rng = random.Random(f"rerank-{seed}")
-    people = [f"{f} {l}" for f in _FIRST for l in _LAST]
+    if pool not in RERANK_POOLS:
+        raise ValueError(f"pool must be one of {RERANK_POOLS}, got {pool!r}")
+    rng = random.Random(f"rerank-{seed}" if pool == "all" else f"rerank-{pool}-{seed}")
+    half = {"all": slice(None), "selection": slice(0, 1), "test": slice(1, 2)}[pool]
+    firsts = {"all": _FIRST, "selection": _FIRST[0::2], "test": _FIRST[1::2]}[pool]
+    people = [f"{f} {l}" for f in firsts for l in _LAST]
     rng.shuffle(people)
     out = []
     for e in range(n):
@@ -326,7 +337,7 @@ def rerank_set(n: int, seed: int = 0, num_docs: int = 10) -> list[RerankExample]
         vals, docs_t, q_same, q_para = _ATTRS[attr]
 
         def doc(p, a):
-            return rng.choice(_ATTRS[a][1]).format(n=p, v=facts[p][a])
+            return rng.choice(_ATTRS[a][1][half]).format(n=p, v=facts[p][a])
 
         relevant = doc(person, attr)
         negs = [doc(person, a) for a in rng.sample([a for a in _ATTRS if a != attr], 3)]  # same person
@@ -336,7 +347,7 @@ def rerank_set(n: int, seed: int = 0, num_docs: int = 10) -> list[RerankExample]
         docs = negs + [relevant]
         rng.shuffle(docs)
         paraphrased = e % 2 == 1
-        query = rng.choice(q_para if paraphrased else q_same).format(n=person)
+        query = rng.choice((q_para if paraphrased else q_same)[half]).format(n=person)
         ex = RerankExample(query, docs, {docs.index(relevant)}, paraphrased)
         ex.messages = rerank_messages(query, docs)
         ex.calibration_messages = rerank_messages("N/A", docs)

@@ -178,11 +178,12 @@ def per_head_doc_scores(att_query, att_calib, spans: dict, calib_spans: dict,
 
 def choose_heads(tokenizer, attend, num_layers: int, num_heads: int, num: int = 20, top: int = 8,
                  seed: int = 1) -> dict:
-    """Run a detection set (``rerank_set(num, seed)``) through ``attend`` and return the config of the ``top``
-    heads by MRR."""
+    """Run a detection set (``rerank_set(num, seed, pool="selection")``: people, document and query templates
+    that the evaluation's test pool never uses) through ``attend`` and return the config of the ``top`` heads
+    by MRR."""
     from mia_stream.lab.attention_data import rerank_set
 
-    examples = rerank_set(num, seed=seed)
+    examples = rerank_set(num, seed=seed, pool="selection")
     pq = [prompt_parts(tokenizer, e.messages) for e in examples]
     pc = [prompt_parts(tokenizer, e.calibration_messages) for e in examples]
     atts = attend([p.token_ids for pair in zip(pq, pc) for p in pair], list(range(num_layers)))
@@ -194,7 +195,7 @@ def choose_heads(tokenizer, attend, num_layers: int, num_heads: int, num: int = 
     heads = sorted([int(i // num_heads), int(i % num_heads)] for i in best)
     all_mrr = float(np.mean([reciprocal_rank(rank(s.sum(0)), e.relevant) for s, e in zip(per_head, examples)]))
     return {"heads": heads, "model": getattr(tokenizer, "name_or_path", None),
-            "selection": {"num": num, "seed": seed, "top": top,
+            "selection": {"num": num, "seed": seed, "pool": "selection", "top": top,
                           "head_mrr": {f"{l},{h}": float(mrr[l * num_heads + h]) for l, h in heads},
                           "all_heads_mrr": all_mrr}}
 
