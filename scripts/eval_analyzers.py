@@ -142,6 +142,17 @@ def eval_injection(sllm, tok, geo, args):
 
     modes = {"probe": config, "request": {**config, "mode": "request", "probe_token_ids": None}}
     analyzers = [create("attention_tracker", cfg) for cfg in modes.values()]
+    # The same rule (mean - 4 std of normal prompts only) on normal prompts like the deployment's: the normal half
+    # of another seed of the templated generator (no attack seen), in each mode; the test sets never see them.
+    calib = [e for e in injection_set("test", args.num_test, seed=99) if not e.attack]
+    calibrated = {}
+    for (mode, cfg), analyzer in zip(modes.items(), analyzers):
+        pps = [prompt_parts(tok, probe_messages(e.data) if mode == "probe" else e.messages) for e in calib]
+        (results,), _ = run_analyzers(sllm, [analyzer], [p.token_ids for p in pps], [p.tags() for p in pps])
+        f = np.array([float(r.value("focus")[0]) for r in results])
+        calibrated[mode] = float(f.mean() - 4 * f.std())
+    print(f"threshold recalibrated by the same rule on {len(calib)} normal prompts of another seed (no attacks): "
+          + ", ".join(f"mode {m} {t:.4f}" for m, t in calibrated.items()), flush=True)
     for split in ("test",) + TRIGGER_FREE_SPLITS:
         test = injection_set(split, args.num_test)
         attack = np.array([e.attack for e in test])
@@ -158,8 +169,13 @@ def eval_injection(sllm, tok, geo, args):
             s = -focus  # an attack lowers the focus
             a = fmt_ci(auroc(s, y), bootstrap_ci(lambda ix: auroc(s[ix], y[ix]), groups))
             flagged = focus <= cfg["threshold"]
+            recal = focus <= calibrated[mode]
             print(f"  attention_tracker mode {mode:<8} AUROC {a}; at threshold {cfg['threshold']:.4f}: TPR "
-                  f"{flagged[attack].mean():.3f} FPR {flagged[~attack].mean():.3f}  ({gaps} gaps)", flush=True)
+                  f"{flagged[attack].mean():.3f} FPR {flagged[~attack].mean():.3f}; recalibrated "
+                  f"{calibrated[mode]:.4f}: TPR {recal[attack].mean():.3f} FPR {recal[~attack].mean():.3f}  "
+                  f"({gaps} gaps)", flush=True)
+        n_tok = np.array([float(len(tok(e.data, add_special_tokens=False)["input_ids"])) for e in test])
+        print(f"  data length alone (tokens) AUROC {auroc(n_tok, y):.3f}")
         a = fmt_ci(auroc(kw, y), bootstrap_ci(lambda ix: auroc(kw[ix], y[ix]), groups))
         hit = kw > 0
         print(f"  keyword regex baseline   AUROC {a}; any match: TPR {hit[attack].mean():.3f} FPR "
@@ -210,7 +226,12 @@ def eval_rerank(sllm, tok, geo, args):
           f"person's other facts, other people's same fact), half with paraphrased queries; {gaps} gaps, "
           f"{time.time() - t0:.0f} s")
 
+    from mia_stream.lab.eval_stats import bootstrap_ci
+
     def table(name, rankings):
+        nd = np.array([np.nan if r is None else ndcg(r, e.relevant) for r, e in zip(rankings, test)])
+        ok = ~np.isnan(nd)
+        lo, hi = bootstrap_ci(lambda ix: nd[ix][ok[ix]].mean(), list(range(len(test))))  # each query is its entity
         rows = {}
         for subset, pick in (("all", lambda e: True), ("lexical", lambda e: not e.paraphrased),
                              ("paraphrased", lambda e: e.paraphrased)):
@@ -219,7 +240,7 @@ def eval_rerank(sllm, tok, geo, args):
                             np.mean([r[0] in e.relevant for r, e in sel]),
                             np.mean([reciprocal_rank(r, e.relevant) for r, e in sel]), len(sel))
         print(f"  {name:<50} " + "  ".join(f"{s}: nDCG@10 {v[0]:.3f} top-1 {v[1]:.3f} MRR {v[2]:.3f} (n={v[3]})"
-                                           for s, v in rows.items()))
+                                           for s, v in rows.items()) + f"  [all nDCG@10 95% CI {lo:.3f}, {hi:.3f}]")
 
     bm25 = []
     for e in test:

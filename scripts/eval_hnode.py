@@ -171,10 +171,10 @@ def train_probe(X, y, groups, tr, te, mode, model_dir, extra_baselines, command,
     grounded = Xl[tr][y[tr] == 0][:, nodes]
     base = np.percentile(grounded, BASELINE_PERCENTILE, axis=0)
     probe = LinearProbe("hnode", Path(model_dir).name, int(cfg["hidden_size"]), int(layer), "last_prompt", mean,
-                        scale, w, b, 0.5, False, "last", int(cfg["num_hidden_layers"]),
-                        "hallucination: the answer (qa: the given one; before_answer: the model's) is wrong",
-                        {"mode": mode, "h_nodes": nodes.tolist(), "h_node_baselines": base.tolist(),
-                         "baseline_percentile": BASELINE_PERCENTILE})
+                        scale, w, b, threshold=0.5, num_layers=int(cfg["num_hidden_layers"]),
+                        positive="hallucination: the answer (qa: the given one; before_answer: the model's) is wrong",
+                        extra={"mode": mode, "h_nodes": nodes.tolist(), "h_node_baselines": base.tolist(),
+                               "baseline_percentile": BASELINE_PERCENTILE})
     p = sigmoid(probe.logits(Xl))
     excess = np.maximum(Xl[:, nodes] - base, 0).mean(1)
     yt, gt = y[te], groups[te]
