@@ -42,6 +42,8 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+for _v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):  # BLAS threads on 2 shared cores made
+    os.environ.setdefault(_v, "1")  # each scikit-learn fit 100-300x slower (0.1 s -> 11-39 s) under load
 
 from mia_stream.analyzers._probe import PROBES_DIR, LinearProbe, sigmoid  # noqa: E402
 from mia_stream.lab import datasets  # noqa: E402

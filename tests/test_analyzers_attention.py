@@ -135,6 +135,10 @@ def streams(engine, tokenizer, broker_address):
     pp = prompt_parts(tokenizer, sq.messages)
     prompts["at-sql"], messages["at-sql"] = (pp, {**pp.tags(), "attnlink": {"columns": sq.columns}}, CAPTURE), \
         sq.messages
+    sqp = sql_set(1, seed=3, form="project")[0]  # the project's variant's prompt: the question after the schema
+    pp = prompt_parts(tokenizer, sqp.messages)
+    prompts["at-sql-project"] = (pp, {**pp.tags(), "attnlink": {"columns": sqp.columns}}, CAPTURE)
+    messages["at-sql-project"] = sqp.messages
     # bad requests: each lacks one thing the analyzers need
     bad_pp = prompt_parts(tokenizer, inj[1].messages)
     for rid in ("at-bad-nospans", "at-bad-range", "at-bad-noqk", "at-bad-lastonly"):
@@ -296,10 +300,11 @@ def test_attnlink_equals_hf_reference(streams, hf_eager, anchor, pooling):
     if pooling is not None:
         cfg["pooling"] = pooling
     top_p = 0.8  # the seed's default: not passed, so the analyzer's default is what is checked
-    rejected, results = _run("attnlink", cfg, streams["events"], {"at-sql"})
+    rid = "at-sql" if anchor == "last_prompt" else "at-sql-project"
+    rejected, results = _run("attnlink", cfg, streams["events"], {rid})
     assert not rejected
-    (res,) = results["at-sql"]
-    pp, tags, _ = streams["prompts"]["at-sql"]
+    (res,) = results[rid]
+    pp, tags, _ = streams["prompts"][rid]
     n = len(pp.token_ids)
     att = _hf_attn(hf_eager, pp.token_ids)[LINK["layer"]][LINK["head"]]
     rows = [n - 1] if anchor == "last_prompt" else range(*tags["spans"]["question"][0])
@@ -320,13 +325,20 @@ def test_attnlink_equals_hf_reference(streams, hf_eager, anchor, pooling):
         if cum >= top_p:
             break
     c = int(res.value("num_columns")[0])
-    assert c == len(streams["sq"].columns)
+    assert c == len(spans)
     assert any(b - a > 1 for a, b in spans)  # multi-token spans: mean and sum differ
     assert res.positions == [n - 1]
     np.testing.assert_allclose(res.value("scores")[0][:c], scores, atol=TOL, rtol=0)
     np.testing.assert_allclose(res.value("probs")[0][:c], probs, atol=TOL, rtol=0)
     assert sorted(np.flatnonzero(res.value("selected")[0][:c]).tolist()) == sorted(chosen)
-    assert res.labels["columns"] == [",".join(streams["sq"].columns[i] for i in chosen)]
+    names = tags["attnlink"]["columns"]
+    assert res.labels["columns"] == [",".join(names[i] for i in chosen)]
+
+
+def test_attnlink_question_anchor_before_the_columns_is_rejected(streams):
+    """In the seed's prompt the question precedes the candidates: a question-row anchor cannot see them."""
+    rejected, _ = _run("attnlink", {**LINK, "anchor": "question"}, streams["events"], {"at-sql"})
+    assert "cannot attend to later columns" in rejected["at-sql"] and _one_line(rejected["at-sql"])
 
 
 def test_attnlink_seed_prompt_makes_the_next_token_an_identifier(tokenizer):
@@ -478,7 +490,7 @@ def test_live_analyzer_processes_equal_replay_of_the_recording(engine, tokenizer
     # name -> (config, pattern, streams, result rows): the reranker gives one row per query/calibration pair
     assert len(inj) == 2
     configs = {"attention_tracker": (TRACKER, "lr-inj-*", 2, 2), "core_reranker": (RERANKER, "lr-rr-*", 2, 1),
-               "attnlink": ({**LINK, "anchor": "question"}, "lr-sql", 1, 1)}
+               "attnlink": (LINK, "lr-sql", 1, 1)}
     procs, rec = {}, tmp_path / "rec"
     for name, (cfg, pattern, n, _) in configs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(cfg))

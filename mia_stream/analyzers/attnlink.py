@@ -128,9 +128,17 @@ class AttnLink(SpanAttentionAnalyzer):
         self.span_names = (self.column_span,) + (() if self.anchor == "last_prompt" else (self.anchor,))
 
     def check_request(self, st: PromptState) -> None:
-        if self.anchor != "last_prompt" and len(st.spans[self.anchor]) != 1:
-            raise AnalyzerInputError(f"request {st.request_id!r}: {len(st.spans[self.anchor])} spans named "
-                                     f"{self.anchor!r} (the anchor), want 1")
+        if self.anchor != "last_prompt":
+            if len(st.spans[self.anchor]) != 1:
+                raise AnalyzerInputError(f"request {st.request_id!r}: {len(st.spans[self.anchor])} spans named "
+                                         f"{self.anchor!r} (the anchor), want 1")
+            end = st.spans[self.anchor][0][1]
+            last_col = max(b for _, b in st.spans[self.column_span])
+            if end < last_col:  # causal attention: the anchor's rows cannot see columns after them
+                raise AnalyzerInputError(f"request {st.request_id!r}: the anchor span {self.anchor!r} ends at token "
+                                         f"{end}, before the last {self.column_span!r} span (ends {last_col}): its "
+                                         f"rows cannot attend to later columns (use the prompt form with the "
+                                         f"question after the schema, or anchor 'last_prompt')")
         names = self.column_names(st)
         n = len(st.spans[self.column_span])
         if names is not None and len(names) != n:
