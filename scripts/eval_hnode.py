@@ -209,7 +209,12 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--model")
     ap.add_argument("--no-write", action="store_true", help="do not overwrite the shipped probe files")
+    ap.add_argument("--through-analyzer", type=int, default=0, metavar="N",
+                    help="only: run N held-out question + answer pairs through the shipped analyzer on the engine "
+                         "and compare with the probe on the captures")
     args = ap.parse_args()
+    if args.through_analyzer:
+        return through_analyzer(args.through_analyzer, args.model, Path(args.work))
     from mia_stream.model import resolve_model
 
     model_dir = str(resolve_model(args.model))
@@ -251,6 +256,45 @@ def main() -> int:
         print(f"  {k:<42} AUROC {v}")
     if not args.no_write:
         probe.save(PROBES_DIR / "hnode-before-answer-smollm2-135m.json")
+    return 0
+
+
+def through_analyzer(n: int, model: str | None, work: Path) -> int:
+    """The shipped (question + answer) analyzer on the engine's stream of ``n`` held-out pairs: its
+    ``p_hallucination`` and ``h_node_excess`` equal the probe's on the training capture of the same pairs."""
+    from transformers import AutoTokenizer
+
+    from eval_analyzers import stream_requests  # scripts/: the helper the attention evaluations use
+
+    from mia_stream import StreamLLM
+    from mia_stream.analyzers import AnalyzerRunner, create
+    from mia_stream.analyzers._probe import load_probe
+    from mia_stream.model import resolve_model
+
+    model_dir = str(resolve_model(model))
+    qa = qa_items()
+    _, te = datasets.group_split(qa, 0.3, SEED)
+    te = te[:n]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    analyzer = create("hnode", {})
+    probe = load_probe(PROBES_DIR / "hnode-smollm2-135m.json", "hnode")
+    X = np.load(work / "hnode.npz")["qa_X"][te, probe.layer].astype(np.float64)
+    want_p = sigmoid(probe.logits(X))
+    nodes, base = probe.extra["h_nodes"], np.asarray(probe.extra["h_node_baselines"])
+    want_e = np.maximum(X[:, nodes] - base, 0).mean(1)
+    prompts = [tok(qa[i]["text"])["input_ids"] for i in te]
+    got = {}
+    runner = AnalyzerRunner(analyzer, [lambda b: got.update({r.request_id: r for r in b.results()})])
+    with StreamLLM(model_dir, dtype="float32", enforce_eager=True, max_model_len=512, seed=SEED,
+                   enable_prefix_caching=False) as sllm:
+        for ev in stream_requests(sllm, prompts, [{"capture": analyzer.capture_spec()}] * len(prompts)):
+            runner.feed(ev)
+        sllm.llm.llm_engine.engine_core.shutdown()
+    rows = sorted(got.values(), key=lambda r: int(r.request_id.rsplit("-", 1)[1]))
+    p = np.array([float(r.value("p_hallucination")[0]) for r in rows])
+    e = np.array([float(r.value("h_node_excess")[0]) for r in rows])
+    print(f"{len(rows)} held-out pairs through the analyzer: max |p - p_capture| {np.abs(p - want_p).max():.2e}, "
+          f"max |excess - excess_capture| {np.abs(e - want_e).max():.2e}")
     return 0
 
 

@@ -137,7 +137,12 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true")
     ap.add_argument("--model")
     ap.add_argument("--no-write", action="store_true")
+    ap.add_argument("--through-analyzer", type=int, default=0, metavar="N",
+                    help="only: run N held-out claims through the shipped analyzer on the engine (AnalyzerRunner on "
+                         "the stream, as `mia-stream analyze` runs) and compare with the probe on the captures")
     args = ap.parse_args()
+    if args.through_analyzer:
+        return through_analyzer(args.through_analyzer, args.model, Path(args.work))
     from mia_stream.model import resolve_model
 
     model_dir = str(resolve_model(args.model))
@@ -222,6 +227,44 @@ def _write(name, candidate, fit, items, tr, te, cv_by_layer, results, model_dir,
     if not no_write:
         probe.save(PROBES_DIR / out)
         print(f"wrote the {name!r} classifier -> {out}")
+
+
+def through_analyzer(n: int, model: str | None, work: Path) -> int:
+    """The shipped analyzer on the engine's stream of ``n`` held-out claims: its probabilities equal the probe's
+    on the training capture of the same claims (the capture path is the product's)."""
+    from transformers import AutoTokenizer
+
+    from eval_analyzers import stream_requests  # scripts/: the helper the attention evaluations use
+
+    from mia_stream import StreamLLM
+    from mia_stream.analyzers import AnalyzerRunner, create
+    from mia_stream.analyzers.science_hallucination import load_multiclass_probe
+    from mia_stream.model import resolve_model
+
+    model_dir = str(resolve_model(model))
+    items = claim_set()
+    _, te = datasets.group_split(items, 0.3, SEED)
+    te = te[:n]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    analyzer = create("science_hallucination", {})
+    probe = load_multiclass_probe(PROBES_DIR / "science-smollm2-135m.json")
+    X = np.load(work / "science.npz")["X"][te, probe.layer].astype(np.float64)
+    if probe.final_norm:
+        X = rms_norm(X.astype(np.float32), *final_norm(model_dir)).astype(np.float64)
+    want = probe.probs(X)
+    prompts = [_ids(tok, scihal_messages(items[i]["reference"], items[i]["claim"])) for i in te]
+    got = {}
+    runner = AnalyzerRunner(analyzer, [lambda b: got.update({r.request_id: r for r in b.results()})])
+    with StreamLLM(model_dir, dtype="float32", enforce_eager=True, max_model_len=1024, seed=SEED,
+                   enable_prefix_caching=False) as sllm:
+        for ev in stream_requests(sllm, prompts, [{"capture": analyzer.capture_spec()}] * len(prompts)):
+            runner.feed(ev)
+        sllm.llm.llm_engine.engine_core.shutdown()
+    rows = sorted(got.values(), key=lambda r: int(r.request_id.rsplit("-", 1)[1]))
+    p = np.stack([r.value("probs")[0] for r in rows])
+    print(f"{len(rows)} held-out claims through the analyzer: max |p - p_capture| {np.abs(p - want).max():.2e}; "
+          f"same prediction {int((p.argmax(1) == want.argmax(1)).sum())}/{len(rows)}")
+    return 0
 
 
 if __name__ == "__main__":
