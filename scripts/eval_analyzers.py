@@ -7,8 +7,10 @@ runs) score them from the stream. One command per table of docs/analyzers.md:
     python scripts/eval_analyzers.py rerank      # core_reranker (ICR, CoRe heads) vs. BM25: nDCG@10, top-1, MRR
     python scripts/eval_analyzers.py sql         # attnlink (seed and project variant): recall vs. BM25, held-out pool
 
-Heads are chosen on a discovery/detection split (its own seed or, for injection, the paper's head-finding set)
-and scored on a disjoint test split. Configs are written to ``--configs`` (default /tmp/mia-eval-configs).
+Heads are chosen on data disjoint from the test sets: for injection the paper's head-finding set; for rerank and
+sql a *selection pool* (people / tables, document and question templates) that the *test pool* never uses.
+Every number is printed with a 95% bootstrap interval over test items, beside its baseline (keyword regex, BM25,
+random). Configs are written to ``--configs`` (default /tmp/mia-eval-configs).
 """
 
 from __future__ import annotations
