@@ -47,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 from mia_stream.analyzers import AnalyzerRunner, create  # noqa: E402
 from mia_stream.consumers import StreamAssembler  # noqa: E402
 from mia_stream.analyzers._probe import LinearProbe  # noqa: E402
+from mia_stream.analyzers.science_hallucination import MulticlassProbe  # noqa: E402
 from mia_stream.schemas import RowGroup, StepBatch, StreamEnd, StreamStart, Tensor, decode, encode  # noqa: E402
 
 ATTENTION = ("attention_tracker", "core_reranker", "attnlink")
@@ -63,9 +64,13 @@ def _probe_files(tmp: Path, hidden: int, layer: int, num_layers: int, rng) -> di
     common = dict(model="synthetic", hidden_size=hidden, mean=np.zeros(hidden), scale=np.ones(hidden),
                   weights=w, bias=0.0, num_layers=num_layers)
     hn = LinearProbe("hnode", layer=layer, position="last_prompt", **common,
-                     extra={"h_nodes": list(range(16)), "grounded_mean": [0.0] * 16, "grounded_std": [1.0] * 16})
-    sc = LinearProbe("science_hallucination", layer=num_layers - 1, position="generated", final_norm=True,
-                     pool="mean", **common)
+                     extra={"mode": "qa", "h_nodes": list(range(16)), "h_node_baselines": [0.0] * 16,
+                            "baseline_percentile": 90})
+    # the SciHal classifier reads one row per request (its last prompt token); here every decode row, so the
+    # bench measures its per-row cost
+    sc = MulticlassProbe("science_hallucination", "synthetic", hidden, num_layers, num_layers - 1, "generated",
+                         True, ["entailment", "contradiction", "unverifiable"], np.zeros(hidden), np.ones(hidden),
+                         rng.standard_normal((3, hidden)) / np.sqrt(hidden), np.zeros(3))
     hn.save(tmp / "hnode.json")
     sc.save(tmp / "science.json")
     model = tmp / "model"

@@ -3,12 +3,14 @@
 each request's Q/K through a broker, and the analyzers (``AnalyzerRunner``, the code ``mia-stream analyze``
 runs) score them from the stream. One command per table of docs/analyzers.md:
 
-    python scripts/eval_analyzers.py injection   # attention_tracker: head discovery, then AUROC on a test set
+    python scripts/eval_analyzers.py injection   # attention_tracker: discovery, then AUROC on 5 test sets vs keywords
     python scripts/eval_analyzers.py rerank      # core_reranker (ICR, CoRe heads) vs. BM25: nDCG@10, top-1, MRR
-    python scripts/eval_analyzers.py sql         # attnlink: gold-column recall of the top-p selection vs. BM25
+    python scripts/eval_analyzers.py sql         # attnlink (seed and project variant): recall vs. BM25, held-out pool
 
-Heads are chosen on a discovery/detection split (its own seed or, for injection, the paper's head-finding set)
-and scored on a disjoint test split. Configs are written to ``--configs`` (default /tmp/mia-eval-configs).
+Heads are chosen on data disjoint from the test sets: for injection the paper's head-finding set; for rerank and
+sql a *selection pool* (people / tables, document and question templates) that the *test pool* never uses.
+Every number is printed with a 95% bootstrap interval over test items, beside its baseline (keyword regex, BM25,
+random). Configs are written to ``--configs`` (default /tmp/mia-eval-configs).
 """
 
 from __future__ import annotations
@@ -115,10 +117,11 @@ def _error(res):
 
 def eval_injection(sllm, tok, geo, args):
     from mia_stream.analyzers import create
-    from mia_stream.analyzers._attention import auroc
-    from mia_stream.lab.attention_data import injection_set
-    from mia_stream.lab.qk_runs import vllm_attention
+    from mia_stream.analyzers.attention_tracker import probe_messages
+    from mia_stream.lab.attention_data import KEYWORD_PATTERN, TRIGGER_FREE_SPLITS, injection_set
+    from mia_stream.lab.eval_stats import auroc, bootstrap_ci, fmt_ci
     from mia_stream.lab.head_discovery import config_from_discovery, discover
+    from mia_stream.lab.qk_runs import vllm_attention
     from mia_stream.spans import prompt_parts
 
     t0 = time.time()
@@ -127,7 +130,7 @@ def eval_injection(sllm, tok, geo, args):
     k_used = 4.0
     print(f"discovery ({res['num_normal']} normal + {res['num_attack']} attacked, instruction 'Say xxxxxx'): "
           f"heads passing by k: {res['heads_by_k']}; best margin at k=4: {res['best_margin']:.4f} "
-          f"(layer {res['best_head'][0]} head {res['best_head'][1]})")
+          f"(layer {res['best_head'][0]} head {res['best_head'][1]})", flush=True)
     if not res["heads"]:
         k_used = max(float(k) for k, n in res["heads_by_k"].items() if n > 0)
         res = discover(tok, attend, geo.num_hidden_layers, args.num_discovery, k_used)
@@ -135,35 +138,50 @@ def eval_injection(sllm, tok, geo, args):
     config = config_from_discovery(res, tok.name_or_path)
     Path(args.configs).mkdir(parents=True, exist_ok=True)
     (Path(args.configs) / "attention_tracker.json").write_text(json.dumps(config, indent=1))
-    print(f"heads {config['heads']}, threshold {config['threshold']:.4f} ({time.time() - t0:.0f} s)")
+    print(f"heads {config['heads']}, threshold {config['threshold']:.4f} = mean - 4 std of the normal discovery "
+          f"prompts' focus (the reference code's rule; the midpoint of the two means would be "
+          f"{res['threshold_midway']:.4f}) ({time.time() - t0:.0f} s)", flush=True)
 
-    test = injection_set("test", args.num_test)
-    pps = [prompt_parts(tok, e.messages) for e in test]
-    analyzers = [create("attention_tracker", {k: v for k, v in config.items()}),
-                 create("attention_tracker", {"heads": "all", "threshold": None})]
-    t0 = time.time()
-    per, gaps = run_analyzers(sllm, analyzers, [p.token_ids for p in pps], [p.tags() for p in pps])
-    attack = np.array([e.attack for e in test])
-    print(f"test: {int((~attack).sum())} normal + {int(attack.sum())} attacked prompts ({len(set(e.instruction for e in test))} "
-          f"instructions, injections at the end or mid-data), {gaps} gaps, {time.time() - t0:.0f} s")
-    # what length alone would give (attention to the instruction also falls as the data grows)
-    data_len = np.array([float(np.diff(pp.ranges("data")[0])[0]) for pp in pps])
-    print(f"  data length alone AUROC {auroc(data_len[attack], data_len[~attack]):.3f} (tokens: normal "
-          f"{data_len[~attack].mean():.1f}, attacked {data_len[attack].mean():.1f})")
-    for name, results in (("discovered heads", per[0]), ("all heads", per[1])):
-        bad = sum(_error(r) for r in results)
-        focus = np.array([np.nan if _error(r) else float(r.value("focus")[0]) for r in results])
-        ok = ~np.isnan(focus)
-        # an attack lowers the focus score: AUROC of -focus with attacks as positives
-        a = auroc(-focus[ok & attack], -focus[ok & ~attack])
-        line = f"  {name:<17} AUROC {a:.3f}  (focus normal {focus[ok & ~attack].mean():.4f}, attacked " \
-               f"{focus[ok & attack].mean():.4f}; errors {bad})"
-        if name == "discovered heads":
-            flagged = np.array([bool(r.alerts[0]) if not _error(r) else False for r in results])
-            tpr = flagged[attack & ok].mean()
-            fpr = flagged[~attack & ok].mean()
-            line += f"; at threshold {config['threshold']:.4f}: TPR {tpr:.3f} FPR {fpr:.3f}"
-        print(line)
+    modes = {"probe": config, "request": {**config, "mode": "request", "probe_token_ids": None}}
+    analyzers = [create("attention_tracker", cfg) for cfg in modes.values()]
+    # The same rule (mean - 4 std of normal prompts only) on normal prompts like the deployment's: the normal half
+    # of another seed of the templated generator (no attack seen), in each mode; the test sets never see them.
+    calib = [e for e in injection_set("test", args.num_test, seed=99) if not e.attack]
+    calibrated = {}
+    for (mode, cfg), analyzer in zip(modes.items(), analyzers):
+        pps = [prompt_parts(tok, probe_messages(e.data) if mode == "probe" else e.messages) for e in calib]
+        (results,), _ = run_analyzers(sllm, [analyzer], [p.token_ids for p in pps], [p.tags() for p in pps])
+        f = np.array([float(r.value("focus")[0]) for r in results])
+        calibrated[mode] = float(f.mean() - 4 * f.std())
+    print(f"threshold recalibrated by the same rule on {len(calib)} normal prompts of another seed (no attacks): "
+          + ", ".join(f"mode {m} {t:.4f}" for m, t in calibrated.items()), flush=True)
+    for split in ("test",) + TRIGGER_FREE_SPLITS:
+        test = injection_set(split, args.num_test)
+        attack = np.array([e.attack for e in test])
+        y = attack.astype(int)
+        groups = list(range(len(test)))  # every example has its own random sentences: each is an entity
+        kw = np.array([len(re.findall(KEYWORD_PATTERN, e.data, re.I)) for e in test], np.float64)
+        t0 = time.time()
+        print(f"[{split}] {int((~attack).sum())} normal + {int(attack.sum())} attacked", flush=True)
+        for (mode, cfg), analyzer in zip(modes.items(), analyzers):
+            pps = [prompt_parts(tok, probe_messages(e.data) if mode == "probe" else e.messages) for e in test]
+            (results,), gaps = run_analyzers(sllm, [analyzer], [p.token_ids for p in pps], [p.tags() for p in pps])
+            focus = np.array([np.nan if _error(r) else float(r.value("focus")[0]) for r in results])
+            assert not np.isnan(focus).any(), "a request was rejected"
+            s = -focus  # an attack lowers the focus
+            a = fmt_ci(auroc(s, y), bootstrap_ci(lambda ix: auroc(s[ix], y[ix]), groups))
+            flagged = focus <= cfg["threshold"]
+            recal = focus <= calibrated[mode]
+            print(f"  attention_tracker mode {mode:<8} AUROC {a}; at threshold {cfg['threshold']:.4f}: TPR "
+                  f"{flagged[attack].mean():.3f} FPR {flagged[~attack].mean():.3f}; recalibrated "
+                  f"{calibrated[mode]:.4f}: TPR {recal[attack].mean():.3f} FPR {recal[~attack].mean():.3f}  "
+                  f"({gaps} gaps)", flush=True)
+        n_tok = np.array([float(len(tok(e.data, add_special_tokens=False)["input_ids"])) for e in test])
+        print(f"  data length alone (tokens) AUROC {auroc(n_tok, y):.3f}")
+        a = fmt_ci(auroc(kw, y), bootstrap_ci(lambda ix: auroc(kw[ix], y[ix]), groups))
+        hit = kw > 0
+        print(f"  keyword regex baseline   AUROC {a}; any match: TPR {hit[attack].mean():.3f} FPR "
+              f"{hit[~attack].mean():.3f}   ({time.time() - t0:.0f} s)", flush=True)
 
 
 # ------------------------------------------------------------------------------------------ rerank
@@ -188,10 +206,11 @@ def eval_rerank(sllm, tok, geo, args):
                         seed=1)
     Path(args.configs).mkdir(parents=True, exist_ok=True)
     (Path(args.configs) / "core_reranker.json").write_text(json.dumps(core, indent=1))
-    print(f"CoRe heads (top {args.top} by MRR on {args.num_detection} detection questions, seed 1): {core['heads']} "
+    print(f"CoRe heads (top {args.top} by MRR on {args.num_detection} detection questions of the selection pool: "
+          f"people, document and query templates disjoint from the test pool): {core['heads']} "
           f"({time.time() - t0:.0f} s)")
 
-    test = rerank_set(args.num_test, seed=0)
+    test = rerank_set(args.num_test, seed=0, pool="test")
     prompts, tags = [], []
     for i, e in enumerate(test):
         for role, msgs in (("calibration", e.calibration_messages), ("query", e.messages)):  # calibration first
@@ -209,7 +228,12 @@ def eval_rerank(sllm, tok, geo, args):
           f"person's other facts, other people's same fact), half with paraphrased queries; {gaps} gaps, "
           f"{time.time() - t0:.0f} s")
 
+    from mia_stream.lab.eval_stats import bootstrap_ci
+
     def table(name, rankings):
+        nd = np.array([np.nan if r is None else ndcg(r, e.relevant) for r, e in zip(rankings, test)])
+        ok = ~np.isnan(nd)
+        lo, hi = bootstrap_ci(lambda ix: nd[ix][ok[ix]].mean(), list(range(len(test))))  # each query is its entity
         rows = {}
         for subset, pick in (("all", lambda e: True), ("lexical", lambda e: not e.paraphrased),
                              ("paraphrased", lambda e: e.paraphrased)):
@@ -218,7 +242,7 @@ def eval_rerank(sllm, tok, geo, args):
                             np.mean([r[0] in e.relevant for r, e in sel]),
                             np.mean([reciprocal_rank(r, e.relevant) for r, e in sel]), len(sel))
         print(f"  {name:<50} " + "  ".join(f"{s}: nDCG@10 {v[0]:.3f} top-1 {v[1]:.3f} MRR {v[2]:.3f} (n={v[3]})"
-                                           for s, v in rows.items()))
+                                           for s, v in rows.items()) + f"  [all nDCG@10 95% CI {lo:.3f}, {hi:.3f}]")
 
     bm25 = []
     for e in test:
@@ -239,67 +263,71 @@ def eval_rerank(sllm, tok, geo, args):
 
 # ------------------------------------------------------------------------------------------ sql
 
-def eval_sql(sllm, tok, geo, args):
+def _bm25_order(e):
     from rank_bm25 import BM25Okapi
 
+    docs = [_words(c.replace(".", " ").replace("_", " ")) for c in e.columns]
+    return np.argsort(-BM25Okapi(docs).get_scores(_words(e.question)), kind="stable")
+
+
+SQL_VARIANTS = {  # name -> (head selection and analyzer settings, prompt form)
+    "seed": ({"anchor": "last_prompt", "pooling": "mean", "top_p": 0.8}, "seed"),
+    "project": ({"anchor": "question", "pooling": "sum", "top_p": 0.9}, "project"),
+}
+
+
+def eval_sql(sllm, tok, geo, args):
     from mia_stream.analyzers import create
     from mia_stream.lab.attention_data import sql_set
-    from mia_stream.lab.qk_runs import vllm_attention
+    from mia_stream.lab.eval_stats import bootstrap_ci, fmt_ci
     from mia_stream.lab.head_discovery import choose_head
+    from mia_stream.lab.qk_runs import vllm_attention
     from mia_stream.spans import prompt_parts
 
     attend = lambda prompts, layers: vllm_attention(sllm, prompts, layers, chunk=4)  # noqa: E731
     Path(args.configs).mkdir(parents=True, exist_ok=True)
-    configs = []
-    for anchor in ("last_prompt", "question"):
+    for name in args.variants:
+        settings, form = SQL_VARIANTS[name]
         t0 = time.time()
-        cfg = choose_head(tok, attend, geo.num_hidden_layers, args.num_detection, seed=1, top_p=args.top_p,
-                          temperature=args.temperature, anchor=anchor)
-        (Path(args.configs) / f"attnlink-{anchor}.json").write_text(json.dumps(cfg, indent=1))
-        print(f"anchor {anchor}: head layer {cfg['layer']} head {cfg['head']} (gold MRR "
-              f"{cfg['selection']['gold_mrr']:.3f} on {args.num_detection} labelled questions, seed 1) "
-              f"({time.time() - t0:.0f} s)")
-        configs.append(cfg)
-
-    test = sql_set(args.num_test, seed=0)
-    pps = [prompt_parts(tok, e.messages) for e in test]
-    tags = [{**pp.tags(), "attnlink": {"columns": e.columns}} for pp, e in zip(pps, test)]
-    t0 = time.time()
-    per, gaps = run_analyzers(sllm, [create("attnlink", c) for c in configs], [p.token_ids for p in pps], tags)
-    print(f"test: {len(test)} questions over 3-table schemas ({np.mean([len(e.columns) for e in test]):.1f} columns "
-          f"each, {np.mean([len(e.gold) for e in test]):.1f} gold); top_p {args.top_p}, temperature "
-          f"{args.temperature}; {gaps} gaps, {time.time() - t0:.0f} s")
-    sizes = None
-    for cfg, results in zip(configs, per):
-        recall, size, prec, rak = [], [], [], []
+        cfg = choose_head(tok, attend, geo.num_hidden_layers, args.num_detection, seed=1, top_p=settings["top_p"],
+                          temperature=1.0, anchor=settings["anchor"], pooling=settings["pooling"], form=form)
+        (Path(args.configs) / f"attnlink-{name}.json").write_text(json.dumps(cfg, indent=1))
+        print(f"[{name}] prompt form {form!r}, anchor {settings['anchor']}, pooling {settings['pooling']}, top_p "
+              f"{settings['top_p']}: head layer {cfg['layer']} head {cfg['head']} (gold MRR "
+              f"{cfg['selection']['gold_mrr']:.3f} on {args.num_detection} questions of the selection pool) "
+              f"({time.time() - t0:.0f} s)", flush=True)
+        test = sql_set(args.num_test, seed=0, pool="test", form=form)
+        pps = [prompt_parts(tok, e.messages) for e in test]
+        tags = [{**pp.tags(), "attnlink": {"columns": e.columns}} for pp, e in zip(pps, test)]
+        t0 = time.time()
+        (results,), gaps = run_analyzers(sllm, [create("attnlink", cfg)], [p.token_ids for p in pps], tags)
+        print(f"  test pool: {len(test)} questions ({len(set(e.question for e in test))} templates, tables and "
+              f"templates disjoint from the selection pool), {np.mean([len(e.columns) for e in test]):.1f} "
+              f"columns, {np.mean([len(e.gold) for e in test]):.1f} gold; {gaps} gaps, {time.time() - t0:.0f} s")
+        rows = []  # per question: recall, precision, size, recall@|gold|, BM25 recall (same size), random, BM25@|gold|
         for r, e in zip(results, test):
             if _error(r):
+                print(f"  error: {r.labels if r else None}")
                 continue
             n = int(r.value("num_columns")[0])
             sel = set(np.flatnonzero(r.value("selected")[0][:n]).tolist())
-            recall.append(len(sel & e.gold) / len(e.gold))
-            prec.append(len(sel & e.gold) / len(sel))
-            size.append(len(sel))
-            top = set(np.argsort(-r.value("probs")[0][:n], kind="stable")[:len(e.gold)].tolist())
-            rak.append(len(top & e.gold) / len(e.gold))
-        sizes = size if sizes is None else sizes
-        print(f"  attnlink anchor {cfg['anchor']:<12} recall {np.mean(recall):.3f}  precision {np.mean(prec):.3f}  "
-              f"selected {np.mean(size):.1f} columns  recall@|gold| {np.mean(rak):.3f}  (n={len(recall)})")
-        b_rec, rnd = [], []
-        for e, k in zip(test, size):
-            docs = [_words(c.replace(".", " ").replace("_", " ")) for c in e.columns]
-            order = np.argsort(-BM25Okapi(docs).get_scores(_words(e.question)), kind="stable")
-            b_rec.append(len(set(order[:k].tolist()) & e.gold) / len(e.gold))
-            rnd.append(min(k, len(e.columns)) / len(e.columns))
-        print(f"    same selection sizes: BM25 over column names recall {np.mean(b_rec):.3f}, random (expected) "
-              f"recall {np.mean(rnd):.3f}")
-    b_rak = []
-    for e in test:
-        docs = [_words(c.replace(".", " ").replace("_", " ")) for c in e.columns]
-        order = np.argsort(-BM25Okapi(docs).get_scores(_words(e.question)), kind="stable")
-        b_rak.append(len(set(order[:len(e.gold)].tolist()) & e.gold) / len(e.gold))
-    print(f"  BM25 over column names recall@|gold| {np.mean(b_rak):.3f}; random recall@|gold| (expected) "
-          f"{np.mean([len(e.gold) / len(e.columns) for e in test]):.3f}")
+            top = set(np.argsort(-r.value("scores")[0][:n], kind="stable")[:len(e.gold)].tolist())
+            bm = _bm25_order(e)
+            g = len(e.gold)
+            rows.append((len(sel & e.gold) / g, len(sel & e.gold) / len(sel), len(sel), len(top & e.gold) / g,
+                         len(set(bm[:len(sel)].tolist()) & e.gold) / g, min(len(sel), n) / n,
+                         len(set(bm[:g].tolist()) & e.gold) / g, g / n, e.question))
+        m = np.array([r[:8] for r in rows], np.float64)
+        groups = [r[8] for r in rows]  # resample question templates
+
+        def col(j):
+            return fmt_ci(m[:, j].mean(), bootstrap_ci(lambda ix: m[ix, j].mean(), groups))
+
+        print(f"  attnlink [{name}]  recall {col(0)}  precision {col(1)}  selected {m[:, 2].mean():.1f} columns  "
+              f"recall@|gold| {col(3)}  (n={len(m)})")
+        print(f"  same selection sizes: BM25 over column names recall {col(4)}; random recall (expected) "
+              f"{m[:, 5].mean():.3f}")
+        print(f"  recall@|gold|: BM25 {col(6)}; random (expected) {m[:, 7].mean():.3f}", flush=True)
 
 
 def main() -> int:
@@ -312,11 +340,12 @@ def main() -> int:
     ap.add_argument("--num-test", type=int, default=None,
                     help="test size (injection: per class, default 100; rerank: questions, 40; sql: 42)")
     ap.add_argument("--top", type=int, default=8, help="rerank: CoRe heads to keep")
-    ap.add_argument("--top-p", type=float, default=0.9, help="sql: attnlink top_p")
-    ap.add_argument("--temperature", type=float, default=1.0, help="sql: attnlink temperature")
+    ap.add_argument("--variants", nargs="+", choices=("seed", "project"), default=["seed", "project"],
+                    help="sql: the seed's attnlink (column@table prompt, last prompt row, mean, top_p 0.8) and/or "
+                         "the project's variant (SQL prompt, question rows, sum, top_p 0.9)")
     args = ap.parse_args()
     if args.num_test is None:
-        args.num_test = {"injection": 100, "rerank": 40, "sql": 42}[args.task]
+        args.num_test = {"injection": 50, "rerank": 40, "sql": 40}[args.task]
 
     from transformers import AutoConfig, AutoTokenizer
 

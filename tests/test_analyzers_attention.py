@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -122,6 +123,11 @@ def streams(engine, tokenizer, broker_address):
     for i, e in enumerate(inj):
         pp = prompt_parts(tokenizer, e.messages)
         prompts[f"at-inj-{i}"], messages[f"at-inj-{i}"] = (pp, pp.tags(), CAPTURE), e.messages
+    from mia_stream.analyzers.attention_tracker import probe_messages
+
+    pm = probe_messages(inj[1].data)  # attention_tracker's mode "probe": the data under "Say xxxxxx"
+    pp = prompt_parts(tokenizer, pm)
+    prompts["at-probe-1"], messages["at-probe-1"] = (pp, pp.tags(), CAPTURE), pm
     for role, msgs in (("calibration", rr.calibration_messages), ("query", rr.messages)):
         pp = prompt_parts(tokenizer, msgs)
         prompts[f"at-rr-{role}"] = (pp, {**pp.tags(), "core_reranker": {"group": "g0", "role": role}}, CAPTURE)
@@ -129,6 +135,10 @@ def streams(engine, tokenizer, broker_address):
     pp = prompt_parts(tokenizer, sq.messages)
     prompts["at-sql"], messages["at-sql"] = (pp, {**pp.tags(), "attnlink": {"columns": sq.columns}}, CAPTURE), \
         sq.messages
+    sqp = sql_set(1, seed=3, form="project")[0]  # the project's variant's prompt: the question after the schema
+    pp = prompt_parts(tokenizer, sqp.messages)
+    prompts["at-sql-project"] = (pp, {**pp.tags(), "attnlink": {"columns": sqp.columns}}, CAPTURE)
+    messages["at-sql-project"] = sqp.messages
     # bad requests: each lacks one thing the analyzers need
     bad_pp = prompt_parts(tokenizer, inj[1].messages)
     for rid in ("at-bad-nospans", "at-bad-range", "at-bad-noqk", "at-bad-lastonly"):
@@ -171,7 +181,7 @@ def test_spans_reproduce_the_hf_tokenization(tokenizer, streams):
     # each named piece's tokens decode to its text (an edge token may carry a neighbouring space)
     pp = streams["prompts"]["at-sql"][0]
     cols = [tokenizer.decode(pp.token_ids[a:b]).strip() for a, b in pp.ranges("column")]
-    assert [c.split()[0] for c in cols] == [c.split(".")[1] for c in streams["sq"].columns]
+    assert cols == [f"{c.split('.')[1]}@{c.split('.')[0]}" for c in streams["sq"].columns]  # the seed's identifiers
     pp = streams["prompts"]["at-inj-1"][0]
     (a, b), = pp.ranges("data")
     assert tokenizer.decode(pp.token_ids[a:b]).strip() == streams["inj"][1].data
@@ -198,8 +208,55 @@ def test_attention_tracker_equals_hf_reference(streams, hf_eager):
         assert res.positions == [n - 1]
         np.testing.assert_allclose(res.value("head_ratios")[0], ref, atol=TOL, rtol=0)
         assert abs(float(res.value("focus")[0]) - focus) < TOL
-        assert res.alerts == [focus < TRACKER["threshold"]]
-        assert res.labels["verdict"] == ["injection" if focus < TRACKER["threshold"] else "normal"]
+        assert res.alerts == [focus <= TRACKER["threshold"]]  # the reference code flags focus <= threshold
+        assert res.labels["verdict"] == ["injection" if focus <= TRACKER["threshold"] else "normal"]
+
+
+def test_attention_tracker_probe_mode(streams, hf_eager, tokenizer):
+    """Mode "probe" (the paper's detector): the untrusted text under the fixed instruction "Say xxxxxx"; with the
+    probe instruction's token ids configured, a request carrying any other instruction is rejected (one line)."""
+    from mia_stream.analyzers.attention_tracker import PROBE_INSTRUCTION, probe_messages
+    from mia_stream.spans import prompt_parts
+
+    ids = tokenizer(PROBE_INSTRUCTION, add_special_tokens=False)["input_ids"]
+    cfg = {**TRACKER, "mode": "probe", "probe_token_ids": ids}
+    rejected, results = _run("attention_tracker", cfg, streams["events"], {"at-probe-1", "at-inj-1"})
+    assert set(rejected) == {"at-inj-1"} and "mode 'probe'" in rejected["at-inj-1"]
+    assert _one_line(rejected["at-inj-1"])
+    pp, tags, _ = streams["prompts"]["at-probe-1"]
+    assert pp.token_ids == prompt_parts(tokenizer, probe_messages(streams["inj"][1].data)).token_ids
+    n = len(pp.token_ids)
+    att = _hf_attn(hf_eager, pp.token_ids)
+    (i0, i1), = tags["spans"]["instruction"]
+    (d0, d1), = tags["spans"]["data"]
+    assert tokenizer.decode(pp.token_ids[i0:i1]).strip() == PROBE_INSTRUCTION
+    ref = []
+    for layer, head in TRACKER["heads"]:
+        row = att[layer][head, n - 1]
+        s_i, s_d = sum(row[i0:i1]), sum(row[d0:d1])
+        ref.append(s_i / (s_i + s_d + 1e-8))
+    (res,) = results["at-probe-1"]
+    assert abs(float(res.value("focus")[0]) - sum(ref) / len(ref)) < TOL
+
+
+def test_attention_tracker_threshold_is_set_on_normal_prompts():
+    """The reference code's rule (Attention-Tracker detector, normal examples only): threshold = mean - 4 std of
+    the normal prompts' focus over the kept heads; the attacked prompts do not move it."""
+    from mia_stream.analyzers.attention_tracker import discover_heads
+
+    rng = np.random.default_rng(0)
+    normal = rng.uniform(0.55, 0.65, (30, 4, 3))
+    attack = rng.uniform(0.05, 0.15, (20, 4, 3))
+    normal[:, 0, 0] = rng.uniform(0.2, 0.9, 30)  # a noisy head that fails the k = 4 criterion
+    res = discover_heads(normal, attack, k=4.0)
+    kept = [(l, h) for l in range(4) for h in range(3) if (l, h) != (0, 0)]
+    assert sorted(map(tuple, res["heads"])) == kept
+    focus = [float(np.mean([normal[i, l, h] for l, h in kept])) for i in range(30)]
+    mu = sum(focus) / 30
+    sd = (sum((f - mu) ** 2 for f in focus) / 30) ** 0.5
+    assert abs(res["threshold"] - (mu - 4 * sd)) < 1e-12
+    res2 = discover_heads(normal, attack * 0.5, k=4.0)
+    assert res2["threshold"] == res["threshold"]
 
 
 def test_core_reranker_equals_hf_reference(streams, hf_eager):
@@ -233,34 +290,69 @@ def test_core_reranker_equals_hf_reference(streams, hf_eager):
     assert list(res.value("ranking")[0][:n_docs]) == sorted(range(n_docs), key=lambda i: -ref[i])
 
 
-@pytest.mark.parametrize("anchor", ["last_prompt", "question"])
-def test_attnlink_equals_hf_reference(streams, hf_eager, anchor):
-    cfg = {**LINK, "anchor": anchor}
-    rejected, results = _run("attnlink", cfg, streams["events"], {"at-sql"})
+@pytest.mark.parametrize("anchor,pooling", [("last_prompt", None), ("question", "sum")])
+def test_attnlink_equals_hf_reference(streams, hf_eager, anchor, pooling):
+    """The seed's AttnLink-U (docs/use_cases/attnlink.md of IBM/vLLM-Hook), written out from its definition:
+    score = the MEAN attention over the candidate's tokens, p = softmax(log(score + 1e-8) / T), the shortest
+    descending prefix reaching top_p. ``pooling=None`` runs the analyzer's defaults (they must be the seed's:
+    mean, top_p 0.8); "sum" is the project's named variant."""
+    cfg = {"layer": LINK["layer"], "head": LINK["head"], "temperature": LINK["temperature"], "anchor": anchor}
+    if pooling is not None:
+        cfg["pooling"] = pooling
+    top_p = 0.8  # the seed's default: not passed, so the analyzer's default is what is checked
+    rid = "at-sql" if anchor == "last_prompt" else "at-sql-project"
+    rejected, results = _run("attnlink", cfg, streams["events"], {rid})
     assert not rejected
-    (res,) = results["at-sql"]
-    pp, tags, _ = streams["prompts"]["at-sql"]
+    (res,) = results[rid]
+    pp, tags, _ = streams["prompts"][rid]
     n = len(pp.token_ids)
     att = _hf_attn(hf_eager, pp.token_ids)[LINK["layer"]][LINK["head"]]
     rows = [n - 1] if anchor == "last_prompt" else range(*tags["spans"]["question"][0])
     row = sum(att[r] for r in rows) / len(rows)
-    scores = np.array([sum(row[j] for j in range(a, b)) for a, b in tags["spans"]["column"]])
-    w = scores ** (1 / LINK["temperature"])  # softmax(log S / T)
-    probs = w / w.sum()
-    order = sorted(range(len(probs)), key=lambda i: -probs[i])
+    spans = tags["spans"]["column"]
+    if pooling == "sum":
+        scores = np.array([sum(row[j] for j in range(a, b)) for a, b in spans])
+    else:
+        scores = np.array([sum(row[j] for j in range(a, b)) / (b - a) for a, b in spans])
+    logits = [math.log(s + 1e-8) / LINK["temperature"] for s in scores]
+    z = sum(math.exp(v - max(logits)) for v in logits)
+    probs = np.array([math.exp(v - max(logits)) / z for v in logits])
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
     chosen, cum = [], 0.0
     for i in order:
         chosen.append(i)
         cum += probs[i]
-        if cum >= LINK["top_p"]:
+        if cum >= top_p:
             break
     c = int(res.value("num_columns")[0])
-    assert c == len(streams["sq"].columns)
+    assert c == len(spans)
+    assert any(b - a > 1 for a, b in spans)  # multi-token spans: mean and sum differ
     assert res.positions == [n - 1]
     np.testing.assert_allclose(res.value("scores")[0][:c], scores, atol=TOL, rtol=0)
     np.testing.assert_allclose(res.value("probs")[0][:c], probs, atol=TOL, rtol=0)
     assert sorted(np.flatnonzero(res.value("selected")[0][:c]).tolist()) == sorted(chosen)
-    assert res.labels["columns"] == [",".join(streams["sq"].columns[i] for i in chosen)]
+    names = tags["attnlink"]["columns"]
+    assert res.labels["columns"] == [",".join(names[i] for i in chosen)]
+
+
+def test_attnlink_question_anchor_before_the_columns_is_rejected(streams):
+    """In the seed's prompt the question precedes the candidates: a question-row anchor cannot see them."""
+    rejected, _ = _run("attnlink", {**LINK, "anchor": "question"}, streams["events"], {"at-sql"})
+    assert "cannot attend to later columns" in rejected["at-sql"] and _one_line(rejected["at-sql"])
+
+
+def test_attnlink_seed_prompt_makes_the_next_token_an_identifier(tokenizer):
+    """The seed's prompt form: the candidates are the last block, written `column@table`, one span each."""
+    from mia_stream.lab.attention_data import sql_set
+    from mia_stream.spans import prompt_parts
+
+    e = sql_set(1, seed=3, pool="test")[0]
+    pp = prompt_parts(tokenizer, e.messages)
+    spans = pp.ranges("column")
+    texts = [tokenizer.decode(pp.token_ids[a:b]).strip() for a, b in spans]
+    assert texts == [f"{c.split('.')[1]}@{c.split('.')[0]}" for c in e.columns]
+    tail = tokenizer.decode(pp.token_ids[spans[-1][1]:])
+    assert "Candidate Columns" not in tail and "@" not in tail and tail.rstrip().endswith("assistant")
 
 
 def test_bad_requests_are_rejected_with_one_line(streams):
@@ -398,7 +490,7 @@ def test_live_analyzer_processes_equal_replay_of_the_recording(engine, tokenizer
     # name -> (config, pattern, streams, result rows): the reranker gives one row per query/calibration pair
     assert len(inj) == 2
     configs = {"attention_tracker": (TRACKER, "lr-inj-*", 2, 2), "core_reranker": (RERANKER, "lr-rr-*", 2, 1),
-               "attnlink": ({**LINK, "anchor": "question"}, "lr-sql", 1, 1)}
+               "attnlink": (LINK, "lr-sql", 1, 1)}
     procs, rec = {}, tmp_path / "rec"
     for name, (cfg, pattern, n, _) in configs.items():
         (tmp_path / f"{name}.json").write_text(json.dumps(cfg))

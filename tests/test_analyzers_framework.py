@@ -306,6 +306,22 @@ def test_bad_configs_and_probe_files_are_one_line_errors(tmp_path):
         cfg.write_text(json.dumps({"probe": str(probe_file(f"{name}.json", mutate))}))
         r = _cli("hnode", "--config", str(cfg), "--print-spec")
         assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, (name, r.stderr)
+    good_sci = json.loads((ROOT / "mia_stream/analyzers/probes/science-smollm2-135m.json").read_text())
+    sci = {  # the SciHal classifier's multiclass probe file
+        "sci-weights": (lambda d: d.update(weights=d["weights"][:2]), "'weights' must be finite numbers of shape "
+                                                                    "[3, 576], got [2, 576]"),
+        "sci-classes": (lambda d: d.update(classes=["a", "a", "b"]), "'classes' must be a list of 2 or more distinct"),
+        "sci-format": (lambda d: d.update(format="mia_stream.probe/1"), "'format' must be "
+                                                                        "'mia_stream.multiclass_probe/1'"),
+    }
+    for name, (mutate, words) in sci.items():
+        d = json.loads(json.dumps(good_sci))
+        mutate(d)
+        (tmp_path / f"{name}.json").write_text(json.dumps(d))
+        cfg = tmp_path / f"cfg-{name}.json"
+        cfg.write_text(json.dumps({"probe": str(tmp_path / f"{name}.json")}))
+        r = _cli("science_hallucination", "--config", str(cfg), "--print-spec")
+        assert r.returncode == 2 and words in r.stderr and r.stderr.count("\n") == 1, (name, r.stderr)
     (tmp_path / "binary.json").write_bytes(b"\x00\xff\xfe")
     (tmp_path / "cfg-bin.json").write_text(json.dumps({"probe": str(tmp_path / "binary.json")}))
     r = _cli("hnode", "--config", str(tmp_path / "cfg-bin.json"), "--print-spec")

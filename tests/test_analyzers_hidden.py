@@ -136,30 +136,35 @@ def test_analyzers_equal_the_hf_reference_live_and_on_replay(engine, broker_addr
         assert rel_err(np.asarray(final[0]["values"]["mean"][0]), ref64[HS_LAYERS].mean(axis=1)).max() < TOL
         assert rel_err(np.asarray(final[0]["values"]["last"][0]), ref64[HS_LAYERS, -1]).max() < TOL
 
-        # hnode: the probe formula on HF's residual at the last prompt token
+        # hnode, the seed's definitions (IBM/vLLM-Hook mia/utils/hnode/score.py) on HF's raw residual at the last
+        # prompt token: p = sigmoid(((h - mean) / scale) . w + b); excess = mean_j max(0, h_j - baseline_j) over
+        # the H-Nodes, in raw (unstandardized) units
         x = ref64[hnode["layer"], len(prompt_ids) - 1]
         z = (x - np.asarray(hnode["mean"])) / np.asarray(hnode["scale"])
         p_ref = 1 / (1 + np.exp(-(z @ np.asarray(hnode["weights"]) + hnode["bias"])))
-        nodes = np.asarray(hnode["extra"]["h_nodes"])
-        sign = np.sign(np.asarray(hnode["weights"])[nodes])
-        dev = sign * (z[nodes] - np.asarray(hnode["extra"]["grounded_mean"])) / np.asarray(
-            hnode["extra"]["grounded_std"])
+        nodes = hnode["extra"]["h_nodes"]
+        excess_ref = sum(max(0.0, x[j] - b) for j, b in zip(nodes, hnode["extra"]["h_node_baselines"])) / len(nodes)
         (row,) = res["hnode"][rid]
         assert row["positions"] == [len(prompt_ids) - 1]
         assert abs(row["values"]["p_hallucination"][0] - p_ref) < 1e-4
-        assert abs(row["values"]["h_node_excess"][0] - np.maximum(dev, 0).mean()) < 1e-3
+        assert abs(row["values"]["h_node_excess"][0] - excess_ref) < 1e-3 * max(1.0, excess_ref)
         assert row["alerts"] == [bool(row["values"]["p_hallucination"][0] >= hnode["threshold"])]
 
-        # science_hallucination: HF's own final norm (hidden_states[-1]) at the generated positions, pooled
-        gen_rows = normed_last[len(prompt_ids):].double().numpy()  # positions len(prompt) .. n_pos - 1
-        feat = gen_rows.mean(0) if science["pool"] == "mean" else gen_rows[-1]
+        # science_hallucination, the seed's SciHal classifier: the final layer's state normalized by the model's
+        # final norm (HF's own hidden_states[-1]) -- or, for a probe of another layer, HF's raw residual -- at the
+        # last prompt token, standardized, multinomial logistic: softmax(W z + b), the argmax class
+        last = len(prompt_ids) - 1
+        feat = (normed_last[last].double().numpy() if science["final_norm"] else ref64[science["layer"], last])
         z = (feat - np.asarray(science["mean"])) / np.asarray(science["scale"])
-        p_ref = 1 / (1 + np.exp(-(z @ np.asarray(science["weights"]) + science["bias"])))
-        rows = res["science_hallucination"][rid]
-        assert [r["step"] for r in rows][-1] == -1 and len(rows) == len(gen_ids)  # each step, then the end
-        assert rows[-1]["values"]["tokens"] == [len(gen_ids) - 1]
-        assert abs(rows[-1]["values"]["p_hallucination"][0] - p_ref) < 1e-4
-        assert rows[-1]["alerts"] == [bool(rows[-1]["values"]["p_hallucination"][0] >= science["threshold"])]
+        logits = [sum(wk * zk for wk, zk in zip(w_c, z)) + b_c for w_c, b_c in zip(science["weights"], science["bias"])]
+        m = max(logits)
+        probs_ref = np.exp(np.array(logits) - m) / np.exp(np.array(logits) - m).sum()
+        (row,) = res["science_hallucination"][rid]
+        assert row["positions"] == [last]
+        np.testing.assert_allclose(row["values"]["probs"][0], probs_ref, atol=1e-4)
+        k = int(np.argmax(probs_ref))
+        assert row["labels"]["prediction"] == [science["classes"][k]] and row["values"]["class"] == [k]
+        assert row["alerts"] == [science["classes"][k] in ("contradiction", "unverifiable")]
 
 
 def test_a_stream_lacking_the_layer_is_a_one_line_error(engine, broker_address, tmp_path):

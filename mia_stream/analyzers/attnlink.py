@@ -1,17 +1,27 @@
 """attnlink: text-to-SQL schema linking from one attention head (AttnLink-U).
 
-At the generation anchor (the last prompt token: the row that predicts the first token of the SQL), one
-chosen (layer, head) spreads attention over the schema; a column's score is the attention its tokens receive,
-``S_c = sum_{i in c} alpha[anchor, i]``. Config ``anchor``: ``"last_prompt"`` (the method) or the name of a
-span (e.g. ``"question"``) whose rows' attention is averaged instead: a variant for small models, whose last
-prompt token (a chat-template token) attends little to the schema (docs/analyzers.md). Columns are ranked by ``p_c = softmax(log(S_c) / T)`` (a temperature
-softmax over log span scores: ``T = 1`` is the normalized span mass, lower ``T`` sharpens it) and the smallest
-set whose probability reaches ``top_p`` is selected, so the number of linked columns adapts to how peaked the
-head is. No training: the head is chosen once per model on a few labelled questions (``select_head``: the
-head whose ranking puts the gold columns highest, by mean reciprocal rank).
+Method: Song, Liu, Zheng, Li, Li, Zan, "AttnLink: Turning Attention into Schema Links for Text-to-SQL",
+arXiv:2608.00693 (2026), as the seed (IBM/vLLM-Hook ``mia/analyzers/attnlink_analyzer.py``,
+``docs/use_cases/attnlink.md``) ships it. The prompt asks the model to copy one relevant ``column@table``
+identifier from a final "Candidate Columns" block (``lab.attention_data.sql_messages(form="seed")``), so the
+next token starts an identifier; at that generation anchor (the last prompt token) one chosen (layer, head)
+spreads attention over the candidates. Defaults are the seed's:
 
-The prompt carries one ``column`` span per schema column (``mia_stream.spans.prompt_parts``), and may carry
-``tags["attnlink"]["columns"]``: the columns' names, used as the labels of the published selection.
+    alpha   = softmax(q_anchor . K^T * scale)            over the whole prompt
+    S_c     = mean_{i in c} alpha[i]                     the mean over the identifier's tokens (pooling "mean")
+    p_c     = softmax(log(S_c + 1e-8) / T)               over the candidates (T: ``temperature``, 1)
+    selected = the shortest prefix of the ranking (descending S, ties in input order) whose cumulative p
+               reaches ``top_p`` (0.8), at least one column
+
+Named options (the project's variant, kept with its own numbers in docs/analyzers.md): ``pooling: "sum"`` (the
+span's attention mass instead of its mean) and ``anchor: "question"`` (the mean attention of the question's
+rows instead of the last prompt row), which this project used with the "Write the SQL query" prompt; the
+shipped ``configs/attnlink-question-smollm2-135m.json`` is that variant.
+
+No training: the head is chosen once per model on labelled questions whose schemas and question templates are
+disjoint from the evaluation's (``select_head``: the head whose ranking puts the gold columns highest, by mean
+reciprocal rank). The prompt carries one ``column`` span per candidate (``mia_stream.spans.prompt_parts``), and
+may carry ``tags["attnlink"]["columns"]``: the candidates' names, the labels of the published selection.
 """
 
 from __future__ import annotations
@@ -26,31 +36,36 @@ from mia_stream.analyzers._span_analyzer import (PromptState, SpanAttentionAnaly
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 
 TAG = "attnlink"
-_TINY = 1e-30  # log of a column that got no attention at all
+EPS = 1e-8  # the seed's smoothing inside log(S + eps)
+POOLINGS = ("mean", "sum")
 
 
-def column_scores(alpha_anchor: np.ndarray, column_spans: Sequence[tuple[int, int]]) -> np.ndarray:
-    """``alpha_anchor [..., T]`` -> ``[..., C]``: attention mass on each column's tokens."""
+def column_scores(alpha_anchor: np.ndarray, column_spans: Sequence[tuple[int, int]],
+                  pooling: str = "mean") -> np.ndarray:
+    """``alpha_anchor [..., T]`` -> ``[..., C]``: each column span's mean attention (the seed), or its sum."""
     n = alpha_anchor.shape[-1]
+    if pooling not in POOLINGS:
+        raise ValueError(f"pooling must be one of {POOLINGS}, got {pooling!r}")
     out = np.empty(alpha_anchor.shape[:-1] + (len(column_spans),), dtype=np.float64)
     for c, (a, b) in enumerate(column_spans):
         if not 0 <= a < b <= n:
             raise AnalyzerInputError(f"column span [{a}, {b}) is out of range: the keys cover {n} tokens")
-        out[..., c] = alpha_anchor[..., a:b].sum(axis=-1)
+        span = alpha_anchor[..., a:b]
+        out[..., c] = span.mean(axis=-1) if pooling == "mean" else span.sum(axis=-1)
     return out
 
 
 def link_probabilities(scores: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """``softmax(log(S) / T)`` over the last axis."""
-    z = np.log(np.maximum(scores, _TINY)) / temperature
+    """``softmax(log(S + 1e-8) / T)`` over the last axis."""
+    z = np.log(np.asarray(scores, np.float64) + EPS) / temperature
     z -= z.max(axis=-1, keepdims=True)
     e = np.exp(z)
     return e / e.sum(axis=-1, keepdims=True)
 
 
 def select_top_p(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Column indices, most probable first, up to and including the one where the cumulative probability
-    reaches ``top_p`` (nucleus selection; at least one column)."""
+    """Column indices, most probable first (ties in input order), up to and including the one where the
+    cumulative probability reaches ``top_p`` (nucleus selection; at least one column)."""
     order = np.argsort(-probs, kind="stable")
     cum = np.cumsum(probs[order])
     n = int(np.searchsorted(cum, top_p - 1e-12) + 1)
@@ -74,9 +89,9 @@ def select_head(per_head_scores: Sequence[np.ndarray], gold: Sequence[set]) -> t
 
 
 def link(alpha_anchor: np.ndarray, column_spans: Sequence[tuple[int, int]], temperature: float,
-         top_p: float) -> dict:
+         top_p: float, pooling: str = "mean") -> dict:
     """One request's linking: ``scores``, ``probs`` per column and the ``selected`` column indices."""
-    s = column_scores(alpha_anchor, column_spans)
+    s = column_scores(alpha_anchor, column_spans, pooling)
     p = link_probabilities(s, temperature)
     return {"scores": s, "probs": p, "selected": select_top_p(p, top_p)}
 
@@ -85,9 +100,10 @@ class AttnLink(SpanAttentionAnalyzer):
     """Text-to-SQL schema linking: one head's attention at the generation anchor ranks the columns (AttnLink-U)."""
 
     name = "attnlink"
-    version = "1"
-    defaults = {"layer": None, "head": None, "temperature": 1.0, "top_p": 0.9, "column_span": "column",
-                "anchor": "last_prompt", "scale": None, "selection": None, "model": None}
+    version = "2"  # 2: the seed's mean pooling and top_p 0.8 by default (1 summed the span, top_p 0.9)
+    defaults = {"layer": None, "head": None, "temperature": 1.0, "top_p": 0.8, "pooling": "mean",
+                "column_span": "column", "anchor": "last_prompt", "scale": None, "selection": None, "model": None,
+                "prompt_form": None}
 
     def configure(self, config: dict) -> None:
         for key in ("layer", "head"):
@@ -103,14 +119,26 @@ class AttnLink(SpanAttentionAnalyzer):
         self.temperature = check_number(config, "temperature", self.name, positive=True)
         self.top_p = check_number(config, "top_p", self.name, lo=1e-9, hi=1.0)
         self.scale = check_number(config, "scale", self.name, positive=True, optional=True)
+        self.pooling = config["pooling"]
+        if self.pooling not in POOLINGS:
+            raise AnalyzerConfigError(f"{self.name} config: 'pooling' must be one of {list(POOLINGS)}, "
+                                      f"got {self.pooling!r}")
         self.column_span = check_span_name(config, "column_span", self.name)
         self.anchor = check_span_name(config, "anchor", self.name)
         self.span_names = (self.column_span,) + (() if self.anchor == "last_prompt" else (self.anchor,))
 
     def check_request(self, st: PromptState) -> None:
-        if self.anchor != "last_prompt" and len(st.spans[self.anchor]) != 1:
-            raise AnalyzerInputError(f"request {st.request_id!r}: {len(st.spans[self.anchor])} spans named "
-                                     f"{self.anchor!r} (the anchor), want 1")
+        if self.anchor != "last_prompt":
+            if len(st.spans[self.anchor]) != 1:
+                raise AnalyzerInputError(f"request {st.request_id!r}: {len(st.spans[self.anchor])} spans named "
+                                         f"{self.anchor!r} (the anchor), want 1")
+            end = st.spans[self.anchor][0][1]
+            last_col = max(b for _, b in st.spans[self.column_span])
+            if end < last_col:  # causal attention: the anchor's rows cannot see columns after them
+                raise AnalyzerInputError(f"request {st.request_id!r}: the anchor span {self.anchor!r} ends at token "
+                                         f"{end}, before the last {self.column_span!r} span (ends {last_col}): its "
+                                         f"rows cannot attend to later columns (use the prompt form with the "
+                                         f"question after the schema, or anchor 'last_prompt')")
         names = self.column_names(st)
         n = len(st.spans[self.column_span])
         if names is not None and len(names) != n:
@@ -136,7 +164,7 @@ class AttnLink(SpanAttentionAnalyzer):
 
     def score(self, st: PromptState) -> dict:
         alpha = st.attention(self.anchor_rows(st), self.scale)[0].mean(axis=0)  # the one head, anchor rows: [T]
-        return link(alpha, st.spans[self.column_span], self.temperature, self.top_p)
+        return link(alpha, st.spans[self.column_span], self.temperature, self.top_p, self.pooling)
 
     def report(self, scored: list, out) -> None:
         ids, chosen, labels = [], [], []

@@ -1,32 +1,31 @@
-"""``hnode``: a logistic hallucination probe on the standardized last-token hidden state of one layer, plus the
-H-Node excess score.
+"""``hnode``: a logistic hallucination probe on one layer's last-token hidden state, plus the H-Node excess score,
+as the seed ships it (IBM/vLLM-Hook ``mia/analyzers/hnode_hallucination_analyzer.py``, ``mia/utils/hnode/score.py``,
+``docs/use_cases/hnode_detector.md``).
 
 Method: E. Yocam, V. Vaidyan, Y. Wang, "H-Node Attack and Defense in Large Language Models", arXiv:2603.26045
-(2026), building on E. Yocam et al., "Adaptive Activation Cancellation for Hallucination Mitigation in Large
-Language Models", arXiv:2603.10195 (2026): a logistic-regression probe trained on last-token hidden states
-localizes the hallucination signal to a few high-variance dimensions, the Hallucination Nodes (H-Nodes); probe
-AUC reaches 0.90 across four models (OPT-125M to Llama-3-8B). Their defense cancels each H-Node's *excess* over
-its grounded baseline.
+(2026): a logistic-regression probe on last-token hidden states of the best layer; its largest-weight hidden
+dimensions are the Hallucination Nodes (H-Nodes). The seed scores a *question + answer* pair ("Q: ...\nA: ...",
+plain text, one prefill): the state of its last token says whether the answer is grounded or hallucinated.
 
-Here, for each captured row of the probe's layer (by default the last prompt token: the state whose logits pick
-the first answer token, so the score is a prediction before the answer is written):
+For each captured row ``h`` (raw residual of the probe's layer; by default the last prompt token)::
 
-    z        = (h - mean) / scale                               standardized (the probe file's statistics)
-    p        = sigmoid(z . w + b)                               P(hallucination)      -> value ``p_hallucination``
-    excess_k = max(0, sign(w_k) (z_k - mu_k) / sigma_k)         for each H-Node k: how far it goes past its
-                                                                grounded (label 0) training mean, in grounded
-                                                                standard deviations, toward hallucination
-    excess   = mean_k excess_k                                                        -> value ``h_node_excess``
+    p        = sigmoid(((h - mean) / scale) . w + b)          P(hallucinated)              -> ``p_hallucination``
+    excess   = mean_k max(0, h[k] - baseline[k])              over the H-Nodes k, raw units -> ``h_node_excess``
 
-H-Nodes are the ``k`` dimensions with the largest ``|w_k|`` (the probe file's ``extra.h_nodes``; ``mu``/``sigma``
-in ``extra.grounded_mean`` / ``extra.grounded_std``). A row is an alert when ``p >= threshold``. The excess is our
-reading of the paper's "H-Node excess" (the papers give no closed formula in their abstracts); it is reported,
-never used for the alert.
+``baseline[k]``: a percentile (the probe file's ``extra.baseline_percentile``) of H-Node k's raw activation over
+the grounded (label 0) training rows; H-Nodes: the probe's ``extra.h_nodes`` (the dimensions with the largest
+positive standardized weights, so that rising above the baseline is the hallucination direction). A row is an
+alert when ``p >= threshold``; the excess is reported, never used for the alert (the seed's definition).
 
-The shipped probe (``probes/hnode-smollm2-135m.json``) was trained here by ``scripts/train_probes.py`` on
-country-capital questions answered by the embedded model; its metadata and held-out metrics are in the file and
-in docs/analyzers.md. Config: ``probe`` (path, or a shipped probe's file name), ``threshold`` (default: the
-probe's), ``positions`` (default the probe's; "all" or "generated" score every such row).
+Two probe modes (``extra.mode``; the analyzer reads whichever the probe file was trained for):
+``"qa"`` (the seed's; shipped ``probes/hnode-smollm2-135m.json``), the request is the question + the answer to
+check; ``"before_answer"`` (this project's earlier variant; ``probes/hnode-before-answer-smollm2-135m.json``),
+the request is the chat-templated question and the row is the last prompt token, so the score predicts, before
+the answer is written, whether the model's own answer will be wrong. Both were trained here by
+``scripts/eval_hnode.py``; their data, split and held-out metrics are in the files and in docs/analyzers.md.
+
+Config: ``probe`` (path, or a shipped probe's file name), ``threshold`` (default: the probe's), ``positions``
+(default the probe's; "all" or "generated" score every such row).
 """
 
 from __future__ import annotations
@@ -42,10 +41,10 @@ DEFAULT_PROBE = "hnode-smollm2-135m.json"
 
 
 class HNode(Analyzer):
-    """Logistic hallucination probe on one layer's last-token state, plus the H-Node excess score."""
+    """Logistic hallucination probe on one layer's last-token state, plus the H-Node excess score (the seed's)."""
 
     name = "hnode"
-    version = "1"
+    version = "2"  # 2: the seed's excess, mean(max(0, h - percentile baseline)) in raw units; question+answer probe
     defaults = {"probe": DEFAULT_PROBE, "threshold": None, "positions": None}
 
     def configure(self, config: dict) -> None:
@@ -54,18 +53,17 @@ class HNode(Analyzer):
         extra = probe.extra
         try:
             nodes = np.asarray(extra["h_nodes"], np.int64)
-            mu = np.asarray(extra["grounded_mean"], np.float64)
-            sd = np.asarray(extra["grounded_std"], np.float64)
+            base = np.asarray(extra["h_node_baselines"], np.float64)
         except (KeyError, TypeError, ValueError) as e:
-            raise AnalyzerConfigError(f"probe file {probe.path}: 'extra' needs h_nodes, grounded_mean and "
-                                      f"grounded_std ({e})") from None
-        if (nodes.ndim != 1 or not len(nodes) or mu.shape != nodes.shape or sd.shape != nodes.shape
-                or nodes.min() < 0 or nodes.max() >= probe.hidden_size or (sd <= 0).any()):
+            raise AnalyzerConfigError(f"probe file {probe.path}: 'extra' needs h_nodes and h_node_baselines "
+                                      f"({e})") from None
+        if (nodes.ndim != 1 or not len(nodes) or base.shape != nodes.shape or not np.isfinite(base).all()
+                or nodes.min() < 0 or nodes.max() >= probe.hidden_size):
             raise AnalyzerConfigError(f"probe file {probe.path}: 'extra' h_nodes must be indices below "
-                                      f"{probe.hidden_size} with one positive grounded_std and one grounded_mean each")
-        self.nodes, self.node_sign = nodes, np.sign(probe.weights[nodes])
+                                      f"{probe.hidden_size} with one finite h_node_baselines value each")
+        self.nodes, self.node_baselines = nodes, base.astype(np.float32)
+        self.mode = str(extra.get("mode", "qa"))
         self.w_fold, self.c_fold = probe.folded(np.float32)
-        self.node_mu, self.node_sd = mu, sd
         thr = config["threshold"]
         if thr is None:
             thr = probe.threshold
@@ -104,9 +102,7 @@ class HNode(Analyzer):
             # may depend on the batch): a request's score never depends on which other requests share its step,
             # so live and replayed results are bit-identical
             p = sigmoid((x * self.w_fold).sum(axis=1, dtype=np.float64) + self.c_fold)
-            z = (x[:, self.nodes] - probe.mean[self.nodes]) / probe.scale[self.nodes]  # the H-Nodes only
-            dev = self.node_sign * (z - self.node_mu) / self.node_sd
-            excess = np.maximum(dev, 0.0).mean(axis=1)
+            excess = np.maximum(x[:, self.nodes] - self.node_baselines, 0.0).mean(axis=1)  # raw units
             out.add(batch.request_ids, row_requests, positions,
                     {"p_hallucination": p.astype(np.float32), "h_node_excess": excess.astype(np.float32)},
                     alerts=p >= self.threshold)

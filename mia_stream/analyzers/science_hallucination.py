@@ -1,26 +1,33 @@
-"""``science_hallucination``: a trained classifier that flags a wrong answer to a science question from the
-model's own final hidden states, with the model's final norm applied as the model applies it.
+"""``science_hallucination``: the seed's SciHal claim classifier. Given a reference and a claim, a classifier on
+the model's final hidden state (with the model's final norm applied) says whether the reference supports the
+claim (``entailment``), contradicts it (``contradiction``) or does not address it (``unverifiable``).
 
-Method: a linear probe of the final-layer representations of the answer tokens, in the line of
-"The Internal State of an LLM Knows When It's Lying" (A. Azaria, T. Mitchell, Findings of EMNLP 2023: a
-classifier on hidden states detects false statements) and "Discovering Latent Knowledge in Language Models Without
-Supervision" (C. Burns et al., ICLR 2023). The capture reads the residual stream *before* the model's final norm
-(``hs`` of the last layer = HF's ``output_hidden_states[-1]`` before ``model.norm``), so each row is first
-normalized exactly as the model does before its LM head (Llama-style RMSNorm, in float32)::
+Seed: IBM/vLLM-Hook ``mia/analyzers/science_hallucination_analyzer.py`` and ``examples/demo_scihal.py``, after the
+SciHal challenge (github.com/InfintyLab/SciHal-Challenge): the request is the SciHal prompt (a system task line,
+solved examples, "Input: #Claim: ... #Reference: ...", "Output:"), the captured residual of the final layer is
+normalized with the model's final RMSNorm and a trained scikit-learn classifier predicts one of the three labels.
+Build the request with ``lab.claims_data.scihal_messages(reference, claim)`` (the seed's prompt) and send it with
+the capture of ``--print-spec``.
 
-    n = x / sqrt(mean(x^2) + eps) * norm_weight          (norm_weight, eps: the model dir's final norm, config)
+Here: the row is the **last prompt token** (the state before the model writes its verdict); the seed reads the
+last token of the prompt plus the model's own justification, which a 135M model does not write usefully (and
+which costs a long generation). The classifier is a multinomial logistic regression stored as JSON (format
+``mia_stream.multiclass_probe/1``: ``classes``, ``layer``, ``position``, ``final_norm``, ``mean``/``scale``
+[H], ``weights`` [C, H], ``bias`` [C], ``training``, ``metrics``)::
 
-then the rows of the request's generated tokens are mean-pooled (``pool`` "mean") or the last one taken
-(``pool`` "last"), standardized and scored by the probe: ``p = sigmoid(z . w + b)`` = P(the answer is wrong).
+    n      = x / sqrt(mean(x^2) + eps) * norm_weight        (when final_norm: the model dir's final norm)
+    z      = (n - mean) / scale
+    probs  = softmax(weights . z + bias)                  -> value ``probs`` [C]; label ``prediction``
 
-Results: every step, one row per request (at its newest position) with the running ``p_hallucination`` over the
-answer so far and ``tokens``; at the request's end one row (position -1) with the final ``p_hallucination``,
-``tokens``, and ``alert`` when ``p >= threshold``. The shipped probe (``probes/science-smollm2-135m.json``) was
-trained here by ``scripts/train_probes.py`` on element questions (symbols, atomic numbers, from the
-``periodictable`` package) answered by the embedded model; metrics in the file and in docs/analyzers.md.
+One row per request at its last prompt position: ``probs`` (classes in the probe's order), ``class`` (index);
+label ``prediction``; alert when the prediction is in ``alert_on`` (default: contradiction, unverifiable).
+The shipped probe (``probes/science-smollm2-135m.json``) was trained here by ``scripts/eval_science.py`` on
+claims generated from package facts (``lab.claims_data``; countries and chemical elements), held out by entity;
+its metrics beside a lexical-overlap classifier and the model's own log-probability of "true" are in the file
+and in docs/analyzers.md.
 
-Config: ``probe`` (path or shipped file name), ``threshold`` (default: the probe's), ``model`` (the model dir
-whose final norm to apply; default: the stream's ``StreamStart.model`` when it is a local directory, else the
+Config: ``probe`` (path or shipped file name), ``alert_on`` (class names), ``model`` (the model dir whose
+final norm to apply; default: the stream's ``StreamStart.model`` when it is a local directory, else the
 embedded model).
 """
 
@@ -28,17 +35,19 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from mia_stream.analyzers._base import (Analyzer, Needs, RequestTable, Results, layer_rows, layer_values,
-                                        segments_of)
-from mia_stream.analyzers._probe import LinearProbe, load_probe, resolve_probe_path, sigmoid
+from mia_stream.analyzers._base import Analyzer, Needs, Results, layer_rows, layer_values
+from mia_stream.analyzers._probe import resolve_probe_path
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
-from mia_stream.schemas import StepBatch, StreamEnd, StreamStart
+from mia_stream.schemas import StepBatch, StreamStart
 
 DEFAULT_PROBE = "science-smollm2-135m.json"
+FORMAT = "mia_stream.multiclass_probe/1"
+SCIHAL_CLASSES = ("entailment", "contradiction", "unverifiable")
 _NORM_KEYS = ("model.norm.weight", "norm.weight", "model.final_layernorm.weight")
 
 
@@ -97,33 +106,119 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return (x / np.sqrt(var + np.float32(eps))) * weight
 
 
+@dataclass
+class MulticlassProbe:
+    """A multinomial logistic classifier on one layer's (optionally final-normed) hidden state."""
+
+    analyzer: str
+    model: str
+    hidden_size: int
+    num_layers: int
+    layer: int
+    position: str
+    final_norm: bool
+    classes: list
+    mean: np.ndarray
+    scale: np.ndarray
+    weights: np.ndarray  # [C, H]
+    bias: np.ndarray  # [C]
+    training: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)
+    path: str = ""
+
+    def probs(self, x: np.ndarray) -> np.ndarray:
+        """``[N, H]`` (already final-normed when ``final_norm``) -> ``[N, C]`` float64, row by row (row-wise sums:
+        a row's result never depends on the other rows of its batch)."""
+        z = (np.asarray(x, np.float64) - self.mean) / self.scale
+        logits = (z[:, None, :] * self.weights[None]).sum(axis=-1) + self.bias
+        logits -= logits.max(axis=1, keepdims=True)
+        e = np.exp(logits)
+        return e / e.sum(axis=1, keepdims=True)
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "analyzer": self.analyzer, "model": self.model, "hidden_size": self.hidden_size,
+                "num_layers": self.num_layers, "layer": self.layer, "position": self.position,
+                "final_norm": self.final_norm, "classes": list(self.classes), "mean": self.mean.tolist(),
+                "scale": self.scale.tolist(), "weights": self.weights.tolist(), "bias": self.bias.tolist(),
+                "training": self.training, "metrics": self.metrics}
+
+    def save(self, path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+
+def load_multiclass_probe(path, analyzer: str = "science_hallucination") -> MulticlassProbe:
+    """Read and check a ``mia_stream.multiclass_probe/1`` file; one-line ``AnalyzerConfigError`` naming the key."""
+    p = Path(path)
+    where = f"probe file {p}"
+    try:
+        data = json.loads(p.read_text())
+    except OSError as e:
+        raise AnalyzerConfigError(f"{where}: {e.strerror or e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise AnalyzerConfigError(f"{where}: not a JSON file") from None
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        raise AnalyzerConfigError(f"{where}: 'format' must be {FORMAT!r}, got "
+                                  f"{data.get('format') if isinstance(data, dict) else type(data).__name__!r}")
+    if data.get("analyzer") != analyzer:
+        raise AnalyzerConfigError(f"{where}: a probe for analyzer {data.get('analyzer')!r}, not {analyzer!r}")
+
+    def need(key, check, desc):
+        if key not in data:
+            raise AnalyzerConfigError(f"{where}: missing key {key!r}")
+        if not check(data[key]):
+            raise AnalyzerConfigError(f"{where}: {key!r} must be {desc}, got {str(data[key])[:60]}")
+        return data[key]
+
+    is_int = lambda v: isinstance(v, int) and not isinstance(v, bool)  # noqa: E731
+    hidden = need("hidden_size", lambda v: is_int(v) and v > 0, "a positive integer")
+    classes = need("classes", lambda v: isinstance(v, list) and len(v) >= 2 and all(isinstance(c, str) for c in v)
+                   and len(set(v)) == len(v), "a list of 2 or more distinct class names")
+    C = len(classes)
+
+    def array(key, shape, positive=False):
+        try:
+            a = np.asarray(need(key, lambda v: isinstance(v, list), "a list"), np.float64)
+        except (TypeError, ValueError):
+            raise AnalyzerConfigError(f"{where}: {key!r} must hold numbers") from None
+        if a.shape != shape or not np.isfinite(a).all() or (positive and (a <= 0).any()):
+            raise AnalyzerConfigError(f"{where}: {key!r} must be {'positive ' if positive else ''}finite numbers "
+                                      f"of shape {list(shape)}, got {list(a.shape)}")
+        return a
+
+    return MulticlassProbe(
+        analyzer=analyzer, model=str(data.get("model", "")), hidden_size=hidden,
+        num_layers=int(data.get("num_layers", 0) or 0),
+        layer=need("layer", lambda v: is_int(v) and v >= 0, "a layer index"),
+        position=need("position", lambda v: v in ("last_prompt", "generated", "prompt", "all"),
+                      "one of last_prompt, generated, prompt, all"),
+        final_norm=bool(need("final_norm", lambda v: isinstance(v, bool), "true or false")), classes=classes,
+        mean=array("mean", (hidden,)), scale=array("scale", (hidden,), positive=True),
+        weights=array("weights", (C, hidden)), bias=array("bias", (C,)),
+        training=data.get("training") if isinstance(data.get("training"), dict) else {},
+        metrics=data.get("metrics") if isinstance(data.get("metrics"), dict) else {}, path=str(p))
+
+
 class ScienceHallucination(Analyzer):
-    """Trained classifier on the final-normed answer states: is this science answer wrong?"""
+    """The seed's SciHal classifier: reference + claim -> entailment / contradiction / unverifiable."""
 
     name = "science_hallucination"
-    version = "1"
-    defaults = {"probe": DEFAULT_PROBE, "threshold": None, "model": None}
+    version = "2"  # 2: the seed's three-class claim classifier (1 was a wrong-answer probe on element questions)
+    defaults = {"probe": DEFAULT_PROBE, "alert_on": ["contradiction", "unverifiable"], "model": None}
 
     def configure(self, config: dict) -> None:
-        probe = load_probe(resolve_probe_path(config["probe"], "science_hallucination config"),
-                           "science_hallucination")
-        self.probe: LinearProbe = probe
-        thr = probe.threshold if config["threshold"] is None else config["threshold"]
-        if isinstance(thr, bool) or not isinstance(thr, (int, float)) or not 0 <= thr <= 1:
-            raise AnalyzerConfigError(f"science_hallucination config: 'threshold' must be a probability in "
-                                      f"[0, 1], got {thr!r}")
-        self.threshold = float(thr)
+        probe = load_multiclass_probe(resolve_probe_path(config["probe"], "science_hallucination config"))
+        self.probe = probe
+        alert_on = config["alert_on"]
+        if not isinstance(alert_on, list) or any(c not in probe.classes for c in alert_on):
+            raise AnalyzerConfigError(f"science_hallucination config: 'alert_on' must be a list of the probe's "
+                                      f"classes {probe.classes}, got {alert_on!r}")
+        self.alert_index = np.array([c in alert_on for c in probe.classes])
         model = config["model"]
         if model is not None and not (isinstance(model, str) and Path(model).is_dir()):
             raise AnalyzerConfigError(f"science_hallucination config: 'model' must be a model directory, "
                                       f"got {model!r}")
         self._needs = Needs(hs_layers=(probe.layer,), hs_positions=probe.position)
         self.norm: tuple[np.ndarray, float] | None = None
-        self.row_weights: np.ndarray | None = None  # norm weight x (w / scale): a row's score in one pass
-        self.offset = 0.0
-        # per request: the sum of its rows' scores (the mean's score is linear in the rows), the last row's
-        # score, the rows counted: no hidden-size state per request
-        self.table = RequestTable(score_sum=((), np.float64), last_score=((), np.float64), count=((), np.int64))
 
     def needs(self) -> Needs:
         return self._needs
@@ -131,11 +226,14 @@ class ScienceHallucination(Analyzer):
     def on_start(self, start: StreamStart) -> None:
         super().on_start(start)
         probe = self.probe
-        probe.check_stream(start, layers="the probe reads the final layer of a")
-        if self.norm is None:
-            weight, eps = self.norm = final_norm(self._model_dir(start))
-            v, self.offset = probe.folded(np.float64)
-            self.row_weights = (weight.astype(np.float64) * v).astype(np.float32)
+        if start.hidden_size and start.hidden_size != probe.hidden_size:
+            raise AnalyzerInputError(f"request {start.request_id!r}: the probe {probe.path} is for hidden size "
+                                     f"{probe.hidden_size} ({probe.model}), the stream's model has {start.hidden_size}")
+        if start.num_layers and probe.num_layers and start.num_layers != probe.num_layers:
+            raise AnalyzerInputError(f"request {start.request_id!r}: the probe {probe.path} is for a "
+                                     f"{probe.num_layers}-layer model, the stream's model has {start.num_layers}")
+        if probe.final_norm and self.norm is None:
+            self.norm = final_norm(self._model_dir(start))
 
     def _model_dir(self, start: StreamStart) -> str:
         if self.config["model"]:
@@ -147,51 +245,23 @@ class ScienceHallucination(Analyzer):
         return str(default_model_dir())
 
     def on_batch(self, batch: StepBatch, out: Results) -> None:
-        if self.norm is None:
-            return
-        eps = self.norm[1]
-        probe, table = self.probe, self.table
-        ids = batch.request_ids
+        probe = self.probe
         for g in batch.groups:
-            if not g.has("hs"):
+            if not g.has("hs") or not g.num_rows:
                 continue
             t = g.tensor("hs")
             if t.shape[2] != probe.hidden_size:
                 raise AnalyzerInputError(f"hs rows of width {t.shape[2]}, the probe needs {probe.hidden_size}")
             x = layer_values(t, int(layer_rows(t, (probe.layer,))[0]))  # [N, H] float32
-            positions = g.positions
+            positions, row_requests = g.positions, g.row_requests
             mask = self.position_mask(batch, g, probe.position)
-            if mask is not None:  # e.g. the prompt rows of a stream that captures every position
-                x, positions = x[mask], positions[mask]
+            if mask is not None:
+                x, positions, row_requests = x[mask], positions[mask], row_requests[mask]
             if not len(x):
                 continue
-            # probe(norm(x)) = (x . (norm_weight * w / scale)) / rms(x) + c: one pass for the dot, one for the rms
-            rms = np.sqrt(np.square(x).mean(axis=1, dtype=np.float32) + np.float32(eps))
-            scores = (x * self.row_weights).sum(axis=1, dtype=np.float64) / rms
-            kept, off = segments_of(g.rows, mask)
-            keep = kept > 0
-            seg_requests, seg_rows, off = g.requests[keep], kept[keep], off[keep]
-            last = off + seg_rows - 1
-            slots = table.slots([ids[i] for i in seg_requests.tolist()])
-            table["score_sum"][slots] += np.add.reduceat(scores, off) if len(scores) != len(off) else scores
-            table["last_score"][slots] = scores[last]
-            table["count"][slots] += seg_rows
-            out.add(ids, seg_requests, positions[last], self._scores(slots))
-
-    def on_end(self, request_id: str, end: StreamEnd | None, out: Results) -> None:
-        slot = self.table.slot(request_id)
-        if slot is None:
-            return
-        if end is not None:
-            values = {k: v[0] for k, v in self._scores(np.asarray([slot])).items()}
-            out.add_one(request_id, values, alert=bool(values["p_hallucination"] >= self.threshold))
-        self.table.release(request_id)
-
-    def _scores(self, slots: np.ndarray) -> dict:
-        table = self.table
-        count = table["count"][slots]
-        if self.probe.pool == "mean":
-            logit = table["score_sum"][slots] / np.maximum(count, 1)
-        else:
-            logit = table["last_score"][slots]
-        return {"p_hallucination": sigmoid(logit + self.offset).astype(np.float32), "tokens": count.copy()}
+            if probe.final_norm:
+                x = rms_norm(x, *self.norm)
+            p = probe.probs(x)
+            k = p.argmax(axis=1)
+            out.add(batch.request_ids, row_requests, positions, {"probs": p, "class": k.astype(np.int64)},
+                    {"prediction": [probe.classes[i] for i in k.tolist()]}, alerts=self.alert_index[k])

@@ -5,7 +5,7 @@ the lab; the analyzers keep only the pure scoring math it calls (``discover_head
 
     python -m mia_stream.lab.head_discovery attention_tracker discover --out tracker.json [--k 4] [--model DIR]
     python -m mia_stream.lab.head_discovery core_reranker select-heads --out core.json [--top 8] [--num 20]
-    python -m mia_stream.lab.head_discovery attnlink select-head --out link.json [--anchor question] [--num 21]
+    python -m mia_stream.lab.head_discovery attnlink select-head --out link.json [--anchor question] [--num 20]
 
 (``mia-stream heads ...`` is the same command.) ``attend`` is a ``lab.qk_runs`` backend: prompts -> one
 ``PromptAttention`` per prompt.
@@ -20,7 +20,8 @@ from typing import Sequence
 
 import numpy as np
 
-from mia_stream.analyzers.attention_tracker import DEFAULT_K, discover_heads, instruction_ratios, span_masks
+from mia_stream.analyzers.attention_tracker import (DEFAULT_K, DEFAULT_THRESHOLD_K, PROBE_INSTRUCTION, discover_heads,
+                                                   instruction_ratios, probe_messages, span_masks)
 from mia_stream.analyzers.attnlink import column_scores, select_head
 from mia_stream.analyzers.core_reranker import doc_scores, rank, reciprocal_rank, select_heads
 from mia_stream.spans import prompt_parts
@@ -39,22 +40,30 @@ def all_head_ratios(attend, tokenizer, examples: Sequence, num_layers: int) -> n
     return np.stack(out)
 
 
-def discover(tokenizer, attend, num_layers: int, num: int = 25, k: float = DEFAULT_K) -> dict:
-    """Run the discovery set through ``attend`` (``qk_runs``) and return ``discover_heads``' result."""
+def discover(tokenizer, attend, num_layers: int, num: int = 25, k: float = DEFAULT_K,
+             threshold_k: float = DEFAULT_THRESHOLD_K) -> dict:
+    """Run the discovery set through ``attend`` (``qk_runs``) and return ``discover_heads``' result, with the
+    probe instruction's token ids (``probe_token_ids``) for mode "probe"."""
     from mia_stream.lab.attention_data import injection_set
 
     examples = injection_set("discovery", num)
     ratios = all_head_ratios(attend, tokenizer, examples, num_layers)
     flags = np.array([e.attack for e in examples])
-    return discover_heads(ratios[~flags], ratios[flags], k)
+    res = discover_heads(ratios[~flags], ratios[flags], k, threshold_k)
+    pp = prompt_parts(tokenizer, probe_messages("x"))
+    (a, b), = pp.ranges("instruction")
+    res["probe_token_ids"] = [int(t) for t in pp.token_ids[a:b]]
+    return res
 
 
 def config_from_discovery(res: dict, model: str) -> dict | None:
-    """The analyzer config a discovery result gives (None: no head passed)."""
+    """The analyzer config a discovery result gives (None: no head passed): mode "probe" (the paper's)."""
     if not res["heads"]:
         return None
-    rest = {k: v for k, v in res.items() if k not in ("heads", "threshold")}
-    return {"heads": res["heads"], "threshold": res["threshold"], "model": model, "discovery": rest}
+    rest = {k: v for k, v in res.items() if k not in ("heads", "threshold", "probe_token_ids")}
+    return {"heads": res["heads"], "threshold": res["threshold"], "mode": "probe",
+            "probe_token_ids": res["probe_token_ids"], "model": model,
+            "discovery": {**rest, "probe_instruction": PROBE_INSTRUCTION}}
 
 
 def attention_tracker_main(argv: list[str] | None = None) -> int:
@@ -67,6 +76,8 @@ def attention_tracker_main(argv: list[str] | None = None) -> int:
     d.add_argument("--model", help="model dir (default: the embedded model)")
     d.add_argument("--num", type=int, default=25, help="normal and attacked prompts each (default 25)")
     d.add_argument("--k", type=float, default=DEFAULT_K, help="the k of mu - k sigma (default 4, the paper's)")
+    d.add_argument("--threshold-k", type=float, default=DEFAULT_THRESHOLD_K,
+                   help="threshold = mean - k std of the normal prompts' focus (default 4, the reference code's)")
     d.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     args = ap.parse_args(argv)
 
@@ -76,7 +87,7 @@ def attention_tracker_main(argv: list[str] | None = None) -> int:
 
     with attention_backend(args.model, args.backend) as (tok, attend):
         L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers
-        res = discover(tok, attend, L, args.num, args.k)
+        res = discover(tok, attend, L, args.num, args.k, args.threshold_k)
     print(f"heads passing (mu_N - k sigma_N) - (mu_A + k sigma_A) > 0, by k: {res['heads_by_k']}", file=sys.stderr)
     config = config_from_discovery(res, tok.name_or_path)
     if config is None:
@@ -92,22 +103,25 @@ def attention_tracker_main(argv: list[str] | None = None) -> int:
 # ------------------------------------------------------------------------------------------------- attnlink
 
 
-def choose_head(tokenizer, attend, num_layers: int, num: int = 21, seed: int = 1, top_p: float = 0.9,
-                temperature: float = 1.0, anchor: str = "last_prompt") -> dict:
-    """Run labelled questions (``sql_set(num, seed)``) through ``attend``; the config of the best head."""
+def choose_head(tokenizer, attend, num_layers: int, num: int = 20, seed: int = 1, top_p: float = 0.8,
+                temperature: float = 1.0, anchor: str = "last_prompt", pooling: str = "mean",
+                form: str = "seed") -> dict:
+    """Run labelled questions of the *selection* pool (``sql_set(num, seed, pool="selection", form=form)``:
+    tables and question templates the evaluation's test pool never uses) through ``attend``; the config of the
+    best head."""
     from mia_stream.lab.attention_data import sql_set
 
-    examples = sql_set(num, seed=seed)
+    examples = sql_set(num, seed=seed, pool="selection", form=form)
     pps = [prompt_parts(tokenizer, e.messages) for e in examples]
     per_head = []
     for pp, att in zip(pps, attend([p.token_ids for p in pps], list(range(num_layers)))):
         n = len(pp.token_ids)
         rows = [n - 1] if anchor == "last_prompt" else list(range(*pp.ranges(anchor)[0]))
-        per_head.append(column_scores(att.rows(rows).mean(axis=2), pp.ranges("column")))  # [L, H, C]
+        per_head.append(column_scores(att.rows(rows).mean(axis=2), pp.ranges("column"), pooling))  # [L, H, C]
     (layer, head), mrr = select_head(per_head, [e.gold for e in examples])
     return {"layer": layer, "head": head, "temperature": temperature, "top_p": top_p, "anchor": anchor,
-            "model": getattr(tokenizer, "name_or_path", None),
-            "selection": {"num": num, "seed": seed, "gold_mrr": float(mrr[layer, head])}}
+            "pooling": pooling, "prompt_form": form, "model": getattr(tokenizer, "name_or_path", None),
+            "selection": {"num": num, "seed": seed, "pool": "selection", "gold_mrr": float(mrr[layer, head])}}
 
 
 def attnlink_main(argv: list[str] | None = None) -> int:
@@ -118,12 +132,16 @@ def attnlink_main(argv: list[str] | None = None) -> int:
     d = sub.add_parser("select-head", help="the head whose column ranking puts the gold columns highest")
     d.add_argument("--out", required=True, help="config file to write (JSON)")
     d.add_argument("--model", help="model dir (default: the embedded model)")
-    d.add_argument("--num", type=int, default=21, help="labelled questions (default 21)")
-    d.add_argument("--seed", type=int, default=1, help="question set seed (the evaluation uses seed 0)")
-    d.add_argument("--top-p", type=float, default=0.9)
+    d.add_argument("--num", type=int, default=20, help="labelled questions (default 20)")
+    d.add_argument("--seed", type=int, default=1, help="question set seed (the selection pool's tables)")
+    d.add_argument("--top-p", type=float, default=0.8, help="written into the config (default 0.8, the seed's)")
     d.add_argument("--temperature", type=float, default=1.0)
     d.add_argument("--anchor", default="last_prompt",
                    help="last_prompt (the method) or a span name whose rows are averaged (e.g. question)")
+    d.add_argument("--pooling", choices=("mean", "sum"), default="mean", help="mean over a column's tokens "
+                   "(the seed) or their sum (the project's variant)")
+    d.add_argument("--form", choices=("seed", "project"), default="seed",
+                   help="prompt form: the seed's column@table copying prompt, or the project's SQL prompt")
     d.add_argument("--backend", choices=("vllm", "hf"), default="vllm")
     args = ap.parse_args(argv)
 
@@ -133,7 +151,8 @@ def attnlink_main(argv: list[str] | None = None) -> int:
 
     with attention_backend(args.model, args.backend) as (tok, attend):
         L = AutoConfig.from_pretrained(tok.name_or_path).num_hidden_layers
-        config = choose_head(tok, attend, L, args.num, args.seed, args.top_p, args.temperature, args.anchor)
+        config = choose_head(tok, attend, L, args.num, args.seed, args.top_p, args.temperature, args.anchor,
+                             args.pooling, args.form)
     with open(args.out, "w") as f:
         json.dump(config, f, indent=1)
     print(f"layer {config['layer']} head {config['head']} (gold-column MRR {config['selection']['gold_mrr']:.3f} "
@@ -159,11 +178,12 @@ def per_head_doc_scores(att_query, att_calib, spans: dict, calib_spans: dict,
 
 def choose_heads(tokenizer, attend, num_layers: int, num_heads: int, num: int = 20, top: int = 8,
                  seed: int = 1) -> dict:
-    """Run a detection set (``rerank_set(num, seed)``) through ``attend`` and return the config of the ``top``
-    heads by MRR."""
+    """Run a detection set (``rerank_set(num, seed, pool="selection")``: people, document and query templates
+    that the evaluation's test pool never uses) through ``attend`` and return the config of the ``top`` heads
+    by MRR."""
     from mia_stream.lab.attention_data import rerank_set
 
-    examples = rerank_set(num, seed=seed)
+    examples = rerank_set(num, seed=seed, pool="selection")
     pq = [prompt_parts(tokenizer, e.messages) for e in examples]
     pc = [prompt_parts(tokenizer, e.calibration_messages) for e in examples]
     atts = attend([p.token_ids for pair in zip(pq, pc) for p in pair], list(range(num_layers)))
@@ -175,7 +195,7 @@ def choose_heads(tokenizer, attend, num_layers: int, num_heads: int, num: int = 
     heads = sorted([int(i // num_heads), int(i % num_heads)] for i in best)
     all_mrr = float(np.mean([reciprocal_rank(rank(s.sum(0)), e.relevant) for s, e in zip(per_head, examples)]))
     return {"heads": heads, "model": getattr(tokenizer, "name_or_path", None),
-            "selection": {"num": num, "seed": seed, "top": top,
+            "selection": {"num": num, "seed": seed, "pool": "selection", "top": top,
                           "head_mrr": {f"{l},{h}": float(mrr[l * num_heads + h]) for l, h in heads},
                           "all_heads_mrr": all_mrr}}
 
