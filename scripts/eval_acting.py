@@ -4,9 +4,9 @@ without an action taken live on each alert (abort, or steer along a truthfulness
 
     python scripts/eval_acting.py [--layer 16] [--scales 2,4,8] [--train-subset 150] [--out results.json]
 
-Data: the country-capital questions of ``mia_stream.lab.datasets`` (countryinfo), split by country exactly
-as the shipped ``hnode`` probe was trained (30 % of the countries held out, seed 0), so the detector never saw a
-held-out country; answers greedy, 24 tokens, chat template, labelled automatically (the capital's words in the
+Data: the country-capital questions of ``mia_stream.lab.datasets`` (countryinfo); held out are the countries of
+the test split the shipped before-answer ``hnode`` probe was trained with (scripts/eval_hnode.py: by entity, 30 %,
+seed 0), so the detector never saw a held-out country; answers greedy, 24 tokens, chat template, labelled automatically (the capital's words in the
 answer). Everything runs in the topology users run: a broker process, vLLM's multiprocess engine, the detector
 (``mia-stream analyze hnode --publish``: P(hallucination) at the last prompt token, i.e. before the answer is
 written; alert when p >= its threshold) and a watcher process that acts on each request's alert through the
@@ -55,6 +55,8 @@ from mia_stream.lab import datasets  # noqa: E402
 MAX_TOKENS = 24
 SEED = 0
 DETECTOR = "hnode"
+# the before-answer probe (last prompt token, question only): an action can still change the whole answer
+PROBE = "hnode-before-answer-smollm2-135m.json"
 
 
 def _log(*a):
@@ -123,7 +125,10 @@ class Bench:
                                                 stdout=subprocess.DEVNULL)
         while not (self.run_dir / "consumers.sock").exists():
             time.sleep(0.05)
-        self.procs["detector"] = subprocess.Popen(self.py + ["analyze", DETECTOR, "--source", str(self.run_dir),
+        config = self.run_dir / "detector.json"
+        config.write_text(json.dumps({"probe": PROBE}))
+        self.procs["detector"] = subprocess.Popen(self.py + ["analyze", DETECTOR, "--config", str(config),
+                                                             "--source", str(self.run_dir),
                                                              "--publish", "--patterns", "act-*"],
                                                   stderr=subprocess.DEVNULL)
         os.environ["MIA_STREAM_BROKER"] = str(self.run_dir)
@@ -223,7 +228,7 @@ class Bench:
         t.start()
         ready.wait(30)
         time.sleep(0.5)
-        detect = [{"probe": "hnode-smollm2-135m.json", "positions": "last_prompt", "action": action}]
+        detect = [{"probe": PROBE, "positions": "last_prompt", "action": action}]
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=SEED,
                                  extra_args={"mia_stream": {"id": rid, "detect": detect}}) for rid in ids]
         t0 = time.monotonic()
@@ -343,8 +348,13 @@ def main(argv=None) -> int:
     from mia_stream.analyzers import create
 
     items = datasets.capital_questions()
-    tr, te = datasets.group_split(items, 0.3, SEED)
-    train, test = [items[i] for i in tr], [items[i] for i in te]
+    # held out: the countries the probe never saw, i.e. the test groups of the split it was trained on
+    # (scripts/eval_hnode.py: the first capital phrasing and the element questions, by entity, 30 %, seed 0)
+    probe_items = [it for it in items if it["id"].endswith("-0")] + datasets.element_questions()
+    _, probe_te = datasets.group_split(probe_items, 0.3, SEED)
+    held_out = {probe_items[i]["group"] for i in probe_te}
+    train = [it for it in items if it["group"] not in held_out]
+    test = [it for it in items if it["group"] in held_out]
     if args.limit:
         test = test[:args.limit]
     rng = random.Random(SEED)
@@ -353,7 +363,7 @@ def main(argv=None) -> int:
     results = {"command": "python scripts/eval_acting.py " + " ".join(argv if argv is not None else sys.argv[1:]),
                "data": f"capital questions: {len(train)} train / {len(test)} held out (by country, seed {SEED})"}
     bench = Bench(args)
-    bench.detector_layer = create(DETECTOR).probe.layer
+    bench.detector_layer = create(DETECTOR, {"probe": PROBE}).probe.layer
     try:
         bench.start()
         v, n_facts = bench.direction(train, args.layer)
