@@ -92,6 +92,9 @@ def _collect(argv) -> int:
         "DIR/labels.jsonl (format: mia_stream/analyzers/_probe_collect.py)."))
     ap.add_argument("out", help="output directory (created)")
     ap.add_argument("--sets", nargs="+", default=list(hd.SETS), choices=hd.SETS)
+    ap.add_argument("--questions", help="your own questions instead of --sets: JSON lines with 'question', "
+                                        "'answers' (aliases), optional 'set', 'group' (the entity), 'kind' "
+                                        f"(one of {', '.join(hd.KINDS)}; default contains)")
     ap.add_argument("--limit", type=int, help="at most this many questions per set (seeded sample)")
     ap.add_argument("--samples", type=int, default=10, help="answers sampled per question for semantic entropy")
     ap.add_argument("--temperature", type=float, default=0.5,
@@ -109,9 +112,15 @@ def _collect(argv) -> int:
                                                        "or 'none' (no lookback_ratio data)")
     args = ap.parse_args(argv)
     capture = _capture(args.hs_layers, args.qk_layers, args.model)
+    questions = None
+    if args.questions:
+        questions = hd.load_questions(args.questions)
+        if args.limit is not None:
+            questions = questions[:args.limit]
     summary = collect(args.out, sets=args.sets, limit=args.limit, samples=args.samples,
                       temperature=args.temperature, max_tokens=args.max_tokens, model=args.model, seed=args.seed,
-                      max_num_seqs=args.max_num_seqs, capture=capture, command=_command(["collect", *argv]))
+                      max_num_seqs=args.max_num_seqs, capture=capture, command=_command(["collect", *argv]),
+                      questions=questions)
     print(json.dumps(summary, indent=1))
     return 0
 

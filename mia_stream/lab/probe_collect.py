@@ -6,13 +6,15 @@ Labels file (``labels.jsonl``, format ``mia_stream.probe-labels/1``): a first li
 model, capture spec, sampling settings, sizes, the command), then one JSON object per request:
 
     request_id        the stream's request id in the recording ("probe-00042")
-    id, set, group, question, answer, kind, difficulty     the item (hallucination_data)
-    split             "train" | "test" (by group: rephrasings of one fact never straddle; 30 % test, seeded)
+    id, set, relation, group, question, answer, answers, kind, difficulty     the item (hallucination_data)
+    split             "train" | "val" | "test" (``hallucination_data.entity_split``: a hash of the entity, so an
+                      entity -- a country, an element, a pair of operands -- is on one side in every set and run)
     prompt_len        P: generated token k is at position P + k (its hidden state is the row at P + k)
     token_ids, text   the greedy answer (temperature 0)
     correct, label    the automatic check; label 1 = wrong answer (a hallucination)
     answer_chars      [start, stop) of the answer in text, or null
     answer_tokens     indices k of the generated tokens that overlap it (positions P + k)
+    token_labels      per generated token: 1 = a token of the answer span of a wrong answer, else 0 (claim level)
     logprobs          per generated token, its log-probability (vLLM's logprobs, raw model distribution)
     entropies         per generated token, the entropy of the top-``LOGPROBS`` distribution renormalized
                       (vLLM returns at most 20 log-probabilities; the tail is left out)
@@ -39,7 +41,7 @@ from mia_stream.lab import hallucination_data as hd
 LABELS_FORMAT = "mia_stream.probe-labels/1"
 LOGPROBS = 20
 REQUEST_PREFIX = "probe-"
-TEST_FRACTION = 0.3
+TEST_FRACTION = hd.SPLIT_FRACTIONS["test"]
 
 
 def _log(msg: str) -> None:
@@ -87,9 +89,10 @@ def _entropy(top: dict) -> float:
 
 def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | None = None, samples: int = 10,
             temperature: float = 0.5, max_tokens: int = 24, model: str | None = None, seed: int = 0,
-            max_num_seqs: int = 64, capture: dict | None = None, command: str = "") -> dict:
-    """Run the questions, record them into ``out_dir/recording``, write ``out_dir/labels.jsonl``; returns
-    a summary (counts, accuracy, sizes, times)."""
+            max_num_seqs: int = 64, capture: dict | None = None, command: str = "",
+            questions: list[dict] | None = None) -> dict:
+    """Run the questions (``questions``, e.g. ``hallucination_data.load_questions``, or ``sets``), record them into
+    ``out_dir/recording``, write ``out_dir/labels.jsonl``; returns a summary (counts, accuracy, sizes, times)."""
     from transformers import AutoTokenizer
 
     from mia_stream.model import resolve_model
@@ -103,9 +106,9 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
     model_dir = str(resolve_model(model))
     config = json.loads((Path(model_dir) / "config.json").read_text())
     spec_capture = capture or default_capture(int(config["num_hidden_layers"]))
-    items = hd.question_set(sets, limit, seed)
-    train_idx, test_idx = datasets.group_split(items, TEST_FRACTION, seed)
-    split = {i: "train" for i in train_idx} | {i: "test" for i in test_idx}
+    items = list(questions) if questions is not None else hd.question_set(sets, limit, seed)
+    sets = list(dict.fromkeys(it["set"] for it in items))
+    split = {i: hd.entity_split(it["group"], seed) for i, it in enumerate(items)}
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = []
     for it in items:
@@ -196,12 +199,14 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
         keys = [hd.answer_key(it, s) for s in sampled[k]]
         se, n_clusters = hd.semantic_entropy(keys)
         correct = hd.check_answer(it, text)
+        span_tokens = hd.span_token_indices(ranges, span)
         records.append(dict(
-            request_id=f"{REQUEST_PREFIX}{k:05d}", **{f: it.get(f) for f in ("id", "set", "group", "question",
-                                                                             "answer", "kind", "difficulty")},
+            request_id=f"{REQUEST_PREFIX}{k:05d}", **{f: it.get(f) for f in ("id", "set", "relation", "group",
+                                                                             "question", "answer", "answers",
+                                                                             "kind", "difficulty")},
             split=split[k], prompt_len=len(prompts[k]), token_ids=ids, text=text, correct=correct,
             label=0 if correct else 1, answer_chars=list(span) if span else None,
-            answer_tokens=hd.span_token_indices(ranges, span),
+            answer_tokens=span_tokens, token_labels=hd.token_labels(len(ids), span_tokens, not correct),
             logprobs=[float(lp[t].logprob) for lp, t in zip(lps, ids)],
             entropies=[_entropy(lp) for lp in lps], samples=sampled[k], sample_keys=keys,
             semantic_entropy=se, clusters=n_clusters))
@@ -211,7 +216,8 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
               "capture": spec_capture, "max_tokens": max_tokens, "greedy": "temperature 0",
               "samples": samples, "sample_temperature": temperature, "logprobs": LOGPROBS, "seed": seed,
               "sets": list(sets), "limit": limit, "instruction": datasets.INSTRUCTION, "requests": len(records),
-              "test_fraction": TEST_FRACTION, "engine": "vLLM, float32, enforce_eager, no prefix caching",
+              "test_fraction": TEST_FRACTION, "split": f"entity hash {hd.SPLIT_FRACTIONS} (seed {seed})",
+              "engine": "vLLM, float32, enforce_eager, no prefix caching",
               "command": command, "date": time.strftime("%Y-%m-%d")}
     with open(out / "labels.jsonl", "w") as fh:
         fh.write(json.dumps({"header": header}) + "\n")
