@@ -44,8 +44,8 @@ def test_answers_are_labelled_spans_found_and_samples_clustered():
     text = "7 * 8 = 56"
     a, b = hd.answer_span(arith, text)
     assert text[a:b] == "56"
-    capital = {"id": "c", "set": "capitals", "group": "c", "question": "What is the capital of France?",
-               "answer": "Paris", "kind": "contains"}
+    capital = {"id": "c", "set": "capitals", "relation": "capital", "group": "c",
+               "question": "What is the capital of France?", "answer": "Paris", "kind": "capital"}
     text = "The capital of France is Lyon, a city."
     a, b = hd.answer_span(capital, text)
     assert text[a:b] == "Lyon" and not hd.check_answer(capital, text)
@@ -59,11 +59,103 @@ def test_answers_are_labelled_spans_found_and_samples_clustered():
     assert hd.semantic_entropy(["x"] * 5) == (0.0, 1)
     assert hd.best_split([0.0, 0.0, 0.1, 1.2, 1.3, 2.0]) == pytest.approx(0.65)
     items = hd.question_set(limit=10)
-    assert {it["set"] for it in items} == set(hd.SETS) and len(items) == 40
+    assert {it["set"] for it in items} == set(hd.SETS) and len(items) == 10 * len(hd.SETS)
     levels = {it["difficulty"] for it in hd.arithmetic_questions()}
     assert levels == {name for name, *_ in hd.ARITHMETIC_LEVELS}
     for it in hd.question_set():  # every generated reference is judged right by its own checker
         assert hd.check_answer(it, f"The answer is {it['answer']}."), it
+
+
+IODINE = {"id": "s", "set": "elements", "relation": "element_symbol", "group": "element:53",
+          "question": "What is the chemical symbol of Iodine?", "answer": "I", "kind": "symbol"}
+PARIS = {"id": "c", "set": "capitals", "relation": "capital", "group": "country:FR",
+         "question": "What is the capital of France?", "answer": "Paris", "kind": "capital"}
+
+
+@pytest.mark.parametrize("text, right", [
+    ("I'm not sure.", False),                       # issue 27: the pronoun was taken for iodine's symbol
+    ("I don't know the symbol of iodine.", False),
+    ("I think it is Io.", False),
+    ("The chemical symbol of Iodine is I.", True),
+    ("Iodine's symbol is I (from iodum).", True),
+    ("The symbol is In.", False),                  # a symbol that is also a word, given as a symbol
+    ("It is Fe, not I.", False),                    # the first symbol given is the answer
+])
+def test_the_symbol_check_takes_the_first_symbol_given_and_never_the_pronoun_i(text, right):
+    assert hd.check_answer(IODINE, text) is right
+    from mia_stream.lab import datasets
+
+    assert datasets.is_correct(IODINE, text) is right  # the hnode / science data use the same rule
+
+
+@pytest.mark.parametrize("text, right", [
+    ("The capital of France is Paris.", True),
+    ("Paris, located in Ile-de-France, is the capital.", True),  # a region, not a city
+    ("The capital of France is Paris, Lyon and Marseille.", False),  # issue 27: a list of cities is not right
+    ("Paris or Lyon.", False),
+    ("Lyon.", False),
+])
+def test_a_capital_answer_naming_other_cities_is_wrong(text, right):
+    assert hd.check_answer(PARIS, text) is right
+
+
+def test_answer_spans_do_not_depend_on_the_label():
+    """The same rule finds the answer in a right and a wrong answer (issue 27: the reference's position when
+    right, the first content run otherwise, made span metrics partly measure "is this the reference")."""
+    for right, wrong in [("The capital of France is Paris.", "The capital of France is Lyon."),
+                         ("Somalia's capital is Paris.", "Somalia's capital is Lyon.")]:
+        ra, wa = hd.answer_span(PARIS, right), hd.answer_span(PARIS, wrong)
+        assert right[ra[0]:ra[1]] == "Paris" and wrong[wa[0]:wa[1]] == "Lyon" and ra[0] == wa[0]
+    for text, want in [("The chemical symbol of Iodine is I.", "I"), ("The chemical symbol of Iodine is Fe.", "Fe")]:
+        a, b = hd.answer_span(IODINE, text)
+        assert text[a:b] == want
+    assert hd.answer_span(IODINE, "I'm not sure.") is None  # a refusal has no claim
+    # claim-level token labels: only the span tokens of a wrong answer are positive
+    assert hd.token_labels(6, [4, 5], wrong=True) == [0, 0, 0, 0, 1, 1]
+    assert hd.token_labels(6, [4, 5], wrong=False) == [0] * 6
+
+
+def test_splits_group_by_entity_across_every_set():
+    """A country is on one side of the split for its capital, population, currency, ... and a pair of
+    operands for every operation (issue 27: 21 of 73 held-out country questions shared their country with a
+    training question of another set; arithmetic was split by row)."""
+    items = hd.question_set()
+    side: dict = {}
+    for it in items:
+        side.setdefault(it["group"], set()).add(hd.entity_split(it["group"]))
+    assert all(len(v) == 1 for v in side.values())
+    by_country = {}
+    for it in items:
+        if it["group"].startswith("country:"):
+            by_country.setdefault(it["group"], set()).add(it["set"])
+    assert by_country["country:FR"] >= {"capitals", "populations", "currencies", "continents", "calling_codes"}
+    arith = [it for it in items if it["set"] == "arithmetic"]
+    assert all(it["group"] == "arith:%d:%d" % tuple(sorted(it["operands"])) for it in arith)
+    sizes = {s: sum(hd.entity_split(it["group"]) == s for it in items) / len(items) for s in ("train", "val", "test")}
+    assert 0.2 < sizes["test"] < 0.4 and 0.08 < sizes["val"] < 0.25, sizes
+    # the split of an entity does not depend on which other questions are asked
+    assert hd.entity_split("country:FR") == hd.entity_split("country:FR", 0)
+
+
+def test_a_users_questions_file_is_read_and_bad_lines_are_one_line_errors(tmp_path):
+    from mia_stream.errors import ProbeDataError
+
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question": "Who wrote Hamlet?", "answers": ["Shakespeare", "William Shakespeare"]}\n'
+                 '{"question": "What is the boiling point of water in C?", "answers": ["100"], "kind": "number", '
+                 '"tolerance": 1, "set": "physics", "group": "water"}\n')
+    items = hd.load_questions(f)
+    assert [it["set"] for it in items] == ["custom", "physics"] and items[1]["group"] == "water"
+    assert hd.check_answer(items[0], "Hamlet was written by William Shakespeare.")
+    assert not hd.check_answer(items[0], "Christopher Marlowe.")
+    assert hd.check_answer(items[1], "About 100.5 degrees.") and not hd.check_answer(items[1], "90 degrees")
+    for line, key in [('{"answers": ["x"]}', "'question'"), ('{"question": "q", "answers": []}', "'answers'"),
+                      ('{"question": "q", "answers": ["x"], "kind": "regex"}', "'kind'"), ("[1]", "JSON object"),
+                      ("{", "not JSON")]:
+        f.write_text(line + "\n")
+        with pytest.raises(ProbeDataError, match=key) as e:
+            hd.load_questions(f)
+        assert "line 1" in str(e.value) and "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------------ detectors on synthetic steps

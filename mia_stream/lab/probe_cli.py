@@ -183,99 +183,54 @@ def _fmt(v) -> str:
 
 
 def _eval(argv) -> int:
+    from mia_stream.lab import probe_eval as pe
+    from mia_stream.lab import probe_metrics as pm
     from mia_stream.lab import probe_train as pt
 
     ap = argparse.ArgumentParser(prog=f"{PROG} eval", description=(
-        "Held-out AUROC of each detector per layer (trained here on the training requests, C by grouped CV) "
-        "and of the baselines (token log-probability and entropy from vLLM's logprobs, sampled semantic "
-        "entropy), on the same tokens and requests."))
+        "The detectors' report on a collect run: held-out AUROC (95 %% bootstrap CIs by entity) of each detector "
+        "(layer and C chosen on the validation split) beside every free baseline of the same moment (token "
+        "-log p, entropy, first-token entropy, answer length, the question's prior, sampled semantic entropy), "
+        "the paired difference against the best baseline, recall of wrong answers at a threshold calibrated on "
+        "the validation split for a false-alert rate on correct answers, per set, and leave-one-relation-out."))
     _data_args(ap)
-    ap.add_argument("--detectors", nargs="+", default=list(pt.DETECTORS), choices=pt.DETECTORS)
-    ap.add_argument("--layers", help="hidden-state layers to sweep, comma-separated (default: every captured one)")
+    ap.add_argument("--variants", nargs="+", default=None, choices=list(pe.VARIANTS),
+                    help="detectors to fit and report (default: all; the semantic-entropy probes need samples)")
+    ap.add_argument("--layers", help="hidden-state layers to choose from, comma-separated (default: every captured one)")
+    ap.add_argument("--false-alert-rate", type=float, default=pm.FALSE_ALERT_RATE,
+                    help="calibrate thresholds so at most this fraction of correct answers alert (default 0.1)")
+    ap.add_argument("--no-loro", action="store_true", help="skip leave-one-relation-out")
     ap.add_argument("--analyzers", nargs="*", metavar="PROBE",
                     help="also run these probe files (default: the shipped ones) through their analyzers over the "
                          "recording's held-out requests and report the AUROC of what they publish")
     ap.add_argument("--json", help="write every number to this JSON file")
     args = ap.parse_args(argv)
     ds, rec, _ = _dataset(args)
-    f = ds.f
-    hs_layers = f.hs_layers if not args.layers else [int(x) for x in args.layers.split(",")]
-    test = ds.requests("test")
-    print(f"data: {len(ds.records)} requests ({int(ds.labels.sum())} wrong answers), held out: {len(test)} "
-          f"({int(ds.labels[test].sum())} wrong), split by fact; model {ds.header.get('model')}")
-    results: dict = {"header": {k: ds.header.get(k) for k in ("model", "sets", "limit", "samples",
-                                                               "sample_temperature", "max_tokens", "requests")},
-                     "held_out": {"requests": int(len(test)), "wrong": int(ds.labels[test].sum())}}
+    layers = None if not args.layers else [int(x) for x in args.layers.split(",")]
+    variants = args.variants or [v for v in pe.VARIANTS
+                                 if ds.header.get("samples") or pe.VARIANTS[v][0] != "semantic_entropy_probe"]
     t0 = time.time()
-    if "token_probe" in args.detectors:
-        print("\ntoken_probe: held-out AUROC (rows: answer-span tokens)")
-        print(f"{'layer':>5} {'token':>7} {'answer(span max)':>17} {'answer(max)':>12} {'CV':>7} {'C':>6}")
-        rows = {}
-        for layer in hs_layers:
-            fit, m = pt.train_detector(ds, "token_probe", layer)
-            t = m["test"]
-            rows[layer] = {"C": fit["C"], "cv_auc": fit["cv_auc"], **t}
-            print(f"{layer:>5} {_fmt(t['token_auc']):>7} {_fmt(t['answer_auc_span']):>17} {_fmt(t['answer_auc']):>12} "
-                  f"{_fmt(fit['cv_auc']):>7} {fit['C']:>6g}", flush=True)
-        results["token_probe"] = rows
-    if "semantic_entropy_probe" in args.detectors:
-        for position in ("last_prompt", "generated"):
-            name = "TBG: last prompt position" if position == "last_prompt" else "SLT: last generated row"
-            print(f"\nsemantic_entropy_probe ({name}): held-out AUROC for wrong answers and for high SE")
-            print(f"{'layer':>5} {'answer':>7} {'high SE':>8} {'CV':>7} {'C':>6}")
-            rows = {}
-            for layer in hs_layers:
-                fit, m = pt.train_detector(ds, "semantic_entropy_probe", layer, position=position)
-                t = m["test"]
-                rows[layer] = {"C": fit["C"], "cv_auc": fit["cv_auc"], "se_threshold": fit["se_threshold"], **t}
-                print(f"{layer:>5} {_fmt(t['answer_auc']):>7} {_fmt(t['se_auc']):>8} {_fmt(fit['cv_auc']):>7} "
-                      f"{fit['C']:>6g}", flush=True)
-            results[f"semantic_entropy_probe_{position}"] = rows
-    if "lookback_ratio" in args.detectors and f.qk_layers:
-        print(f"\nlookback_ratio (window {pt.LOOKBACK_WINDOW}): held-out AUROC (rows: answer-span tokens)")
-        print(f"{'layers':>6} {'token':>7} {'answer(span max)':>17} {'answer(max)':>12} {'CV':>7} {'C':>6}")
-        rows = {}
-        for layers in [[x] for x in f.qk_layers] + [None]:
-            fit, m = pt.train_detector(ds, "lookback_ratio", layers=layers)
-            t = m["test"]
-            key = "all" if layers is None else str(layers[0])
-            rows[key] = {"C": fit["C"], "cv_auc": fit["cv_auc"], **t}
-            print(f"{key:>6} {_fmt(t['token_auc']):>7} {_fmt(t['answer_auc_span']):>17} {_fmt(t['answer_auc']):>12} "
-                  f"{_fmt(fit['cv_auc']):>7} {fit['C']:>6g}", flush=True)
-        results["lookback_ratio"] = rows
-    base = pt.baselines(ds)
-    results["baselines"] = base
-    print("\nbaselines (no training), same held-out tokens and requests:")
-    print(f"{'baseline':>26} {'token':>7} {'answer(span max)':>17} {'answer(max)':>12} {'answer(mean)':>13}")
-    for name in ("neg_logprob", "entropy"):
-        b = base[name]
-        print(f"{name:>26} {_fmt(b['token_auc']):>7} {_fmt(b['answer_auc_span']):>17} {_fmt(b['answer_auc']):>12} "
-              f"{_fmt(b['answer_auc_mean']):>13}")
-    se = base["semantic_entropy_sampled"]
-    print(f"{'semantic entropy (' + str(se['samples']) + ' samples)':>26} {'':>7} {'':>17} {_fmt(se['answer_auc']):>12}")
-    _log(f"eval fits took {time.time() - t0:.0f} s")
+    rep = pe.evaluate(ds, variants, layers, args.false_alert_rate, loro=not args.no_loro, log=_log)
+    rep["command"] = _command(["eval", *argv])
+    print(pe.format_report(rep))
+    _log(f"eval took {time.time() - t0:.0f} s")
     if args.analyzers is not None:
         from mia_stream.lab.probe_replay import replay_scores
 
-        probes = args.analyzers or [str(pt.shipped_probe_path(d)) for d in args.detectors]
-        print("\nthe probe files through their analyzers (replay of the recording's held-out requests):")
-        print(f"{'analyzer':>24} {'token':>7} {'answer':>7} {'requests':>9}  probe")
-        results["analyzers"] = {}
+        probes = args.analyzers or [str(pt.shipped_probe_path(d)) for d in pt.DETECTORS]
+        print("\nthe probe files through their analyzers (replay of the recording's held-out requests; AUROC of "
+              "the published answer_risk, its alerts at the file's threshold):")
+        print(f"{'analyzer':>24} {'token':>7} {'answer':>7} {'95% CI':>15} {'false alerts':>12} {'recall':>7} "
+              f"{'requests':>9}  probe")
+        rep["analyzers"] = {}
         for path in probes:
             r = replay_scores(ds, rec, path)
-            results["analyzers"][path] = r
-            print(f"{r['analyzer']:>24} {_fmt(r['token_auc']):>7} {_fmt(r['answer_auc']):>7} {r['requests']:>9}  "
-                  f"{path}", flush=True)
-        sets = sorted({s for r in results["analyzers"].values() for s in r["answer_auc_per_set"]})
-        print("\nanswer AUROC within each question set (held out; '-': one class only):")
-        print(f"{'':>26} " + " ".join(f"{s:>12}" for s in sets))
-        named = [(r["analyzer"], r["answer_auc_per_set"]) for r in results["analyzers"].values()]
-        named += [(f"baseline {k}", base[k]["answer_auc_per_set"]) for k in ("neg_logprob", "entropy",
-                                                                             "semantic_entropy_sampled")]
-        for name, per in named:
-            print(f"{name:>26} " + " ".join(f"{_fmt(per.get(s)):>12}" for s in sets))
+            rep["analyzers"][path] = r
+            print(f"{r['analyzer']:>24} {_fmt(r['token_auc']):>7} {_fmt(r['answer_auc']):>7} "
+                  f"[{_fmt(r['answer_ci'][0])},{_fmt(r['answer_ci'][1])}] {_fmt(r['false_alert_rate']):>12} "
+                  f"{_fmt(r['recall']):>7} {r['requests']:>9}  {path}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps(results, indent=1, default=_json_default) + "\n")
+        Path(args.json).write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
     return 0
 
 

@@ -42,6 +42,7 @@ def analyzer_results(recording: str | Path, probe_path: str | Path, request_ids:
 def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
     """Held-out AUROC of what the analyzer publishes: ``token_auc`` over the answer-span tokens (its per-token
     ``risk``), ``answer_auc`` over the requests (its end row's ``answer_risk``)."""
+    from mia_stream.lab.probe_metrics import alert_rates, bootstrap
     from mia_stream.lab.probe_train import _auc
 
     test = ds.requests("test").tolist()
@@ -62,5 +63,10 @@ def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
             sets.append(rec.get("set"))
     ay, as_, sets = np.asarray(ay), np.asarray(as_), np.asarray(sets)
     per_set = {s: _auc(ay[sets == s], as_[sets == s]) for s in sorted(set(sets.tolist()))}
+    groups = [ds.records[r]["group"] for r, rid in zip(test, rids) if rid in ends]
+    boot = bootstrap(ay, {"answer": as_}, groups)["answer"] if len(ay) else {"ci": [None, None]}
+    thr = float(json.loads(Path(probe_path).read_text()).get("threshold", 0.5))
+    alerts = alert_rates(ay, as_, thr, groups) if len(ay) else {}
     return {"analyzer": name, "token_auc": _auc(ty, ts) if ts else None, "answer_auc": _auc(ay, as_),
-            "requests": len(ay), "tokens": len(ts), "answer_auc_per_set": per_set}
+            "answer_ci": boot["ci"], "threshold": thr, "false_alert_rate": alerts.get("false_alert_rate"),
+            "recall": alerts.get("recall"), "requests": len(ay), "tokens": len(ts), "answer_auc_per_set": per_set}

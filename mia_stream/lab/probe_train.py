@@ -251,19 +251,34 @@ class Dataset:
         self.rows = np.asarray([len(r["token_ids"]) - 1 for r in records], np.int64)  # generated rows
         # answer-span tokens that have a state (k <= G - 2)
         self.span = [[k for k in r["answer_tokens"] if k < len(r["token_ids"]) - 1] for r in records]
+        # claim-level token labels of the rows (1 = an answer-span token of a wrong answer); older files: derived
+        self.token_labels = [np.asarray((r.get("token_labels") or hd.token_labels(
+            len(r["token_ids"]), r["answer_tokens"], bool(r["label"])))[:max(len(r["token_ids"]) - 1, 0)], np.int64)
+            for r in records]
 
     def requests(self, split: str) -> np.ndarray:
         return np.flatnonzero((self.split == split) & (self.rows > 0))
 
-    def token_rows(self, split: str, features) -> RowSet:
-        """The answer-span token rows of ``split``'s requests; ``features(r) -> [G', F]`` per request."""
+    def calibration_split(self) -> str:
+        """"val" where the labels file has a validation split, else "train" (older files)."""
+        return "val" if len(self.requests("val")) else "train"
+
+    def token_rows(self, split: str, features, rows: str = "span", reqs=None) -> RowSet:
+        """Token rows of ``split``'s requests (or of ``reqs``); ``features(r) -> [G', F]`` per request.
+        ``rows="span"``: the answer-span tokens, each with its request's label; ``"all"``: every generated row
+        with its claim-level token label (function words and right claims are negatives)."""
         X, y, g, req = [], [], [], []
-        for r in self.requests(split).tolist():
-            if not self.span[r]:
-                continue
-            X.append(features(r)[self.span[r]])
-            n = len(self.span[r])
-            y += [self.labels[r]] * n
+        for r in (self.requests(split) if reqs is None else np.asarray(reqs)).tolist():
+            if rows == "all":
+                X.append(features(r))
+                n = int(self.rows[r])
+                y += self.token_labels[r].tolist()
+            else:
+                if not self.span[r]:
+                    continue
+                X.append(features(r)[self.span[r]])
+                n = len(self.span[r])
+                y += [self.labels[r]] * n
             g += [self.groups[r]] * n
             req += [r] * n
         if not X:
@@ -331,10 +346,26 @@ def _lookback_columns(f: Features, layers: Sequence[int] | None) -> tuple[list, 
     return layers, np.asarray([f.qk_layers.index(x) for x in layers])
 
 
+LOGIT_FEATURES = ("neg_logprob", "entropy", "next_entropy")
+
+
+def logit_features(ds: Dataset, r: int) -> np.ndarray:
+    """``[G', 3]`` per generated row k of request r: the token's -log p and the entropy of the distribution it
+    was sampled from (the previous row's logits), and the entropy of the next token's distribution (this row's
+    logits): what the row's own step knows."""
+    rec, n = ds.records[r], int(ds.rows[r])
+    lp = -np.asarray(rec["logprobs"], np.float64)
+    en = np.asarray(rec["entropies"], np.float64)
+    return np.stack([lp[:n], en[:n], en[1:n + 1]], axis=1).astype(np.float32)
+
+
 def detector_features(ds: Dataset, detector: str, layer: int | None = None, layers: Sequence[int] | None = None,
-                      position: str = "last_prompt", window: int = LOOKBACK_WINDOW):
+                      position: str = "last_prompt", window: int = LOOKBACK_WINDOW, logit: bool = False):
     """``features(r) -> [G', F]`` per request (token_probe, lookback_ratio) or ``[1, F]`` (semantic_entropy_probe)."""
     f = ds.f
+    if detector == "token_probe" and logit:
+        li = _layer_index(f, layer)
+        return lambda r: np.concatenate([f.gen[f.of(r), li], logit_features(ds, r)], axis=1)
     if detector == "token_probe":
         li = _layer_index(f, layer)
         return lambda r: f.gen[f.of(r), li]
@@ -365,15 +396,18 @@ def _request_scores(ds: Dataset, reqs: np.ndarray, feats, fit: dict, span_only: 
 
 def train_detector(ds: Dataset, detector: str, layer: int | None = None, layers: Sequence[int] | None = None,
                    position: str = "last_prompt", window: int = LOOKBACK_WINDOW,
-                   cs: Sequence[float] = CS) -> tuple[dict, dict]:
-    """Fit one detector on the training requests; (fit, metrics) with held-out and training metrics."""
-    feats = detector_features(ds, detector, layer, layers, position, window)
+                   cs: Sequence[float] = CS, rows: str = "span", logit: bool = False,
+                   train_reqs=None) -> tuple[dict, dict]:
+    """Fit one detector on the training requests (or ``train_reqs``); (fit, metrics) with held-out and training
+    metrics. ``rows``: token detectors' training rows ("span" or "all", ``Dataset.token_rows``); ``logit``:
+    token_probe's features add ``LOGIT_FEATURES``."""
+    feats = detector_features(ds, detector, layer, layers, position, window, logit)
     metrics: dict[str, Any] = {}
     if detector == "semantic_entropy_probe":
         target, threshold = ds.semantic_targets()
         sets = {}
         for split in ("train", "test"):
-            reqs = ds.requests(split)
+            reqs = ds.requests(split) if split == "test" or train_reqs is None else np.asarray(train_reqs)
             X = np.concatenate([feats(r) for r in reqs.tolist()])
             sets[split] = (reqs, RowSet(X, target[reqs], ds.groups[reqs], reqs))
         fit = fit_logistic(sets["train"][1], cs)
@@ -384,14 +418,15 @@ def train_detector(ds: Dataset, detector: str, layer: int | None = None, layers:
                               "requests": int(len(reqs)), "wrong": int(ds.labels[reqs].sum()),
                               "high_se": int(rows.y.sum())}
         return fit, metrics
-    train_rows = ds.token_rows("train", feats)
+    train_rows = ds.token_rows("train", feats, rows, train_reqs)
     fit = fit_logistic(train_rows, cs)
+    fit["rows"], fit["logit"] = rows, logit
     for split in ("train", "test"):
-        rows = train_rows if split == "train" else ds.token_rows("test", feats)
-        risk = _probe_risk(fit, rows.X)
-        reqs = ds.requests(split)
-        m = {"token_auc": _auc(rows.y, risk), "tokens": int(len(rows.y)), "wrong_tokens": int(rows.y.sum()),
-             "token_accuracy": round(float(((risk >= 0.5) == rows.y).mean()), 4)}
+        rowset = train_rows if split == "train" else ds.token_rows("test", feats, rows)
+        risk = _probe_risk(fit, rowset.X)
+        reqs = ds.requests(split) if split == "test" or train_reqs is None else np.asarray(train_reqs)
+        m = {"token_auc": _auc(rowset.y, risk), "tokens": int(len(rowset.y)), "wrong_tokens": int(rowset.y.sum()),
+             "token_accuracy": round(float(((risk >= 0.5) == rowset.y).mean()), 4)}
         y, s = _request_scores(ds, reqs, feats, fit, True)
         m["answer_auc_span"] = _auc(y, s)
         y, s = _request_scores(ds, reqs, feats, fit, False)
