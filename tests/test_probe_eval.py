@@ -77,3 +77,18 @@ def test_baselines_follow_their_definitions():
     # restricted to the rows that have a state (the last token has none): the same tokens as the detectors
     b = pm.baseline_scores(recs, [0, 1], prior, rows=[2, 1])
     assert b["max_neg_logprob"] == pytest.approx([2.0, 1.0]) and b["mean_entropy"] == pytest.approx([0.9, 0.9])
+
+
+def test_the_torch_fit_used_without_scikit_learn_reaches_scikit_learns_weights():
+    """The GPU host has no scikit-learn: the same objective minimized in torch gives the same probe."""
+    from sklearn.linear_model import LogisticRegression
+
+    from mia_stream.lab.probe_train import _fit_torch
+
+    rng = np.random.default_rng(4)
+    X = rng.standard_normal((2000, 30))
+    y = (X[:, 0] - 0.5 * X[:, 1] + rng.standard_normal(2000) > 1.0).astype(np.int64)
+    for C in (0.01, 1.0):
+        w, b = _fit_torch(X, y, C)
+        ref = LogisticRegression(C=C, class_weight="balanced", max_iter=5000, tol=1e-10).fit(X, y)
+        assert np.abs(w - ref.coef_[0]).max() < 1e-5 and abs(b - ref.intercept_[0]) < 1e-5

@@ -128,19 +128,32 @@ def _collect(argv) -> int:
 # ------------------------------------------------------------------------------------------------ train
 
 def _train(argv) -> int:
+    from mia_stream.lab import probe_eval as pe
+    from mia_stream.lab import probe_metrics as pm
     from mia_stream.lab import probe_train as pt
 
     ap = argparse.ArgumentParser(prog=f"{PROG} train", description=(
         "Train one detector's probe on the training requests of a collect run and write the probe file "
-        "(format mia_stream.probe/1, with training metadata and held-out metrics)."))
+        "(format mia_stream.probe/1, with training metadata, held-out metrics and an alert threshold calibrated "
+        "on the validation split for a false-alert rate on correct answers)."))
     _data_args(ap)
     ap.add_argument("--detector", default="token_probe", choices=pt.DETECTORS)
     ap.add_argument("--layer", help="hidden-state layer (token_probe, semantic_entropy_probe), or 'best': the "
-                                    "captured layer with the best grouped-CV AUROC on the training requests")
+                                    "captured layer (and C) with the best validation answer AUROC (labels files "
+                                    "without a validation split: grouped-CV AUROC on the training requests)")
     ap.add_argument("--layers", default="all",
                     help="lookback_ratio: Q/K layers, comma-separated, or 'all' captured (default)")
     ap.add_argument("--position", default="last_prompt", choices=("last_prompt", "generated"),
                     help="semantic_entropy_probe: the last prompt row (TBG) or the last generated row (SLT)")
+    ap.add_argument("--rows", default="all", choices=("all", "span"),
+                    help="token_probe / lookback_ratio training rows: every generated token with its claim-level "
+                         "label (default; function words are negatives) or the answer-span tokens with the "
+                         "answer's label")
+    ap.add_argument("--logit", action="store_true",
+                    help="token_probe: add the token's -log p and entropies (computed by the analyzer from the "
+                         "last layer through the output head) to the residual")
+    ap.add_argument("--false-alert-rate", type=float, default=pm.FALSE_ALERT_RATE,
+                    help="the threshold lets at most this fraction of correct validation answers alert")
     ap.add_argument("--window", type=int, default=pt.LOOKBACK_WINDOW, help="lookback_ratio: feature window")
     ap.add_argument("--out", help="probe file to write (default: print the metrics only)")
     ap.add_argument("--ship", action="store_true", help="write it where the analyzer's default probe lives")
@@ -151,28 +164,47 @@ def _train(argv) -> int:
         ap.error(f"--layer must be a layer number or 'best', got {args.layer!r}")
     ds, _, _ = _dataset(args)
     layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
-    layer, selection = None, None
+    opts = {"rows": args.rows, "logit": args.logit} if args.detector == "token_probe" else \
+        {"position": args.position} if args.detector == "semantic_entropy_probe" else {"rows": args.rows}
+    layer, selection, cs = None, None, pt.CS
     if args.detector != "lookback_ratio":
-        if args.layer == "best":
+        if args.layer == "best" and ds.calibration_split() == "val":
+            fit, layer, table = pe.select_and_fit(ds, args.detector, ds.f.hs_layers, opts, log=_log)
+            selection = {"by": "answer AUROC on the validation split (fit on the training requests)",
+                         "auc": table}
+            cs = (fit["C"],)
+        elif args.layer == "best":
             selection = {}
             for candidate in ds.f.hs_layers:  # cross-validation on the training requests only
-                fit, _ = pt.train_detector(ds, args.detector, candidate, position=args.position)
+                fit, _ = pt.train_detector(ds, args.detector, candidate, **opts)
                 selection[str(candidate)] = fit["cv_auc"]
                 _log(f"layer {candidate}: CV AUROC {fit['cv_auc']}")
             layer = int(max(selection, key=lambda k: selection[k] or 0))
+            selection = {"by": "grouped CV AUROC on the training requests", "cv_auc": selection}
         else:
             layer = int(args.layer)
-    fit, metrics = pt.train_detector(ds, args.detector, layer, layers, args.position, args.window)
+    fit, metrics = pt.train_detector(ds, args.detector, layer, layers, window=args.window, cs=cs, **opts)
+    if args.detector != "lookback_ratio":  # the analyzer's answer_risk, calibrated and measured
+        split = ds.calibration_split()
+        val, test = ds.requests(split), ds.requests("test")
+        s_val = pe.answer_scores(ds, args.detector, fit, val.tolist(), layer=layer, **opts)
+        s_test = pe.answer_scores(ds, args.detector, fit, test.tolist(), layer=layer, **opts)
+        fit["threshold"] = pm.calibrate(s_val[ds.labels[val] == 0], args.false_alert_rate)
+        fit["threshold_info"] = (f"answer_risk >= threshold on at most {args.false_alert_rate:.0%} of the correct "
+                                 f"{split} answers ({int((ds.labels[val] == 0).sum())})")
+        y, groups = ds.labels[test], ds.groups[test]
+        metrics["test"]["answer"] = pm.bootstrap(y, {"answer_risk": s_test}, groups)["answer_risk"]
+        metrics["test"]["alerts"] = pm.alert_rates(y, s_test, fit["threshold"], groups)
     probe = pt.make_probe(ds, args.detector, fit, metrics, layer=layer, layers=layers, position=args.position,
                           window=args.window, command=_command(["train", *argv]))
     if selection is not None:
-        probe.training["layer_selection"] = {"by": "grouped CV AUROC on the training requests", "cv_auc": selection}
+        probe.training["layer_selection"] = selection
     out = pt.shipped_probe_path(args.detector) if args.ship else args.out
     if out:
         probe.save(out)
         _log(f"wrote {out}")
     print(json.dumps({"detector": args.detector, "layer": probe.layer, "C": fit["C"], "cv_auc": fit["cv_auc"],
-                      **metrics}, indent=1))
+                      "threshold": probe.threshold, **metrics}, indent=1, default=_json_default))
     return 0
 
 

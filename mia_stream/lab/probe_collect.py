@@ -87,6 +87,31 @@ def _entropy(top: dict) -> float:
     return float(-sum(p / z * math.log(p / z) for p in ps if p > 0))
 
 
+def label_record(k: int, it: dict, c: Any, prompt_len: int, tok: Any, sampled: Sequence[str], split: str,
+                 request_id: str | None = None) -> dict:
+    """One line of the labels file for item ``it`` and its generation ``c`` (a vLLM ``CompletionOutput`` with
+    logprobs), its sampled answers' texts and its split."""
+    ids = list(c.token_ids)
+    text = c.text
+    ranges = hd.token_char_ranges(tok, ids)
+    span = hd.answer_span(it, text)
+    lps = c.logprobs or []
+    keys = [hd.answer_key(it, s) for s in sampled]
+    se, n_clusters = hd.semantic_entropy(keys)
+    correct = hd.check_answer(it, text)
+    span_tokens = hd.span_token_indices(ranges, span)
+    return dict(
+        request_id=request_id or f"{REQUEST_PREFIX}{k:05d}",
+        **{f: it.get(f) for f in ("id", "set", "relation", "group", "question", "answer", "answers", "kind",
+                                  "difficulty")},
+        split=split, prompt_len=prompt_len, token_ids=ids, text=text, correct=correct,
+        label=0 if correct else 1, answer_chars=list(span) if span else None,
+        answer_tokens=span_tokens, token_labels=hd.token_labels(len(ids), span_tokens, not correct),
+        logprobs=[float(lp[t].logprob) for lp, t in zip(lps, ids)],
+        entropies=[_entropy(lp) for lp in lps], samples=list(sampled), sample_keys=keys,
+        semantic_entropy=se, clusters=n_clusters)
+
+
 def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | None = None, samples: int = 10,
             temperature: float = 0.5, max_tokens: int = 24, model: str | None = None, seed: int = 0,
             max_num_seqs: int = 64, capture: dict | None = None, command: str = "",
@@ -188,28 +213,8 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
 
         shutil.rmtree(run_dir, ignore_errors=True)
 
-    records = []
-    for k, (it, o) in enumerate(zip(items, greedy)):
-        c = o.outputs[0]
-        ids = list(c.token_ids)
-        text = c.text
-        ranges = hd.token_char_ranges(tok, ids)
-        span = hd.answer_span(it, text)
-        lps = c.logprobs or []
-        keys = [hd.answer_key(it, s) for s in sampled[k]]
-        se, n_clusters = hd.semantic_entropy(keys)
-        correct = hd.check_answer(it, text)
-        span_tokens = hd.span_token_indices(ranges, span)
-        records.append(dict(
-            request_id=f"{REQUEST_PREFIX}{k:05d}", **{f: it.get(f) for f in ("id", "set", "relation", "group",
-                                                                             "question", "answer", "answers",
-                                                                             "kind", "difficulty")},
-            split=split[k], prompt_len=len(prompts[k]), token_ids=ids, text=text, correct=correct,
-            label=0 if correct else 1, answer_chars=list(span) if span else None,
-            answer_tokens=span_tokens, token_labels=hd.token_labels(len(ids), span_tokens, not correct),
-            logprobs=[float(lp[t].logprob) for lp, t in zip(lps, ids)],
-            entropies=[_entropy(lp) for lp in lps], samples=sampled[k], sample_keys=keys,
-            semantic_entropy=se, clusters=n_clusters))
+    records = [label_record(k, it, o.outputs[0], len(prompts[k]), tok, sampled[k], split[k])
+               for k, (it, o) in enumerate(zip(items, greedy))]
     header = {"format": LABELS_FORMAT, "model": Path(model_dir).name, "model_dir": model_dir,
               "num_layers": int(config["num_hidden_layers"]), "num_heads": int(config["num_attention_heads"]),
               "hidden_size": int(config["hidden_size"]),

@@ -291,11 +291,42 @@ class Dataset:
         return (se > threshold).astype(np.int64), float(threshold)
 
 
-def fit_logistic(rows: RowSet, cs: Sequence[float] = CS, folds: int = FOLDS, seed: int = 0) -> dict:
-    """Standardized L2 logistic regression; C by grouped k-fold CV AUROC on these (training) rows."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import GroupKFold
+def _fit_torch(Z: np.ndarray, y: np.ndarray, C: float) -> tuple[np.ndarray, float]:
+    """scikit-learn's objective (``C * sum_i cw_i * logloss_i + |w|^2 / 2``, balanced class weights ``cw``)
+    minimized by L-BFGS in torch float64 (GPU where there is one): where scikit-learn is not installed (the GPU
+    host). The objective is strictly convex, so both reach the same weights."""
+    import torch
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    Zt = torch.as_tensor(Z, dtype=torch.float64, device=dev)
+    yt = torch.as_tensor(y, dtype=torch.float64, device=dev)
+    n, n1 = len(y), float(y.sum())
+    cw = torch.where(yt > 0, n / (2 * n1), n / (2 * (n - n1)))
+    w = torch.zeros(Z.shape[1], dtype=torch.float64, device=dev, requires_grad=True)
+    b = torch.zeros(1, dtype=torch.float64, device=dev, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1, max_iter=500, tolerance_grad=1e-9, tolerance_change=1e-12,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        z = Zt @ w + b
+        loss = C * (cw * torch.nn.functional.softplus(-(2 * yt - 1) * z)).sum() + 0.5 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    return w.detach().cpu().numpy(), float(b.detach().cpu().item())
+
+
+def fit_logistic(rows: RowSet, cs: Sequence[float] = CS, folds: int = FOLDS, seed: int = 0) -> dict:
+    """Standardized L2 logistic regression; C by grouped k-fold CV AUROC on these (training) rows (one C given:
+    no CV). scikit-learn where installed, else the same objective in torch (``_fit_torch``)."""
+    try:
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.model_selection import GroupKFold
+    except ImportError:
+        LogisticRegression = GroupKFold = None
     X, y = rows.X.astype(np.float64), rows.y
     if len(np.unique(y)) < 2:
         raise ProbeDataError(f"the training rows hold one class only ({len(y)} rows, label {int(y[0])}); "
@@ -305,7 +336,7 @@ def fit_logistic(rows: RowSet, cs: Sequence[float] = CS, folds: int = FOLDS, see
     Z = (X - mean) / scale
     cv = {}
     n_groups = len(np.unique(rows.groups))
-    if len(cs) > 1 and n_groups >= folds:
+    if len(cs) > 1 and n_groups >= folds and GroupKFold is not None:
         for C in cs:
             scores = np.zeros(len(y))
             for tr, te in GroupKFold(n_splits=folds).split(Z, y, rows.groups):
@@ -318,9 +349,13 @@ def fit_logistic(rows: RowSet, cs: Sequence[float] = CS, folds: int = FOLDS, see
         C = max(cv, key=cv.get)
     else:
         C = cs[len(cs) // 2]
-    clf = LogisticRegression(C=C, class_weight="balanced", max_iter=5000).fit(Z, y)
-    return {"mean": mean, "scale": scale, "weights": clf.coef_[0].astype(np.float64),
-            "bias": float(clf.intercept_[0]), "C": C, "cv_auc": cv.get(C), "cv": {str(k): v for k, v in cv.items()}}
+    if LogisticRegression is None:
+        weights, bias = _fit_torch(Z, y, C)
+    else:
+        clf = LogisticRegression(C=C, class_weight="balanced", max_iter=5000).fit(Z, y)
+        weights, bias = clf.coef_[0].astype(np.float64), float(clf.intercept_[0])
+    return {"mean": mean, "scale": scale, "weights": weights, "bias": bias, "C": C, "cv_auc": cv.get(C),
+            "cv": {str(k): v for k, v in cv.items()}}
 
 
 def _probe_risk(fit: dict, X: np.ndarray) -> np.ndarray:
@@ -487,6 +522,12 @@ def make_probe(ds: Dataset, detector: str, fit: dict, metrics: dict, *, layer: i
     num_features = 0
     if detector == "token_probe":
         pos, positive = "generated", "the token is part of a wrong answer (the model's answer to a question)"
+        if fit.get("rows") == "all":
+            positive = ("the token is part of the claim (the answer span) of a wrong answer; every other generated "
+                        "token (function words, right claims) is a negative")
+        if fit.get("logit"):
+            extra["logit_features"] = list(LOGIT_FEATURES)
+            num_features = hidden + len(LOGIT_FEATURES)
     elif detector == "semantic_entropy_probe":
         pos = position
         positive = (f"high semantic entropy: over {header.get('samples')} answers sampled at temperature "
@@ -501,8 +542,8 @@ def make_probe(ds: Dataset, detector: str, fit: dict, metrics: dict, *, layer: i
         num_features = len(layers) * heads
     train_n = metrics["train"]
     probe = LinearProbe(detector, model, hidden, int(layer), pos, fit["mean"], fit["scale"], fit["weights"],
-                        fit["bias"], 0.5, False, "last", n_layers, num_features=num_features, positive=positive,
-                        extra=extra)
+                        fit["bias"], float(fit.get("threshold", 0.5)), False, "last", n_layers,
+                        num_features=num_features, positive=positive, extra=extra)
     probe.training = {
         "data": (f"questions generated by mia_stream.lab.hallucination_data (sets {header.get('sets')}, "
                  f"limit {header.get('limit')} per set), answered greedily by the model (chat template, system "
@@ -510,13 +551,18 @@ def make_probe(ds: Dataset, detector: str, fit: dict, metrics: dict, *, layer: i
                  "at most), labelled "
                  "automatically"),
         "rows": ("one row per request" if detector == "semantic_entropy_probe" else
+                 "every generated token with its claim-level label (1 = a token of the answer span of a wrong "
+                 "answer)" if fit.get("rows") == "all" else
                  "answer-span tokens, each with its request's label (1 = wrong answer)"),
-        "features": {"token_probe": f"residual after decoder layer {layer}, at each generated token",
+        "threshold": fit.get("threshold_info", "0.5 (not calibrated)"),
+        "features": {"token_probe": f"residual after decoder layer {layer}, at each generated token" + (
+                         f", and {list(LOGIT_FEATURES)} from the output head" if fit.get("logit") else ""),
                      "semantic_entropy_probe": f"residual after decoder layer {layer} at the "
                                                f"{'last prompt position (TBG)' if pos == 'last_prompt' else 'last generated row (SLT)'}",
                      "lookback_ratio": f"lookback ratios of layers {layers} x {extra.get('heads')} heads, mean over "
                                        f"the last {window} generated tokens"}[detector],
-        "split": f"by fact (group), {header.get('test_fraction')} held out, seed {header.get('seed')}",
+        "split": header.get("split") or f"by fact (group), {header.get('test_fraction')} held out, seed "
+                                        f"{header.get('seed')}",
         "selection": f"C from {list(CS)} by grouped {FOLDS}-fold CV AUROC on the training requests",
         "C": fit["C"], "cv_auc": fit["cv_auc"], "cv": fit["cv"], "class_weight": "balanced",
         "train_requests": train_n.get("requests"), "train_rows": train_n.get("tokens", train_n.get("requests")),
