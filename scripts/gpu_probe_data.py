@@ -100,7 +100,10 @@ def run(args, out: Path) -> int:
     tok = AutoTokenizer.from_pretrained(args.model)
     prompts = [tok(tok.apply_chat_template(hd.chat_messages(it), add_generation_prompt=True, tokenize=False),
                    add_special_tokens=False)["input_ids"] for it in items]
-    log(f"{len(items)} questions ({', '.join(f'{s} {sum(it['set'] == s for it in items)}' for s in dict.fromkeys(it['set'] for it in items))}); "
+    counts = {}
+    for it in items:
+        counts[it["set"]] = counts.get(it["set"], 0) + 1
+    log(f"{len(items)} questions ({counts}); "
         f"{1 + args.captured_samples} captured generations each; layers {layers}; {dtype}")
     kw = dict(dtype=dtype, max_model_len=512, seed=args.seed, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=False, max_logprobs=LOGPROBS)

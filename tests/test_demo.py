@@ -29,9 +29,14 @@ def test_a_bad_number_is_a_usage_error() -> None:
     assert "--max-tokens: 0 must be positive" in result.stderr
 
 
+@pytest.fixture(scope="module")
+def demo_run() -> subprocess.CompletedProcess:
+    return _demo("--enforce-eager", "--max-tokens", "16", timeout=900)
+
+
 @pytest.mark.slow
-def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
-    result = _demo("--enforce-eager", "--max-tokens", "16", timeout=900)
+def test_the_demo_answers_three_prompts_on_a_real_engine(demo_run) -> None:
+    result = demo_run
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "> What is the capital of France?\nThe capital of France is Paris." in out
@@ -39,7 +44,7 @@ def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
     assert "summary: engine start" in out
     # the risk printer process printed every generated token with the risk the detector process published ...
     live = [line for line in out.splitlines() if line.startswith("[live] demo-")]
-    scored = [line for line in live if re.search(r"\| risk 0\.\d{3}$", line)]
+    scored = [line for line in live if re.search(r"\| risk 0\.\d{3}( ALERT)?$", line)]
     assert len(scored) >= 3 * 5 and sum("| end:" in line for line in live) == 3
     for i in range(3):  # every answer's tokens but its last (no step computes a row for it) got a score
         assert sum(line.startswith(f"[live] demo-{i} |") and re.search(r"\| risk +- *$", line) is not None
@@ -49,3 +54,38 @@ def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
     # ... and the terminal monitor drew the recording (printed once: not a terminal here)
     assert "risk = token_probe.risk" in out
     assert all(f"demo-{i}  length  16 tokens  risk 0." in out or f"demo-{i}  stop  " in out for i in range(3))
+
+
+# the demo prompts' references and checkers (hallucination_data.check_answer labels the demo's own answers)
+CHECKS = {"What is the capital of France?": {"answer": "Paris", "kind": "capital", "relation": "capital"},
+          "What is the chemical symbol of gold?": {"answer": "Au", "kind": "symbol", "relation": "element_symbol"},
+          "What is the atomic number of oxygen?": {"answer": "8", "kind": "first_number", "relation": "atomic_number"}}
+
+
+@pytest.mark.slow
+def test_on_the_demos_own_output_a_right_answer_raises_no_alert_and_a_wrong_claim_does(demo_run) -> None:
+    """Issue 27: the demo's detector flagged 77 of 90 tokens, every function word of a right answer included.
+    Its answers are labelled here by the labeller; with the shipped probe's calibrated threshold a right answer
+    raises no token alert, and a wrong answer's alerts (it must have one) fall on its claim's tokens."""
+    from mia_stream.demo.run import DEMO_PROMPTS
+    from mia_stream.lab import hallucination_data as hd
+
+    assert demo_run.returncode == 0, demo_run.stderr[-3000:]
+    out = demo_run.stdout
+    verdicts = {}
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        text = out.split(f"> {prompt}\n", 1)[1].split("\n", 1)[0]
+        item = dict(CHECKS[prompt], question=prompt, answers=[CHECKS[prompt]["answer"]])
+        span = hd.answer_span(item, text)
+        claim = text[span[0]:span[1]] if span else ""
+        rows = [re.match(r"\[live\] demo-%d \| +(.+?) \| risk (\S+)( ALERT)?$" % i, line)
+                for line in out.splitlines()]
+        rows = [(eval(m.group(1)), m.group(3) is not None) for m in rows if m]  # noqa: S307 (the token's repr)
+        alerted = [tok for tok, alert in rows if alert]
+        right = hd.check_answer(item, text)
+        verdicts[prompt] = (text, right, claim, alerted)
+        if right:
+            assert not alerted, (prompt, text, alerted)
+        else:
+            assert alerted and all(t.strip() and t.strip() in claim for t in alerted), (prompt, text, claim, alerted)
+    assert any(not v[1] for v in verdicts.values()) and any(v[1] for v in verdicts.values()), verdicts

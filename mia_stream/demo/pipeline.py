@@ -5,7 +5,8 @@ then the recording replays through the same detector, and the terminal monitor s
   generated token from the captured hidden states and publishes the scores onto the bus as ``analysis``
   messages; its own printout (JSON lines) goes to ``live-scores.jsonl``;
 - ``RiskPrinter`` is a consumer process: it prints each generated token with the risk the detector published
-  for it, as both arrive through the broker (``[live] demo-0 | ' Paris' | risk 0.031``);
+  for it, as both arrive through the broker (``[live] demo-0 | ' Paris' | risk 0.031``), and ``ALERT`` after
+  the risk where the detector's alert policy flagged the token (the probe file's calibrated threshold);
 - the recorder writes everything (the engine's streams and the detector's results) to an MCAP recording.
 
 Afterwards ``mia-stream analyze DEMO_ANALYZER --source RECORDING`` recomputes the scores from the recording,
@@ -28,7 +29,8 @@ from mia_stream import settings
 from mia_stream.consumers import Consumer
 
 # The detector and the value it publishes per token: token_probe (issue 15; Obeso et al. 2025) with its shipped
-# probe for the embedded model, P(this token is part of a wrong answer) from one layer's residual.
+# probe for the embedded model, P(this token is part of a wrong claim), alerting at the probe file's threshold
+# (calibrated: at most 10 % of correct held-out answers alert; docs/hallucination.md says why this detector).
 DEMO_ANALYZER = "token_probe"
 DEMO_SCORE = "risk"
 _OUT_ENV = "MIA_STREAM_DEMO_OUT"
@@ -115,7 +117,8 @@ class RiskPrinter(Consumer):
         token_id = self._tokens[stream.request_id].pop(pos)
         text = self._tok(stream.start.tokenizer).decode([token_id])
         shown = "  -  " if risk is None or not math.isfinite(risk) else f"{risk:.3f}"
-        self._emit(f"{stream.request_id} | {text!r:>14} | risk {shown}")
+        alert = " ALERT" if pos in self._alerts.get(stream.request_id, ()) else ""
+        self._emit(f"{stream.request_id} | {text!r:>14} | risk {shown}{alert}")
 
     def _emit(self, line: str) -> None:
         print(f"[{self._tag}] {line}", flush=True)
