@@ -92,3 +92,29 @@ def test_the_torch_fit_used_without_scikit_learn_reaches_scikit_learns_weights()
         w, b = _fit_torch(X, y, C)
         ref = LogisticRegression(C=C, class_weight="balanced", max_iter=5000, tol=1e-10).fit(X, y)
         assert np.abs(w - ref.coef_[0]).max() < 1e-5 and abs(b - ref.intercept_[0]) < 1e-5
+
+
+def test_the_output_head_outside_the_engine_gives_hugging_faces_log_probabilities(hf_model, tokenizer, model_dir):
+    """``analyzers/_logits.OutputHead`` (final RMSNorm + unembedding read from the safetensors) on the last
+    decoder layer's residual equals log_softmax of HF transformers' logits; the top-20 entropy is the entropy of
+    the renormalized 20 largest probabilities."""
+    import torch
+
+    from mia_stream.analyzers._logits import OutputHead, top_entropy
+
+    ids = tokenizer("The capital of France is Paris, and the capital of Peru is", return_tensors="pt")["input_ids"]
+    caught = {}
+    hook = hf_model.model.layers[-1].register_forward_hook(lambda m, i, o: caught.setdefault("h", o[0] if isinstance(o, tuple) else o))
+    try:
+        with torch.no_grad():
+            logits = hf_model(ids).logits[0].double()
+    finally:
+        hook.remove()
+    ref = torch.log_softmax(logits, -1).numpy()
+    head = OutputHead.from_model_dir(model_dir)
+    got = head.log_softmax(caught["h"][0].float().numpy())
+    assert np.abs(got - ref).max() < 2e-3
+    top = np.sort(ref[-1])[-20:]
+    p = np.exp(top - top.max())
+    p /= p.sum()
+    assert top_entropy(got[-1:])[0] == pytest.approx(-(p * np.log(p)).sum(), abs=1e-3)
