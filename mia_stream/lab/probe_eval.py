@@ -12,8 +12,8 @@ Moments and their baselines (``probe_metrics``):
   of its set and difficulty: what knowing the question's kind alone gives).
 
 Selection: each detector's layer and C are chosen on the validation split's answer AUROC (training requests
-fit, validation requests choose), its threshold on the validation split's correct answers; the test split is
-scored once. A detector "beats" the best baseline only where the CI of the paired difference excludes 0.
+fit, validation requests choose; the token-probe variants after the first reuse its layer), its threshold on the
+validation split's correct answers; the test split is scored once. A detector "beats" the best baseline only where the CI of the paired difference excludes 0.
 """
 
 from __future__ import annotations
@@ -82,9 +82,14 @@ def evaluate(ds: pt.Dataset, variants: Sequence[str] = tuple(VARIANTS), layers: 
                  "samples": ds.header.get("samples"), "false_alert_rate": rate},
         "moments": moments, "detectors": {}, "baselines": {}}
     scores_test: dict[str, np.ndarray] = dict(base_test)
+    token_layer = None
     for name in variants:
         detector, opts, moment = VARIANTS[name]
-        fit, layer, table = select_and_fit(ds, detector, layers, opts, log=log)
+        # the token-probe variants share the first one's layer (choosing C only): a third of the fits
+        fit, layer, table = select_and_fit(ds, detector, [token_layer] if token_layer is not None and
+                                           detector == "token_probe" else layers, opts, log=log)
+        if detector == "token_probe" and token_layer is None:
+            token_layer = layer
         s_val = answer_scores(ds, detector, fit, val.tolist(), layer=layer, **opts)
         s_test = answer_scores(ds, detector, fit, test.tolist(), layer=layer, **opts)
         thr = pm.calibrate(s_val[y_val == 0], rate)
