@@ -2,7 +2,8 @@
 
     mia-stream probe collect DIR [--limit N] [--samples 10]          # DIR/recording (MCAP), DIR/labels.jsonl
     mia-stream probe train --recording DIR/recording --labels DIR/labels.jsonl --layer L [--detector D] [--out F]
-    mia-stream probe eval --data DIR [--analyzers]                   # AUROC per detector and layer, baselines
+    mia-stream probe relabel DIR --hs-layers L,..                    # labels.jsonl again from DIR/recording
+    mia-stream probe eval --data DIR [--analyzers]                   # the report: detectors, baselines, CIs
 
 ``--data DIR`` stands for ``--recording DIR/recording --labels DIR/labels.jsonl``.
 """
@@ -121,6 +122,29 @@ def _collect(argv) -> int:
                       temperature=args.temperature, max_tokens=args.max_tokens, model=args.model, seed=args.seed,
                       max_num_seqs=args.max_num_seqs, capture=capture, command=_command(["collect", *argv]),
                       questions=questions)
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _relabel(argv) -> int:
+    from mia_stream.lab import hallucination_data as hd
+    from mia_stream.lab.probe_relabel import relabel
+
+    ap = argparse.ArgumentParser(prog=f"{PROG} relabel", description=(
+        "Rebuild DIR/labels.jsonl from DIR/recording alone with the current labeller (token ids from the "
+        "recording, logprobs from its last layer through the output head; no sampled answers)."))
+    ap.add_argument("dir", help="a collect directory (its recording/)")
+    ap.add_argument("--sets", nargs="+", default=list(hd.SETS), choices=hd.SETS, help="as collect was given")
+    ap.add_argument("--questions", help="as collect was given")
+    ap.add_argument("--limit", type=int)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--model")
+    ap.add_argument("--hs-layers", required=True, help="the recording's hidden-state layers, comma-separated")
+    args = ap.parse_args(argv)
+    questions = hd.load_questions(args.questions) if args.questions else None
+    summary = relabel(Path(args.dir) / "recording", args.dir, sets=args.sets, limit=args.limit, seed=args.seed,
+                      model=args.model, hs_layers=[int(x) for x in args.hs_layers.split(",")], questions=questions,
+                      command=_command(["relabel", *argv]), log=_log)
     print(json.dumps(summary, indent=1))
     return 0
 
@@ -276,7 +300,7 @@ def _json_default(o):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"collect": _collect, "train": _train, "eval": _eval}
+    commands = {"collect": _collect, "relabel": _relabel, "train": _train, "eval": _eval}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

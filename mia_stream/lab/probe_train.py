@@ -100,6 +100,20 @@ class FeatureReader(Analyzer):
         self.rows: dict[str, dict[int, np.ndarray]] = {}  # rid -> position -> [L, H]
         self.ratios: dict[str, dict[int, np.ndarray]] = {}  # rid -> position -> [Lq, heads]
         self.cache = KeyCache(self.qk_layers) if self.qk_layers else None
+        self.tokens: dict[str, dict[int, int]] = {}  # rid -> position -> sampled token id
+        self.tags: dict[str, dict] = {}
+
+    def on_start(self, start) -> None:
+        super().on_start(start)
+        self.tags[start.request_id] = dict(start.tags or {})
+
+    def on_tokens(self, batch, out) -> None:
+        counts = batch.counts if batch.counts is not None else np.ones(len(batch.request_ids), np.int64)
+        offsets = np.r_[0, np.cumsum(counts)]
+        for i, rid in enumerate(batch.request_ids):
+            d = self.tokens.setdefault(rid, {})
+            for j, t in enumerate(np.asarray(batch.token_ids)[offsets[i]:offsets[i + 1]].tolist()):
+                d[int(batch.first_positions[i]) + j] = int(t)
 
     def needs(self) -> Needs:
         return Needs(hs_layers=tuple(self.hs_layers), hs_positions="all",
@@ -152,10 +166,9 @@ def _fingerprint(rec: Path) -> str:
 
 
 def read_features(recording: str | Path, labels: tuple[dict, list[dict]], labels_path: str | Path,
-                  cache: bool = True, log=print) -> Features:
-    """The features of every labelled request from ``recording`` (cached next to the labels file)."""
-    from mia_stream.analyzers import run_analyzer
-
+                  cache: bool = True, log=print, reader: "FeatureReader | None" = None) -> Features:
+    """The features of every labelled request from ``recording`` (cached next to the labels file); ``reader``: a
+    FeatureReader that already read it (``probe_relabel``)."""
     header, records = labels
     rec = Path(recording)
     if not rec.exists():
@@ -177,15 +190,9 @@ def read_features(recording: str | Path, labels: tuple[dict, list[dict]], labels
         if f.request_ids == [r["request_id"] for r in records]:
             return f
     t0 = time.time()
-    reader = FeatureReader(hs_layers, qk_layers)
-    try:
-        runner = run_analyzer(reader, str(rec), patterns=[f"{REQUEST_PREFIX}*"])
-    except MiaStreamError as e:
-        raise ProbeDataError(f"recording {rec}: {e}") from None
-    if runner.rejected:
-        rid, why = next(iter(runner.rejected.items()))
-        raise ProbeDataError(f"recording {rec}: {len(runner.rejected)} request(s) lack what training reads, "
-                             f"e.g. {why}")
+    if reader is None:
+        reader = FeatureReader(hs_layers, qk_layers)
+        reader.gap_seqs = read_recording(reader, rec)
     H = None
     tbg, gen, lrs, offsets, missing = [], [], [], [0], []
     for r in records:
@@ -210,13 +217,28 @@ def read_features(recording: str | Path, labels: tuple[dict, list[dict]], labels
     f = Features([r["request_id"] for r in records], hs_layers, qk_layers, np.stack(tbg),
                  np.stack(gen) if gen else np.zeros((0, *H), np.float32), np.asarray(offsets, np.int64),
                  np.stack(lrs) if lrs else np.zeros((0, len(qk_layers), 1), np.float32),
-                 {"read_s": round(time.time() - t0, 1), "gaps": int(runner.counters["gap_seqs"])})
+                 {"read_s": round(time.time() - t0, 1), "gaps": int(getattr(reader, "gap_seqs", 0))})
     log(f"read {len(records)} requests' features from {rec} in {f.info['read_s']} s")
     if cache:
         np.savez(cache_file, request_ids=np.asarray(f.request_ids), hs_layers=np.asarray(f.hs_layers),
                  qk_layers=np.asarray(f.qk_layers), tbg=f.tbg, gen=f.gen, offsets=f.offsets, lr=f.lr,
                  info=np.asarray(json.dumps(f.info)))
     return f
+
+
+def read_recording(reader: FeatureReader, rec: Path) -> int:
+    """Run ``reader`` over the recording's probe requests; the number of lost seqs (gaps)."""
+    from mia_stream.analyzers import run_analyzer
+
+    try:
+        runner = run_analyzer(reader, str(rec), patterns=[f"{REQUEST_PREFIX}*"])
+    except MiaStreamError as e:
+        raise ProbeDataError(f"recording {rec}: {e}") from None
+    if runner.rejected:
+        rid, why = next(iter(runner.rejected.items()))
+        raise ProbeDataError(f"recording {rec}: {len(runner.rejected)} request(s) lack what training reads, "
+                             f"e.g. {why}")
+    return int(runner.counters["gap_seqs"])
 
 
 # ------------------------------------------------------------------------------------------------ data sets
