@@ -74,12 +74,14 @@ class OutputHead:
             raise AnalyzerConfigError(f"model dir {d}: the safetensors lack model.norm.weight or the unembedding")
         return cls(t["model.norm.weight"], unembed, config.get("rms_norm_eps", 1e-5))
 
-    def log_softmax(self, h: np.ndarray) -> np.ndarray:
-        """``[N, H]`` last-layer residuals -> ``[N, V]`` float64 next-token log-probabilities."""
+    def log_softmax(self, h: np.ndarray, batched: bool = False) -> np.ndarray:
+        """``[N, H]`` last-layer residuals -> ``[N, V]`` float64 next-token log-probabilities. Row by row by
+        default (a row's values do not depend on the batch: live equals replayed); ``batched``: one matrix
+        product (offline, much faster; equal up to float rounding)."""
         h = np.asarray(h, np.float32)
         var = (h.astype(np.float64) ** 2).mean(axis=1, keepdims=True)
         x = (h / np.sqrt(var + self.eps)).astype(np.float32) * self.norm_weight
-        logits = np.stack([self.unembed @ row for row in x]).astype(np.float64)  # row by row: batch-independent
+        logits = (x @ self.unembed.T if batched else np.stack([self.unembed @ row for row in x])).astype(np.float64)
         m = logits.max(axis=1, keepdims=True)
         return logits - m - np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
 

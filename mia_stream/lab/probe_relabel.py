@@ -57,14 +57,14 @@ def relabel(recording: str | Path, out_dir: str | Path, *, sets: Sequence[str] =
         if not rid.startswith(REQUEST_PREFIX):
             continue
         item = by_id.get(reader.tags.get(rid, {}).get("item"))
-        P = reader.prompt_lengths.get(rid)
         toks = reader.tokens.get(rid, {})
+        P = min(toks) if toks else None  # the first sampled token's position is the prompt's length
         rows = reader.rows[rid]
-        ids = [toks[p] for p in sorted(toks) if p >= (P or 0)]
+        ids = [toks[p] for p in sorted(toks)]
         if item is None or not P or not ids or any(p not in rows for p in range(P - 1, P + len(ids) - 1)):
             skipped.append(rid)
             continue
-        logp = head.log_softmax(np.stack([rows[p][li] for p in range(P - 1, P + len(ids) - 1)]))
+        logp = head.log_softmax(np.stack([rows[p][li] for p in range(P - 1, P + len(ids) - 1)]), batched=True)
         c = SimpleNamespace(token_ids=ids, text=tok.decode(ids, skip_special_tokens=True), logprobs=None)
         r = label_record(0, item, c, P, tok, [], hd.entity_split(item["group"], seed), request_id=rid)
         r["logprobs"] = [float(logp[k, t]) for k, t in enumerate(ids)]
