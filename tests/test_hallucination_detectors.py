@@ -244,6 +244,78 @@ def test_token_probe_scores_each_generated_row_and_aggregates_per_request(tmp_pa
         assert x.positions == y.positions and all(np.array_equal(x.values[k], y.values[k]) for k in x.values)
 
 
+def _tiny_model_dir(tmp_path, hidden=8, vocab=50, rng=None):
+    """A config and a safetensors file with the final norm and the unembedding (BF16: what the embedded model
+    ships), written by hand (the format: 8-byte header length, JSON header, raw data)."""
+    rng = rng or np.random.default_rng(0)
+    norm = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    emb = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    bf16 = lambda a: (a.view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731 (truncation: exact below)
+    norm, emb = [((bf16(a).astype(np.uint32) << 16).view(np.float32)) for a in (norm, emb)]
+    blobs = [("model.norm.weight", bf16(norm)), ("model.embed_tokens.weight", bf16(emb))]
+    header, off = {}, 0
+    for name, a in blobs:
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(a.tobytes() for _, a in blobs))
+    (d / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-5, "hidden_size": hidden, "num_hidden_layers": 2}))
+    return d, norm, emb
+
+
+def test_token_probe_with_logit_features_scores_the_tokens_log_probability_and_entropies(tmp_path):
+    """Logit features (issue 27): at generated row p the analyzer appends the token's -log p and the top-k
+    entropy of the distribution it was drawn from (row p - 1; the last prompt row for the first token) and of
+    the next one (row p), computed from the last layer through the model's head; the reference here is the
+    definition (RMSNorm, softmax) in numpy."""
+    from mia_stream.analyzers import _logits
+
+    rng = np.random.default_rng(7)
+    model, norm, emb = _tiny_model_dir(tmp_path, rng=rng)
+    hidden, feats = 8, ["neg_logprob", "entropy", "next_entropy"]
+    width = hidden + len(feats)
+    p = LinearProbe("token_probe", "synthetic", hidden, 0, "generated", rng.standard_normal(width),
+                    rng.uniform(0.5, 2.0, width), rng.standard_normal(width), 0.1, 0.5, num_layers=2,
+                    num_features=width, extra={"logit_features": feats})
+    path = tmp_path / "tp.json"
+    p.save(path)
+    analyzer = create("token_probe", {"probe": str(path), "model_dir": str(model)})
+    assert analyzer.capture_spec()["hidden_states"] == {"layers": [0, 1], "positions": "all"}
+    plen, toks = 3, [5, 17, 42]
+    hs = rng.standard_normal((2, plen + len(toks), hidden)).astype(np.float32)
+    positions = [np.arange(plen), np.asarray([plen]), np.asarray([plen + 1]), np.asarray([plen + 2])]
+    ids = [np.asarray([1, 2, 3]), np.asarray([toks[0]]), np.asarray([toks[1]]), np.asarray([toks[2]])]
+    batches = []
+    for step, (pos, tid) in enumerate(zip(positions, ids)):
+        g = RowGroup(np.arange(1), np.asarray([len(pos)]), pos.astype(np.int64),
+                     [Tensor.from_array("hs", hs[:, pos], layers=[0, 1])], token_ids=tid)
+        batches.append(StepBatch("p", 1, step, ["a"], np.zeros(1, np.int64), [g]))
+    cap = {"hidden_states": {"layers": [0, 1], "positions": "all"}}
+    got = _run(analyzer, [_start("a", plen, cap)], batches, ["a"])["a"]
+    rows = [a for a in got if a.step >= 0]
+    assert [q for a in rows for q in a.positions] == [plen, plen + 1, plen + 2]
+
+    def logp(h):  # the definition, float64
+        x = h / np.sqrt((h.astype(np.float64) ** 2).mean() + 1e-5) * norm
+        z = emb.astype(np.float64) @ x
+        return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+    def top_h(lp, k=_logits.TOP_K):
+        t = np.sort(lp)[-k:]
+        q = np.exp(t - t.max())
+        q /= q.sum()
+        return -(q * np.log(q)).sum()
+
+    ref = []
+    for j, pos in enumerate(range(plen, plen + 3)):
+        prev, cur = logp(hs[1, pos - 1]), logp(hs[1, pos])
+        x = np.concatenate([hs[0, pos], [-prev[toks[j]], top_h(prev), top_h(cur)]])
+        ref.append(sigmoid(p.logits(x[None]))[0])
+    np.testing.assert_allclose(np.concatenate([a.values["risk"] for a in rows]), ref, rtol=1e-4)
+
+
 def test_lookback_ratio_matches_a_naive_per_head_attention_loop():
     """The vectorized lookback ratios (GQA, causal, several query rows) equal a per-head loop of the paper's
     definition: mean attention on prompt keys / (that + mean attention on generated keys)."""

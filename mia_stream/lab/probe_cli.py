@@ -176,6 +176,8 @@ def _train(argv) -> int:
     ap.add_argument("--logit", action="store_true",
                     help="token_probe: add the token's -log p and entropies (computed by the analyzer from the "
                          "last layer through the output head) to the residual")
+    ap.add_argument("--logit-only", action="store_true",
+                    help="token_probe: the logit features alone (a learned combination of the free signals)")
     ap.add_argument("--false-alert-rate", type=float, default=pm.FALSE_ALERT_RATE,
                     help="the threshold lets at most this fraction of correct validation answers alert")
     ap.add_argument("--window", type=int, default=pt.LOOKBACK_WINDOW, help="lookback_ratio: feature window")
@@ -188,7 +190,7 @@ def _train(argv) -> int:
         ap.error(f"--layer must be a layer number or 'best', got {args.layer!r}")
     ds, _, _ = _dataset(args)
     layers = None if args.layers == "all" else [int(x) for x in args.layers.split(",")]
-    opts = {"rows": args.rows, "logit": args.logit} if args.detector == "token_probe" else \
+    opts = {"rows": args.rows, "logit": "only" if args.logit_only else args.logit} if args.detector == "token_probe" else \
         {"position": args.position} if args.detector == "semantic_entropy_probe" else {"rows": args.rows}
     layer, selection, cs = None, None, pt.CS
     if args.detector != "lookback_ratio":

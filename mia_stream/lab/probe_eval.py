@@ -29,6 +29,7 @@ VARIANTS = {  # name: (detector, options, moment)
     "token_probe": ("token_probe", {"rows": "all"}, "after"),
     "token_probe_span": ("token_probe", {"rows": "span"}, "after"),
     "token_probe+logit": ("token_probe", {"rows": "all", "logit": True}, "after"),
+    "token_logit_only": ("token_probe", {"rows": "all", "logit": "only"}, "after"),
     "sep_tbg": ("semantic_entropy_probe", {"position": "last_prompt"}, "before"),
     "sep_slt": ("semantic_entropy_probe", {"position": "generated"}, "after"),
 }

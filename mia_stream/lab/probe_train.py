@@ -420,6 +420,8 @@ def detector_features(ds: Dataset, detector: str, layer: int | None = None, laye
                       position: str = "last_prompt", window: int = LOOKBACK_WINDOW, logit: bool = False):
     """``features(r) -> [G', F]`` per request (token_probe, lookback_ratio) or ``[1, F]`` (semantic_entropy_probe)."""
     f = ds.f
+    if detector == "token_probe" and logit == "only":
+        return lambda r: logit_features(ds, r)
     if detector == "token_probe" and logit:
         li = _layer_index(f, layer)
         return lambda r: np.concatenate([f.gen[f.of(r), li], logit_features(ds, r)], axis=1)
@@ -550,6 +552,9 @@ def make_probe(ds: Dataset, detector: str, fit: dict, metrics: dict, *, layer: i
         if fit.get("logit"):
             extra["logit_features"] = list(LOGIT_FEATURES)
             num_features = hidden + len(LOGIT_FEATURES)
+        if fit.get("logit") == "only":
+            extra["hidden"] = False
+            num_features = len(LOGIT_FEATURES)
     elif detector == "semantic_entropy_probe":
         pos = position
         positive = (f"high semantic entropy: over {header.get('samples')} answers sampled at temperature "
