@@ -118,3 +118,18 @@ def test_the_output_head_outside_the_engine_gives_hugging_faces_log_probabilitie
     p = np.exp(top - top.max())
     p /= p.sum()
     assert top_entropy(got[-1:])[0] == pytest.approx(-(p * np.log(p)).sum(), abs=1e-3)
+
+
+def test_the_within_set_auroc_is_the_size_weighted_mean_of_each_sets_auroc():
+    """A score that only knows the set's base rate has a pooled AUROC above 0.5 and a within-set AUROC of 0.5."""
+    rng = np.random.default_rng(5)
+    sets = np.repeat(["a", "b", "c"], [100, 60, 40])
+    y = (rng.random(200) < np.where(sets == "a", 0.8, 0.2)).astype(np.int64)
+    base_rate = np.where(sets == "a", 0.8, 0.2)
+    assert pm.auroc(y, base_rate) > 0.7
+    assert pm.within_auroc(y, base_rate, sets) == pytest.approx(0.5)
+    s = rng.standard_normal(200) + y
+    ref = sum(roc_auc_score(y[sets == k], s[sets == k]) * (sets == k).sum() for k in "abc") / 200
+    assert pm.within_auroc(y, s, sets) == pytest.approx(ref)
+    b = pm.bootstrap(y, {"s": s, "prior": base_rate}, np.arange(200), reference="prior", strata=sets, n=200)
+    assert b["s"]["auroc"] == pytest.approx(ref, abs=1e-4) and b["s"]["diff_ci"][0] > 0

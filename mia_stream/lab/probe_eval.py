@@ -113,6 +113,14 @@ def evaluate(ds: pt.Dataset, variants: Sequence[str] = tuple(VARIANTS), layers: 
             report["detectors"][d].update(boot[d], beats_best_baseline=bool(boot[d].get("diff_ci", [0])[0] > 0))
         report[f"best_baseline_{moment}"] = best
     sets = np.asarray([recs[r].get("set") for r in test.tolist()])
+    # within each set (its base rate worth nothing): every after-answer score against the best such baseline
+    after = [k for k in moments["after"] if k != "semantic_entropy" or has_samples] + \
+        [d for d, v in report["detectors"].items() if v["moment"] == "after"]
+    w = {k: pm.within_auroc(y_test, scores_test[k], sets) or 0 for k in moments["after"]}
+    best_w = max(w, key=w.get)
+    report["within_set"] = pm.bootstrap(y_test, {k: scores_test[k] for k in after}, groups, reference=best_w,
+                                        strata=sets)
+    report["best_baseline_within_set"] = best_w
     report["per_set"] = {s: {k: _r(pm.auroc(y_test[sets == s], v[sets == s])) for k, v in scores_test.items()}
                          | {"n": int((sets == s).sum()), "wrong": int(y_test[sets == s].sum())}
                          for s in sorted(set(sets.tolist()))}
@@ -131,6 +139,8 @@ def leave_one_relation_out(ds: pt.Dataset, report: dict, base_test: dict, test: 
     rel = np.asarray([recs[r].get("relation") or recs[r].get("set") for r in range(len(recs))])
     train = ds.requests("train")
     out = {}
+    pooled: dict[str, list] = {}
+    pooled_y, pooled_g, pooled_rel = [], [], []
     for relation in sorted(set(rel[test].tolist())):
         t_idx = np.flatnonzero(rel[test] == relation)
         reqs = test[t_idx]
@@ -139,20 +149,36 @@ def leave_one_relation_out(ds: pt.Dataset, report: dict, base_test: dict, test: 
             continue
         row = {"n": int(len(reqs)), "wrong": int(y.sum())}
         others = train[rel[train] != relation]
-        for name in ("token_probe", "sep_tbg"):
+        scores = {}
+        for name in ("token_probe", "token_probe+logit", "sep_tbg"):
             if name not in report["detectors"]:
                 continue
             d = report["detectors"][name]
             fit, _ = pt.train_detector(ds, d["detector"], d["layer"], cs=(d["C"],), train_reqs=others, **d["options"])
-            row[name] = _r(pm.auroc(y, answer_scores(ds, d["detector"], fit, reqs.tolist(), layer=d["layer"],
-                                                     **d["options"])))
-        for b in ("mean_neg_logprob", "max_neg_logprob", "mean_entropy", "first_token_entropy", "answer_length",
-                  "semantic_entropy"):
+            scores[name] = answer_scores(ds, d["detector"], fit, reqs.tolist(), layer=d["layer"], **d["options"])
+        for b in LORO_BASELINES:
             if b in base_test:
-                row[b] = _r(pm.auroc(y, base_test[b][t_idx]))
+                scores[b] = base_test[b][t_idx]
+        for k, v in scores.items():
+            row[k] = _r(pm.auroc(y, v))
+            pooled.setdefault(k, []).append(v)
+        pooled_y.append(y)
+        pooled_g.append(ds.groups[reqs])
+        pooled_rel += [relation] * len(reqs)
         out[relation] = row
         log(f"leave out {relation}: {row}")
+    if pooled_y:  # every relation scored by the probe that never saw it, within each relation, with CIs
+        yy = np.concatenate(pooled_y)
+        sc = {k: np.concatenate(v) for k, v in pooled.items() if len(v) == len(pooled_y)}
+        w = {k: pm.within_auroc(yy, sc[k], pooled_rel) or 0 for k in LORO_BASELINES if k in sc}
+        best = max(w, key=w.get)
+        out["_pooled_within_relation"] = {"reference": best, **pm.bootstrap(
+            yy, sc, np.concatenate(pooled_g), reference=best, strata=np.asarray(pooled_rel))}
     return out
+
+
+LORO_BASELINES = ("mean_neg_logprob", "max_neg_logprob", "mean_entropy", "first_token_entropy", "answer_length",
+                  "semantic_entropy")
 
 
 def _r(v):
@@ -188,6 +214,12 @@ def format_report(rep: dict) -> str:
             if v["moment"] == moment:
                 lines.append(f"  {name}: layer {v['layer']}, C {v['C']}; beats the best baseline "
                              f"({rep['best_baseline_' + moment]}): {'yes' if v['beats_best_baseline'] else 'no'}")
+    if rep.get("within_set"):
+        lines += ["", "within each set (AUROC per set, averaged by size: what knowing the set gives is removed), "
+                      f"against the best such baseline ({rep['best_baseline_within_set']}):"]
+        for k, v in rep["within_set"].items():
+            diff = f"{v['diff']:+.3f} [{v['diff_ci'][0]:+.3f},{v['diff_ci'][1]:+.3f}]" if "diff" in v else ""
+            lines.append(f"{k:>26} {_f(v['auroc']):>6} [{_f(v['ci'][0])},{_f(v['ci'][1])}] {diff:>28}")
     names = list(rep["detectors"]) + ["mean_neg_logprob", "max_neg_logprob", "first_token_entropy",
                                       "question_prior", "semantic_entropy"]
     lines += ["", "held-out AUROC within each set:", f"{'set':>16} {'n':>5} {'wrong':>5} " +
@@ -195,12 +227,23 @@ def format_report(rep: dict) -> str:
     for s, v in rep["per_set"].items():
         lines.append(f"{s:>16} {v['n']:>5} {v['wrong']:>5} " + " ".join(f"{_f(v.get(n)):>14}" for n in names))
     if rep.get("leave_one_relation_out"):
-        cols = ["token_probe", "sep_tbg", "mean_neg_logprob", "max_neg_logprob", "mean_entropy",
-                "first_token_entropy", "answer_length", "semantic_entropy"]
+        cols = ["token_probe", "token_probe+logit", "sep_tbg", "mean_neg_logprob", "max_neg_logprob",
+                "mean_entropy", "first_token_entropy", "answer_length", "semantic_entropy"]
         lines += ["", "leave one relation out (trained on the other relations' training entities, scored on this "
                       "relation's held-out ones):", f"{'relation':>16} {'n':>5} {'wrong':>5} " +
                   " ".join(f"{c[:14]:>14}" for c in cols)]
         for relation, v in rep["leave_one_relation_out"].items():
+            if relation.startswith("_"):
+                continue
             lines.append(f"{relation:>16} {v['n']:>5} {v['wrong']:>5} " +
                          " ".join(f"{_f(v.get(c)):>14}" for c in cols))
+        pooled = rep["leave_one_relation_out"].get("_pooled_within_relation")
+        if pooled:
+            lines += [f"all relations pooled (AUROC within each relation, averaged by size), against the best "
+                      f"baseline ({pooled['reference']}):"]
+            for k, v in pooled.items():
+                if k == "reference":
+                    continue
+                diff = f"{v['diff']:+.3f} [{v['diff_ci'][0]:+.3f},{v['diff_ci'][1]:+.3f}]" if "diff" in v else ""
+                lines.append(f"{k:>26} {_f(v['auroc']):>6} [{_f(v['ci'][0])},{_f(v['ci'][1])}] {diff:>28}")
     return "\n".join(lines)

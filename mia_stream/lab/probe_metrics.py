@@ -38,10 +38,30 @@ def _resamples(groups: Sequence, n: int, seed: int) -> list[np.ndarray]:
     return [np.concatenate([members[g] for g in rng.integers(0, len(uniq), len(uniq))]) for _ in range(n)]
 
 
+def within_auroc(y, s, strata) -> float | None:
+    """The AUROC within each stratum (a question set), averaged weighted by its size over the strata that hold
+    both classes: what is left once knowing the set (its base rate) is worth nothing."""
+    y, s, strata = np.asarray(y), np.asarray(s, np.float64), np.asarray(strata)
+    total = weight = 0.0
+    for k in np.unique(strata):
+        m = strata == k
+        a = auroc(y[m], s[m])
+        if a is not None:
+            total += a * m.sum()
+            weight += m.sum()
+    return total / weight if weight else None
+
+
 def bootstrap(y, scores: Mapping[str, Sequence[float]], groups, reference: str | None = None,
-              n: int = BOOTSTRAP, seed: int = 0) -> dict:
+              n: int = BOOTSTRAP, seed: int = 0, strata=None) -> dict:
     """Per named score: AUROC and its 95 % CI over entity resamples; with ``reference``, also the paired
-    difference (score - reference) and its CI on the same resamples."""
+    difference (score - reference) and its CI on the same resamples. ``strata``: the AUROC is
+    ``within_auroc`` over them instead of the pooled one."""
+    if strata is not None:
+        strata = np.asarray(strata)
+        metric = lambda yy, ss, idx: within_auroc(yy, ss, strata[idx])  # noqa: E731
+    else:
+        metric = lambda yy, ss, idx: auroc(yy, ss)  # noqa: E731
     y = np.asarray(y)
     arrays = {k: np.asarray(v, np.float64) for k, v in scores.items()}
     boots = {k: [] for k in arrays}
@@ -50,20 +70,23 @@ def bootstrap(y, scores: Mapping[str, Sequence[float]], groups, reference: str |
         yy = y[idx]
         if len(np.unique(yy)) < 2:
             continue
-        vals = {k: auroc(yy, a[idx]) for k, a in arrays.items()}
+        vals = {k: metric(yy, a[idx], idx) for k, a in arrays.items()}
+        if any(v is None for v in vals.values()):
+            continue
         for k, v in vals.items():
             boots[k].append(v)
             if reference is not None:
                 diffs[k].append(v - vals[reference])
     out = {}
+    everything = np.arange(len(y))
     for k, a in arrays.items():
         b = np.asarray(boots[k])
-        row = {"auroc": _r(auroc(y, a)), "ci": [_r(np.percentile(b, 2.5)), _r(np.percentile(b, 97.5))]
+        row = {"auroc": _r(metric(y, a, everything)), "ci": [_r(np.percentile(b, 2.5)), _r(np.percentile(b, 97.5))]
                if len(b) else [None, None]}
         if reference is not None and k != reference and len(diffs[k]):
             d = np.asarray(diffs[k])
             row["diff_vs"] = reference
-            row["diff"] = _r((row["auroc"] or 0) - (_r(auroc(y, arrays[reference])) or 0))
+            row["diff"] = _r((row["auroc"] or 0) - (_r(metric(y, arrays[reference], everything)) or 0))
             row["diff_ci"] = [_r(np.percentile(d, 2.5)), _r(np.percentile(d, 97.5))]
         out[k] = row
     return out
