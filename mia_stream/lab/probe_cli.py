@@ -3,6 +3,7 @@
     mia-stream probe collect DIR [--limit N] [--samples 10]          # DIR/recording (MCAP), DIR/labels.jsonl
     mia-stream probe train --recording DIR/recording --labels DIR/labels.jsonl --layer L [--detector D] [--out F]
     mia-stream probe relabel DIR --hs-layers L,..                    # labels.jsonl again from DIR/recording
+    mia-stream probe calibrate PROBE --data DIR [--out F]            # its threshold for a false-alert rate
     mia-stream probe eval --data DIR [--analyzers]                   # the report: detectors, baselines, CIs
 
 ``--data DIR`` stands for ``--recording DIR/recording --labels DIR/labels.jsonl``.
@@ -234,6 +235,24 @@ def _train(argv) -> int:
     return 0
 
 
+def _calibrate(argv) -> int:
+    from mia_stream.lab import probe_metrics as pm
+    from mia_stream.lab.probe_replay import calibrate_file
+
+    ap = argparse.ArgumentParser(prog=f"{PROG} calibrate", description=(
+        "Set a probe file's alert threshold from its analyzer's answer_risk on the validation split of a collect "
+        "run: the lowest at which at most --false-alert-rate of the correct answers alert."))
+    ap.add_argument("probe")
+    _data_args(ap)
+    ap.add_argument("--false-alert-rate", type=float, default=pm.FALSE_ALERT_RATE)
+    ap.add_argument("--out", help="the file to write (default: the probe file itself)")
+    args = ap.parse_args(argv)
+    ds, rec, _ = _dataset(args)
+    r = calibrate_file(ds, rec, args.probe, args.false_alert_rate, args.out or args.probe)
+    print(json.dumps(r, indent=1, default=_json_default))
+    return 0
+
+
 # ------------------------------------------------------------------------------------------------ eval
 
 def _fmt(v) -> str:
@@ -302,7 +321,7 @@ def _json_default(o):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"collect": _collect, "relabel": _relabel, "train": _train, "eval": _eval}
+    commands = {"collect": _collect, "relabel": _relabel, "train": _train, "calibrate": _calibrate, "eval": _eval}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
