@@ -426,7 +426,7 @@ def _shipped(name):
 def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, tokenizer, model_dir):
     """The three shipped detectors as live analyzers on real requests (CPU vLLM): token_probe's and
     semantic_entropy_probe's risks equal the probe applied to Hugging Face's decoder-layer outputs on the same
-    tokens; lookback_ratio's per-head ratios (and risks) equal those of HF's eager attention weights
+    tokens (and, for the logit features, to HF's own logits: the token's -log p, top-20 entropies); lookback_ratio's per-head ratios (and risks) equal those of HF's eager attention weights
     (``output_attentions=True``); each end row aggregates its token rows."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -442,7 +442,8 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
                  "lookback_ratio": create("lookback_ratio", {"probe": str(_shipped("lookback_ratio")),
                                                              "emit_ratios": True})}
     tp, sep, lb = (analyzers[n].probe for n in ("token_probe", "semantic_entropy_probe", "lookback_ratio"))
-    spec = {"hidden_states": {"layers": sorted({tp.layer, sep.layer}), "positions": "all"},
+    tp_layers = analyzers["token_probe"].capture_spec()["hidden_states"]["layers"]  # + the last with logit features
+    spec = {"hidden_states": {"layers": sorted({*tp_layers, sep.layer}), "positions": "all"},
             "qk": {"layers": sorted(set(lb.extra["layers"])), "heads": "all", "positions": "all"}}
     items = [hd.capital_questions()[5], hd.arithmetic_questions()[100], hd.element_questions()[9]]
     prompts = [tokenizer(tokenizer.apply_chat_template(hd.chat_messages(it), add_generation_prompt=True,
@@ -484,13 +485,33 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
         with torch.no_grad():
             att = eager(torch.tensor([fed]), output_attentions=True).attentions  # L x [1, H, T, T]
         gen_pos = list(range(P, P + G - 1))
+        with torch.no_grad():  # HF's own logits: the reference of the logit features
+            logp = torch.log_softmax(hf_model(torch.tensor([fed])).logits[0].double(), -1).numpy()
+
+        def top_entropy(lp, k=20):
+            t = np.sort(lp)[-k:]
+            q = np.exp(t - t.max())
+            q /= q.sum()
+            return -(q * np.log(q)).sum()
+
+        def features(probe, positions):
+            x = hs[probe.layer, positions]
+            names = probe.extra.get("logit_features") or []
+            if not names:
+                return x
+            f = {"neg_logprob": [-logp[p - 1, fed[p]] for p in positions],
+                 "entropy": [top_entropy(logp[p - 1]) for p in positions],
+                 "next_entropy": [top_entropy(logp[p]) for p in positions]}
+            lf = np.stack([np.asarray(f[n]) for n in names], axis=1)
+            return np.concatenate([x, lf], axis=1) if probe.extra.get("hidden", True) else lf
+
         for name, probe, positions in (("token_probe", tp, gen_pos), ("semantic_entropy_probe", sep,
                                                                       [P - 1] if sep.position == "last_prompt"
                                                                       else gen_pos)):
             rows = [a for a in results[name][rid] if a.step >= 0]
             got = {p: r for a in rows for p, r in zip(a.positions, a.values["risk"].tolist())}
             assert sorted(got) == positions, name
-            ref = sigmoid(probe.logits(hs[probe.layer, positions]))
+            ref = sigmoid(probe.logits(features(probe, positions)))
             err = np.abs(np.asarray([got[p] for p in positions]) - ref).max()
             worst[name] = max(worst.get(name, 0), err)
             end = results[name][rid][-1]
