@@ -21,8 +21,8 @@ ship=(--ship)
 [ -n "${NO_SHIP:-}" ] && ship=()
 out() { if [ -n "${NO_SHIP:-}" ]; then echo --out "$DIR/$1.json"; fi; }
 # token_probe: every generated token with its claim-level label, layer and C by validation, threshold calibrated
-# for at most 10 % alerting correct validation answers; TOKEN_ARGS=--logit adds the logit features
-probe train --data "$DIR" --detector token_probe --layer best ${TOKEN_ARGS:-} "${ship[@]}" $(out token-probe) \
+# for at most 10 % alerting correct validation answers; with the logit features (TOKEN_ARGS= trains without)
+probe train --data "$DIR" --detector token_probe --layer best ${TOKEN_ARGS---logit} "${ship[@]}" $(out token-probe) \
   > "$DIR/train-token_probe.json"
 probe train --data "$DIR" --detector semantic_entropy_probe --layer best "${ship[@]}" $(out semantic-entropy-probe) \
   > "$DIR/train-semantic_entropy_probe.json"

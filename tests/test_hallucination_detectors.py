@@ -561,7 +561,7 @@ def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path, model_d
     summary = json.loads((data / "collect-summary.json").read_text())  # stdout carries vLLM's log lines too
     assert summary["recorder_dropped"] == 0 and summary["requests"] == TEST_LIMIT * len(TEST_SETS)
     probe_file = tmp_path / "tp.json"
-    r = _cli("probe", "train", "--data", str(data), "--layer", "best", "--layers", "all", "--out", str(probe_file))
+    r = _cli("probe", "train", "--data", str(data), "--layer", "best", "--logit", "--out", str(probe_file))
     assert r.returncode == 0, r.stderr[-3000:]
     probe = json.loads(probe_file.read_text())
     table = probe["training"]["layer_selection"]["auc"]
@@ -595,5 +595,5 @@ def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path, model_d
 
 
 TEST_SETS = ("arithmetic", "capitals")
-TEST_LIMIT = 60
-AUC_MARGIN = 0.15
+TEST_LIMIT = 100
+AUC_MARGIN = 0.1
