@@ -57,6 +57,13 @@ def select_and_fit(ds: pt.Dataset, detector: str, layers: Sequence[int], opts: d
             if auc is not None and (best is None or auc > best[0]):
                 best = (auc, layer, fit)
         log(f"{detector} {opts}: layer {layer}: validation AUROC {max(v or 0 for k, v in table.items() if k.startswith(f'{layer}/')):.3f}")
+    if best is None:  # the validation answers are all right or all wrong (a small set): grouped CV on training
+        log(f"{detector}: the validation split holds one class; layer and C by grouped CV on the training requests")
+        for layer in layers:
+            fit, _ = pt.train_detector(ds, detector, layer, train_reqs=train_reqs, **opts)
+            table[f"{layer}/cv"] = fit["cv_auc"]
+            if best is None or (fit["cv_auc"] or 0) > best[0]:
+                best = (fit["cv_auc"] or 0, layer, fit)
     return best[2], best[1], table
 
 
