@@ -306,6 +306,12 @@ def _eval(argv) -> int:
             print(f"{r['analyzer']:>24} {_fmt(r['token_auc']):>7} {_fmt(r['answer_auc']):>7} "
                   f"[{_fmt(r['answer_ci'][0])},{_fmt(r['answer_ci'][1])}] {_fmt(r['false_alert_rate']):>12} "
                   f"{_fmt(r['recall']):>7} {r['requests']:>9}  {path}", flush=True)
+            for set_name, a in r["alerts_per_set"].items():
+                ci = r["answer_ci_per_set"][set_name]
+                print(f"{'':>10}{set_name:>14} {'':>7} {_fmt(r['answer_auc_per_set'][set_name]):>7} "
+                      f"[{_fmt(ci[0])},{_fmt(ci[1])}] {_fmt(a['false_alert_rate']):>12} {_fmt(a['recall']):>7} "
+                      f"[{_fmt(a['recall_ci'][0])},{_fmt(a['recall_ci'][1])}] ({a['correct']} right, "
+                      f"{a['wrong']} wrong)")
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
     return 0

@@ -93,7 +93,7 @@ def bootstrap(y, scores: Mapping[str, Sequence[float]], groups, reference: str |
 
 
 def _r(v):
-    return None if v is None else round(float(v), 4)
+    return None if v is None or not np.isfinite(v) else round(float(v), 4)
 
 
 def calibrate(scores_correct: Sequence[float], rate: float = FALSE_ALERT_RATE) -> float:
@@ -122,7 +122,10 @@ def alert_rates(y, s, threshold: float, groups, n: int = BOOTSTRAP, seed: int = 
 
     far, rec = rates(np.arange(len(y)))
     boots = np.asarray([rates(i) for i in _resamples(groups, n, seed)])
-    ci = lambda c: [_r(np.nanpercentile(boots[:, c], 2.5)), _r(np.nanpercentile(boots[:, c], 97.5))]  # noqa: E731
+    def ci(c):
+        col = boots[:, c][~np.isnan(boots[:, c])]
+        return [_r(np.percentile(col, 2.5)), _r(np.percentile(col, 97.5))] if len(col) else [None, None]
+
     return {"threshold": _r(threshold), "false_alert_rate": _r(far), "false_alert_ci": ci(0),
             "recall": _r(rec), "recall_ci": ci(1), "correct": int((y == 0).sum()), "wrong": int((y == 1).sum())}
 

@@ -67,9 +67,15 @@ def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
     boot = bootstrap(ay, {"answer": as_}, groups)["answer"] if len(ay) else {"ci": [None, None]}
     thr = float(json.loads(Path(probe_path).read_text()).get("threshold", 0.5))
     alerts = alert_rates(ay, as_, thr, groups) if len(ay) else {}
+    groups = np.asarray(groups)
+    alerts_per_set = {s: alert_rates(ay[sets == s], as_[sets == s], thr, groups[sets == s], n=300)
+                      for s in sorted(set(sets.tolist()))}
+    auc_ci_per_set = {s: bootstrap(ay[sets == s], {"a": as_[sets == s]}, groups[sets == s], n=300)["a"]["ci"]
+                      if per_set[s] is not None else [None, None] for s in per_set}
     return {"analyzer": name, "token_auc": _auc(ty, ts) if ts else None, "answer_auc": _auc(ay, as_),
             "answer_ci": boot["ci"], "threshold": thr, "false_alert_rate": alerts.get("false_alert_rate"),
-            "recall": alerts.get("recall"), "requests": len(ay), "tokens": len(ts), "answer_auc_per_set": per_set}
+            "recall": alerts.get("recall"), "requests": len(ay), "tokens": len(ts), "answer_auc_per_set": per_set,
+            "answer_ci_per_set": auc_ci_per_set, "alerts_per_set": alerts_per_set}
 
 
 def calibrate_file(ds, recording: str | Path, probe_path: str | Path, rate: float, out: str | Path) -> dict:
