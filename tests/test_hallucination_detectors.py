@@ -597,3 +597,26 @@ def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path, model_d
 TEST_SETS = ("arithmetic", "capitals")
 TEST_LIMIT = 100
 AUC_MARGIN = 0.1
+
+
+def test_long_form_claims_are_located_and_labelled_against_the_facts():
+    """Obeso-style claim labels (issue 27): in "Tell me about France." every checkable claim (capital,
+    continent, currency, population) is found and marked supported or not; every other token is not a claim."""
+    from mia_stream.lab import claims as cl
+
+    fr = next(q for q in cl.long_form_questions() if q["group"] == "country:FR")
+    text = ("France is a country in Western Europe. Its capital is Paris and its currency is the Euro. It has a "
+            "population of about 67 million people. Its capital, Lyon, is famous.")
+    got = [(c["relation"], c["value"], c["supported"]) for c in cl.find_claims(fr, text)]
+    assert got == [("continent", "Europe", True), ("capital", "Paris", True), ("currency", "Euro", True),
+                   ("population", "67 million", True), ("capital", "Lyon", False)]
+    assert not hd.check_answer(fr, text) and hd.check_answer(fr, text.split(" Its capital, Lyon")[0])
+    wrong = "France lies in Asia; the capital is Berlin and the population is 12,000,000."
+    assert [(c["relation"], c["supported"]) for c in cl.find_claims(fr, wrong)] == [
+        ("continent", False), ("capital", False), ("population", False)]
+    # token labels: -1 outside claims, 0 on supported, 1 on unsupported claims
+    ranges = [(m.start(), m.end()) for m in __import__("re").finditer(r"\S+", wrong)]
+    labels = cl.token_claim_labels(ranges, cl.find_claims(fr, wrong))
+    words = wrong.split()
+    assert [w for w, x in zip(words, labels) if x == 1] == ["Asia;", "Berlin", "12,000,000."]
+    assert all(x == -1 for w, x in zip(words, labels) if w in ("France", "lies", "the", "capital", "is"))

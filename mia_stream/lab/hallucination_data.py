@@ -57,6 +57,7 @@ BASE_SETS = ("arithmetic", "capitals", "elements", "populations")
 SETS = BASE_SETS + ("calling_codes", "currencies", "continents", "city_countries", "element_names",
                     "atomic_masses")
 KINDS = ("arithmetic", "population", "number", "first_number", "symbol", "contains", "capital", "choice")
+ALL_SETS = SETS + ("long_form",)  # long_form: "Tell me about X.", claim-level labels (lab/claims.py); not default
 POPULATION_TOLERANCE = 0.3  # relative
 SPLIT_FRACTIONS = {"test": 0.3, "val": 0.15}  # the rest: train
 STOPWORDS = frozenset("""
@@ -101,7 +102,7 @@ MAKERS = {"arithmetic": None, "capitals": fq.capital_questions, "elements": fq.e
           "populations": fq.population_questions, "calling_codes": fq.calling_code_questions,
           "currencies": fq.currency_questions, "continents": fq.continent_questions,
           "city_countries": fq.city_country_questions, "element_names": fq.element_name_questions,
-          "atomic_masses": fq.atomic_mass_questions}
+          "atomic_masses": fq.atomic_mass_questions, "long_form": None}
 
 
 def question_set(sets: Sequence[str] = SETS, limit: int | None = None, seed: int = 0) -> list[dict]:
@@ -110,7 +111,12 @@ def question_set(sets: Sequence[str] = SETS, limit: int | None = None, seed: int
     for name in sets:
         if name not in MAKERS:
             raise ValueError(f"unknown question set {name!r}; sets: {', '.join(SETS)}")
-        items = arithmetic_questions(seed=seed) if name == "arithmetic" else MAKERS[name]()
+        if name == "long_form":
+            from mia_stream.lab.claims import long_form_questions
+
+            items = long_form_questions()
+        else:
+            items = arithmetic_questions(seed=seed) if name == "arithmetic" else MAKERS[name]()
         if limit is not None and len(items) > limit:
             rng = random.Random(seed)
             keep = sorted(rng.sample(range(len(items)), limit))
@@ -316,6 +322,10 @@ def check_answer(item: dict, text: str) -> bool:
         if not any(_phrase_at(words, [w for _, _, w in _words(a)]) is not None for a in _aliases(item)):
             return False
         return kind == "contains" or not _other_cities(item, text)
+    if kind == "long_form":  # right when it makes no unsupported claim (lab/claims.py)
+        from mia_stream.lab.claims import find_claims
+
+        return all(c["supported"] for c in find_claims(item, text))
     raise ValueError(f"unknown answer kind {kind!r}")
 
 
@@ -336,6 +346,11 @@ def answer_span(item: dict, text: str) -> tuple[int, int] | None:
     """Character range ``[start, stop)`` of the answer in ``text``, found without the reference (the same rule
     for a right and a wrong answer; see the module docstring); None if the text gives none."""
     kind = item["kind"]
+    if kind == "long_form":  # the first claim (every claim: lab/claims.find_claims)
+        from mia_stream.lab.claims import find_claims
+
+        found = find_claims(item, text)
+        return (found[0]["start"], found[0]["stop"]) if found else None
     if kind in ("arithmetic", "population", "first_number", "number"):
         n = _result_number(item, text)
         return None if n is None else (n[0], n[1])

@@ -93,7 +93,8 @@ def _collect(argv) -> int:
         "record the streams (broker + recorder processes) into DIR/recording, label each answer and write "
         "DIR/labels.jsonl (format: mia_stream/analyzers/_probe_collect.py)."))
     ap.add_argument("out", help="output directory (created)")
-    ap.add_argument("--sets", nargs="+", default=list(hd.SETS), choices=hd.SETS)
+    ap.add_argument("--sets", nargs="+", default=list(hd.SETS), choices=hd.ALL_SETS,
+                    help="question sets (default: all but long_form, which wants --max-tokens 64)")
     ap.add_argument("--questions", help="your own questions instead of --sets: JSON lines with 'question', "
                                         "'answers' (aliases), optional 'set', 'group' (the entity), 'kind' "
                                         f"(one of {', '.join(hd.KINDS)}; default contains)")
@@ -135,7 +136,7 @@ def _relabel(argv) -> int:
         "Rebuild DIR/labels.jsonl from DIR/recording alone with the current labeller (token ids from the "
         "recording, logprobs from its last layer through the output head; no sampled answers)."))
     ap.add_argument("dir", help="a collect directory (its recording/)")
-    ap.add_argument("--sets", nargs="+", default=list(hd.SETS), choices=hd.SETS, help="as collect was given")
+    ap.add_argument("--sets", nargs="+", default=list(hd.SETS), choices=hd.ALL_SETS, help="as collect was given")
     ap.add_argument("--questions", help="as collect was given")
     ap.add_argument("--limit", type=int)
     ap.add_argument("--seed", type=int, default=0)

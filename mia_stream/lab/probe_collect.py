@@ -100,13 +100,23 @@ def label_record(k: int, it: dict, c: Any, prompt_len: int, tok: Any, sampled: S
     se, n_clusters = hd.semantic_entropy(keys)
     correct = hd.check_answer(it, text)
     span_tokens = hd.span_token_indices(ranges, span)
+    token_labels = hd.token_labels(len(ids), span_tokens, not correct)
+    extra = {}
+    if it.get("kind") == "long_form":  # every claim located: tokens of unsupported claims are the positives
+        from mia_stream.lab.claims import find_claims, token_claim_labels
+
+        found = find_claims(it, text)
+        claim_tokens = token_claim_labels(ranges, found)
+        token_labels = [int(x == 1) for x in claim_tokens]
+        span_tokens = [k for k, x in enumerate(claim_tokens) if x >= 0]
+        extra = {"claims": found, "token_claims": claim_tokens}
     return dict(
         request_id=request_id or f"{REQUEST_PREFIX}{k:05d}",
         **{f: it.get(f) for f in ("id", "set", "relation", "group", "question", "answer", "answers", "kind",
                                   "difficulty")},
         split=split, prompt_len=prompt_len, token_ids=ids, text=text, correct=correct,
         label=0 if correct else 1, answer_chars=list(span) if span else None,
-        answer_tokens=span_tokens, token_labels=hd.token_labels(len(ids), span_tokens, not correct),
+        answer_tokens=span_tokens, token_labels=token_labels, **extra,
         logprobs=[float(lp[t].logprob) for lp, t in zip(lps, ids)],
         entropies=[_entropy(lp) for lp in lps], samples=list(sampled), sample_keys=keys,
         semantic_entropy=se, clusters=n_clusters)
