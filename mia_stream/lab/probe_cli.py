@@ -3,6 +3,7 @@
     mia-stream probe collect DIR [--limit N] [--samples 10]          # DIR/recording (MCAP), DIR/labels.jsonl
     mia-stream probe train --recording DIR/recording --labels DIR/labels.jsonl --layer L [--detector D] [--out F]
     mia-stream probe relabel DIR --hs-layers L,..                    # labels.jsonl again from DIR/recording
+    mia-stream probe sample DIR [--samples 5]                        # sampled answers, semantic entropy
     mia-stream probe calibrate PROBE --data DIR [--out F]            # its threshold for a false-alert rate
     mia-stream probe eval --data DIR [--analyzers]                   # the report: detectors, baselines, CIs
 
@@ -148,6 +149,24 @@ def _relabel(argv) -> int:
                       model=args.model, hs_layers=[int(x) for x in args.hs_layers.split(",")], questions=questions,
                       command=_command(["relabel", *argv]), log=_log)
     print(json.dumps(summary, indent=1))
+    return 0
+
+
+def _sample(argv) -> int:
+    from mia_stream.lab.probe_collect import add_samples
+
+    ap = argparse.ArgumentParser(prog=f"{PROG} sample", description=(
+        "Sample answers for every request of DIR/labels.jsonl on a plain engine (no capture) and write their "
+        "clusters and semantic entropy into it (after relabel, or when collect's sampling pass died)."))
+    ap.add_argument("dir")
+    ap.add_argument("--samples", type=int, default=5)
+    ap.add_argument("--temperature", type=float, default=0.5)
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-num-seqs", type=int, default=64)
+    args = ap.parse_args(argv)
+    print(json.dumps(add_samples(args.dir, samples=args.samples, temperature=args.temperature,
+                                 max_tokens=args.max_tokens, max_num_seqs=args.max_num_seqs,
+                                 command=_command(["sample", *argv]))))
     return 0
 
 
@@ -328,7 +347,7 @@ def _json_default(o):
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    commands = {"collect": _collect, "relabel": _relabel, "train": _train, "calibrate": _calibrate, "eval": _eval}
+    commands = {"collect": _collect, "relabel": _relabel, "sample": _sample, "train": _train, "calibrate": _calibrate, "eval": _eval}
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
         print(__doc__.strip(), file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2

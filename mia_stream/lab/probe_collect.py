@@ -248,3 +248,43 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
                "greedy_tokens": n_tokens}
     (out / "collect-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def add_samples(out_dir: str | Path, *, samples: int = 5, temperature: float = 0.5, max_tokens: int = 24,
+                model: str | None = None, max_num_seqs: int = 64, command: str = "") -> dict:
+    """Sample ``samples`` answers per request of ``out_dir/labels.jsonl`` (no capture: a plain engine) and write
+    their clusters and semantic entropy into it (``probe relabel`` leaves none; a collect run whose sampling
+    pass died gets them back)."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from mia_stream.model import resolve_model
+
+    path = Path(out_dir) / "labels.jsonl"
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])["header"]
+    records = [json.loads(x) for x in lines[1:] if x.strip()]
+    model_dir = str(resolve_model(model or header.get("model_dir")))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok(tok.apply_chat_template(hd.chat_messages(r), add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for r in records]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    t0 = time.time()
+    llm = LLM(model_dir, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=512)
+    try:
+        sp = SamplingParams(n=samples, max_tokens=max_tokens, temperature=temperature)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for r, o in zip(records, outs):
+        r["samples"] = [c.text for c in o.outputs]
+        r["sample_keys"] = [hd.answer_key(r, t) for t in r["samples"]]
+        r["semantic_entropy"], r["clusters"] = hd.semantic_entropy(r["sample_keys"])
+    header.update(samples=samples, sample_temperature=temperature,
+                  samples_command=command or f"add_samples({samples}, {temperature})")
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"header": header}) + "\n")
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    return {"requests": len(records), "samples": samples, "seconds": round(time.time() - t0, 1)}
