@@ -437,12 +437,15 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
     from producer_helpers import hf_trace
 
     analyzers = {"token_probe": create("token_probe", {"probe": str(_shipped("token_probe"))}),
+                 "token_probe_logit": create("token_probe", {"probe": "token-probe-logit-smollm2-135m.json"}),
                  "semantic_entropy_probe": create("semantic_entropy_probe",
                                                   {"probe": str(_shipped("semantic_entropy_probe"))}),
                  "lookback_ratio": create("lookback_ratio", {"probe": str(_shipped("lookback_ratio")),
                                                              "emit_ratios": True})}
     tp, sep, lb = (analyzers[n].probe for n in ("token_probe", "semantic_entropy_probe", "lookback_ratio"))
-    tp_layers = analyzers["token_probe"].capture_spec()["hidden_states"]["layers"]  # + the last with logit features
+    tpl = analyzers["token_probe_logit"].probe
+    tp_layers = [x for n in ("token_probe", "token_probe_logit")  # + the last layer with logit features
+                 for x in analyzers[n].capture_spec()["hidden_states"]["layers"]]
     spec = {"hidden_states": {"layers": sorted({*tp_layers, sep.layer}), "positions": "all"},
             "qk": {"layers": sorted(set(lb.extra["layers"])), "heads": "all", "positions": "all"}}
     items = [hd.capital_questions()[5], hd.arithmetic_questions()[100], hd.element_questions()[9]]
@@ -463,7 +466,7 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while sum(c.startswith("analyzer:") for c in fetch_stats(broker_address)["consumers"]) < 3:
+    while sum(c.startswith("analyzer:") for c in fetch_stats(broker_address)["consumers"]) < len(analyzers):
         assert time.monotonic() < deadline, "analyzers did not subscribe"
         time.sleep(0.1)
     params = [SamplingParams(max_tokens=12, temperature=0.0,
@@ -505,7 +508,8 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
             lf = np.stack([np.asarray(f[n]) for n in names], axis=1)
             return np.concatenate([x, lf], axis=1) if probe.extra.get("hidden", True) else lf
 
-        for name, probe, positions in (("token_probe", tp, gen_pos), ("semantic_entropy_probe", sep,
+        for name, probe, positions in (("token_probe", tp, gen_pos), ("token_probe_logit", tpl, gen_pos),
+                                       ("semantic_entropy_probe", sep,
                                                                       [P - 1] if sep.position == "last_prompt"
                                                                       else gen_pos)):
             rows = [a for a in results[name][rid] if a.step >= 0]
@@ -538,6 +542,7 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
     # vLLM CPU and HF float32 differ by ~1e-5 relative in the residual (h14's tests: 1e-4 bound); through a
     # probe with |w / scale| ~ 1 over 576 dimensions that moves a probability by well under 1e-3
     assert worst["token_probe"] < 2e-3 and worst["semantic_entropy_probe"] < 2e-3
+    assert worst["token_probe_logit"] < 2e-3
     assert worst["lookback_ratios"] < 1e-3 and worst["lookback_risk"] < 2e-3
 
 
