@@ -462,7 +462,8 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
 
     threads = [threading.Thread(target=run_analyzer, args=(a, broker_address), daemon=True,
                                 kwargs=dict(patterns=["h15ref-*"], sinks=[sink_for(n)], max_streams=len(items),
-                                            idle_timeout=300)) for n, a in analyzers.items()]
+                                            idle_timeout=300, consumer_id=f"analyzer:{n}:h15ref"))
+               for n, a in analyzers.items()]  # two token_probe instances: distinct consumer ids
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
