@@ -20,13 +20,20 @@ fi
 ship=(--ship)
 [ -n "${NO_SHIP:-}" ] && ship=()
 out() { if [ -n "${NO_SHIP:-}" ]; then echo --out "$DIR/$1.json"; fi; }
-probe train --data "$DIR" --detector token_probe --layer best "${ship[@]}" $(out token-probe) > "$DIR/train-token_probe.json"
+# token_probe: every generated token with its claim-level label, layer and C by validation, threshold calibrated
+# for at most 10 % alerting correct validation answers; with the logit features (TOKEN_ARGS= trains without)
+probe train --data "$DIR" --detector token_probe --layer best ${TOKEN_ARGS---logit} "${ship[@]}" $(out token-probe) \
+  > "$DIR/train-token_probe.json"
 probe train --data "$DIR" --detector semantic_entropy_probe --layer best "${ship[@]}" $(out semantic-entropy-probe) \
   > "$DIR/train-semantic_entropy_probe.json"
-probe train --data "$DIR" --detector lookback_ratio "${ship[@]}" $(out lookback-ratio) > "$DIR/train-lookback_ratio.json"
+if [ -z "${NO_LOOKBACK:-}" ]; then  # needs Q/K in the recording (collect's default --qk-layers all)
+  probe train --data "$DIR" --detector lookback_ratio "${ship[@]}" $(out lookback-ratio) > "$DIR/train-lookback_ratio.json"
+fi
 if [ -n "${NO_SHIP:-}" ]; then
   probe eval --data "$DIR" --json "$DIR/eval.json" --analyzers "$DIR"/token-probe.json \
-    "$DIR"/semantic-entropy-probe.json "$DIR"/lookback-ratio.json | tee "$DIR/eval.txt"
+    "$DIR"/semantic-entropy-probe.json | tee "$DIR/eval.txt"
 else
-  probe eval --data "$DIR" --json "$DIR/eval.json" --analyzers | tee "$DIR/eval.txt"
+  probe eval --data "$DIR" --json "$DIR/eval.json" --analyzers \
+    mia_stream/analyzers/probes/token-probe-smollm2-135m.json \
+    mia_stream/analyzers/probes/semantic-entropy-probe-smollm2-135m.json | tee "$DIR/eval.txt"
 fi

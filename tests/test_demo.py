@@ -29,9 +29,14 @@ def test_a_bad_number_is_a_usage_error() -> None:
     assert "--max-tokens: 0 must be positive" in result.stderr
 
 
+@pytest.fixture(scope="module")
+def demo_run() -> subprocess.CompletedProcess:
+    return _demo("--enforce-eager", "--max-tokens", "16", timeout=900)
+
+
 @pytest.mark.slow
-def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
-    result = _demo("--enforce-eager", "--max-tokens", "16", timeout=900)
+def test_the_demo_answers_three_prompts_on_a_real_engine(demo_run) -> None:
+    result = demo_run
     assert result.returncode == 0, result.stderr[-3000:]
     out = result.stdout
     assert "> What is the capital of France?\nThe capital of France is Paris." in out
@@ -39,7 +44,7 @@ def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
     assert "summary: engine start" in out
     # the risk printer process printed every generated token with the risk the detector process published ...
     live = [line for line in out.splitlines() if line.startswith("[live] demo-")]
-    scored = [line for line in live if re.search(r"\| risk 0\.\d{3}$", line)]
+    scored = [line for line in live if re.search(r"\| risk 0\.\d{3}( ALERT)?$", line)]
     assert len(scored) >= 3 * 5 and sum("| end:" in line for line in live) == 3
     for i in range(3):  # every answer's tokens but its last (no step computes a row for it) got a score
         assert sum(line.startswith(f"[live] demo-{i} |") and re.search(r"\| risk +- *$", line) is not None
@@ -49,3 +54,45 @@ def test_the_demo_answers_three_prompts_on_a_real_engine() -> None:
     # ... and the terminal monitor drew the recording (printed once: not a terminal here)
     assert "risk = token_probe.risk" in out
     assert all(f"demo-{i}  length  16 tokens  risk 0." in out or f"demo-{i}  stop  " in out for i in range(3))
+
+
+# the demo prompts' references and checkers (hallucination_data.check_answer labels the demo's own answers)
+CHECKS = {"What is the capital of France?": {"answer": "Paris", "kind": "capital", "relation": "capital"},
+          "What is the chemical symbol of gold?": {"answer": "Au", "kind": "symbol", "relation": "element_symbol"},
+          "What is the atomic number of oxygen?": {"answer": "8", "kind": "first_number", "relation": "atomic_number"}}
+
+
+@pytest.mark.slow
+def test_on_the_demos_own_output_a_right_answer_raises_no_alert_and_risk_falls_on_the_wrong_claim(demo_run) -> None:
+    """Issue 27: the demo's detector flagged 77 of 90 tokens, every function word of a right answer included.
+    The demo's answers are labelled here by the labeller. With the shipped probe's calibrated threshold a right
+    answer raises no alert; a wrong answer's alerts, if any, are on its claim's tokens; and its claim's tokens
+    carry its highest risk, above every token of the right answers. (At the calibrated threshold the demo's
+    wrong "16" is not flagged, its risk 0.98 against the threshold 0.991: the detector's recall at 10 % false
+    alerts is about half; docs/hallucination.md says so.)"""
+    from mia_stream.demo.run import DEMO_PROMPTS
+    from mia_stream.lab import hallucination_data as hd
+
+    assert demo_run.returncode == 0, demo_run.stderr[-3000:]
+    out = demo_run.stdout
+    answers = {}
+    for i, prompt in enumerate(DEMO_PROMPTS):
+        text = out.split(f"> {prompt}\n", 1)[1].split("\n", 1)[0]
+        item = dict(CHECKS[prompt], question=prompt, answers=[CHECKS[prompt]["answer"]])
+        span = hd.answer_span(item, text)
+        claim = text[span[0]:span[1]] if span else ""
+        rows = [re.match(r"\[live\] demo-%d \| +(.+?) \| risk +(\S+)( ALERT)?$" % i, line) for line in out.splitlines()]
+        rows = [(eval(m.group(1)), float(m.group(2)), m.group(3) is not None)  # noqa: S307 (the token's repr)
+                for m in rows if m and m.group(2) != "-"]
+        answers[prompt] = (text, hd.check_answer(item, text), claim, rows)
+    right = [a for a in answers.values() if a[1]]
+    wrong = [a for a in answers.values() if not a[1]]
+    assert right and wrong, answers  # the demo shows both (the embedded model answers oxygen's number wrong)
+    for text, _, _, rows in right:
+        assert not [t for t, _, alert in rows if alert], (text, rows)
+    top_right = max(r for _, _, _, rows in right for _, r, _ in rows)
+    for text, _, claim, rows in wrong:
+        assert all(t.strip() and t.strip() in claim for t, _, alert in rows if alert), (text, claim, rows)
+        in_claim = [r for t, r, _ in rows if t.strip() and t.strip() in claim]
+        others = [r for t, r, _ in rows if not (t.strip() and t.strip() in claim)]
+        assert in_claim and max(in_claim) > max(others) and max(in_claim) > top_right, (text, claim, rows)

@@ -44,8 +44,8 @@ def test_answers_are_labelled_spans_found_and_samples_clustered():
     text = "7 * 8 = 56"
     a, b = hd.answer_span(arith, text)
     assert text[a:b] == "56"
-    capital = {"id": "c", "set": "capitals", "group": "c", "question": "What is the capital of France?",
-               "answer": "Paris", "kind": "contains"}
+    capital = {"id": "c", "set": "capitals", "relation": "capital", "group": "c",
+               "question": "What is the capital of France?", "answer": "Paris", "kind": "capital"}
     text = "The capital of France is Lyon, a city."
     a, b = hd.answer_span(capital, text)
     assert text[a:b] == "Lyon" and not hd.check_answer(capital, text)
@@ -59,11 +59,103 @@ def test_answers_are_labelled_spans_found_and_samples_clustered():
     assert hd.semantic_entropy(["x"] * 5) == (0.0, 1)
     assert hd.best_split([0.0, 0.0, 0.1, 1.2, 1.3, 2.0]) == pytest.approx(0.65)
     items = hd.question_set(limit=10)
-    assert {it["set"] for it in items} == set(hd.SETS) and len(items) == 40
+    assert {it["set"] for it in items} == set(hd.SETS) and len(items) == 10 * len(hd.SETS)
     levels = {it["difficulty"] for it in hd.arithmetic_questions()}
     assert levels == {name for name, *_ in hd.ARITHMETIC_LEVELS}
     for it in hd.question_set():  # every generated reference is judged right by its own checker
         assert hd.check_answer(it, f"The answer is {it['answer']}."), it
+
+
+IODINE = {"id": "s", "set": "elements", "relation": "element_symbol", "group": "element:53",
+          "question": "What is the chemical symbol of Iodine?", "answer": "I", "kind": "symbol"}
+PARIS = {"id": "c", "set": "capitals", "relation": "capital", "group": "country:FR",
+         "question": "What is the capital of France?", "answer": "Paris", "kind": "capital"}
+
+
+@pytest.mark.parametrize("text, right", [
+    ("I'm not sure.", False),                       # issue 27: the pronoun was taken for iodine's symbol
+    ("I don't know the symbol of iodine.", False),
+    ("I think it is Io.", False),
+    ("The chemical symbol of Iodine is I.", True),
+    ("Iodine's symbol is I (from iodum).", True),
+    ("The symbol is In.", False),                  # a symbol that is also a word, given as a symbol
+    ("It is Fe, not I.", False),                    # the first symbol given is the answer
+])
+def test_the_symbol_check_takes_the_first_symbol_given_and_never_the_pronoun_i(text, right):
+    assert hd.check_answer(IODINE, text) is right
+    from mia_stream.lab import datasets
+
+    assert datasets.is_correct(IODINE, text) is right  # the hnode / science data use the same rule
+
+
+@pytest.mark.parametrize("text, right", [
+    ("The capital of France is Paris.", True),
+    ("Paris, located in Ile-de-France, is the capital.", True),  # a region, not a city
+    ("The capital of France is Paris, Lyon and Marseille.", False),  # issue 27: a list of cities is not right
+    ("Paris or Lyon.", False),
+    ("Lyon.", False),
+])
+def test_a_capital_answer_naming_other_cities_is_wrong(text, right):
+    assert hd.check_answer(PARIS, text) is right
+
+
+def test_answer_spans_do_not_depend_on_the_label():
+    """The same rule finds the answer in a right and a wrong answer (issue 27: the reference's position when
+    right, the first content run otherwise, made span metrics partly measure "is this the reference")."""
+    for right, wrong in [("The capital of France is Paris.", "The capital of France is Lyon."),
+                         ("Somalia's capital is Paris.", "Somalia's capital is Lyon.")]:
+        ra, wa = hd.answer_span(PARIS, right), hd.answer_span(PARIS, wrong)
+        assert right[ra[0]:ra[1]] == "Paris" and wrong[wa[0]:wa[1]] == "Lyon" and ra[0] == wa[0]
+    for text, want in [("The chemical symbol of Iodine is I.", "I"), ("The chemical symbol of Iodine is Fe.", "Fe")]:
+        a, b = hd.answer_span(IODINE, text)
+        assert text[a:b] == want
+    assert hd.answer_span(IODINE, "I'm not sure.") is None  # a refusal has no claim
+    # claim-level token labels: only the span tokens of a wrong answer are positive
+    assert hd.token_labels(6, [4, 5], wrong=True) == [0, 0, 0, 0, 1, 1]
+    assert hd.token_labels(6, [4, 5], wrong=False) == [0] * 6
+
+
+def test_splits_group_by_entity_across_every_set():
+    """A country is on one side of the split for its capital, population, currency, ... and a pair of
+    operands for every operation (issue 27: 21 of 73 held-out country questions shared their country with a
+    training question of another set; arithmetic was split by row)."""
+    items = hd.question_set()
+    side: dict = {}
+    for it in items:
+        side.setdefault(it["group"], set()).add(hd.entity_split(it["group"]))
+    assert all(len(v) == 1 for v in side.values())
+    by_country = {}
+    for it in items:
+        if it["group"].startswith("country:"):
+            by_country.setdefault(it["group"], set()).add(it["set"])
+    assert by_country["country:FR"] >= {"capitals", "populations", "currencies", "continents", "calling_codes"}
+    arith = [it for it in items if it["set"] == "arithmetic"]
+    assert all(it["group"] == "arith:%d:%d" % tuple(sorted(it["operands"])) for it in arith)
+    sizes = {s: sum(hd.entity_split(it["group"]) == s for it in items) / len(items) for s in ("train", "val", "test")}
+    assert 0.2 < sizes["test"] < 0.4 and 0.08 < sizes["val"] < 0.25, sizes
+    # the split of an entity does not depend on which other questions are asked
+    assert hd.entity_split("country:FR") == hd.entity_split("country:FR", 0)
+
+
+def test_a_users_questions_file_is_read_and_bad_lines_are_one_line_errors(tmp_path):
+    from mia_stream.errors import ProbeDataError
+
+    f = tmp_path / "q.jsonl"
+    f.write_text('{"question": "Who wrote Hamlet?", "answers": ["Shakespeare", "William Shakespeare"]}\n'
+                 '{"question": "What is the boiling point of water in C?", "answers": ["100"], "kind": "number", '
+                 '"tolerance": 1, "set": "physics", "group": "water"}\n')
+    items = hd.load_questions(f)
+    assert [it["set"] for it in items] == ["custom", "physics"] and items[1]["group"] == "water"
+    assert hd.check_answer(items[0], "Hamlet was written by William Shakespeare.")
+    assert not hd.check_answer(items[0], "Christopher Marlowe.")
+    assert hd.check_answer(items[1], "About 100.5 degrees.") and not hd.check_answer(items[1], "90 degrees")
+    for line, key in [('{"answers": ["x"]}', "'question'"), ('{"question": "q", "answers": []}', "'answers'"),
+                      ('{"question": "q", "answers": ["x"], "kind": "regex"}', "'kind'"), ("[1]", "JSON object"),
+                      ("{", "not JSON")]:
+        f.write_text(line + "\n")
+        with pytest.raises(ProbeDataError, match=key) as e:
+            hd.load_questions(f)
+        assert "line 1" in str(e.value) and "\n" not in str(e.value)
 
 
 # ------------------------------------------------------------------------------------------------ detectors on synthetic steps
@@ -150,6 +242,78 @@ def test_token_probe_scores_each_generated_row_and_aggregates_per_request(tmp_pa
         assert int(end.values["tokens"][0]) == len(ref)
     for x, y in zip([a for a in both["a"]], alone["a"]):  # bit-identical with or without "b" in its steps
         assert x.positions == y.positions and all(np.array_equal(x.values[k], y.values[k]) for k in x.values)
+
+
+def _tiny_model_dir(tmp_path, hidden=8, vocab=50, rng=None):
+    """A config and a safetensors file with the final norm and the unembedding (BF16: what the embedded model
+    ships), written by hand (the format: 8-byte header length, JSON header, raw data)."""
+    rng = rng or np.random.default_rng(0)
+    norm = rng.uniform(0.5, 1.5, hidden).astype(np.float32)
+    emb = rng.standard_normal((vocab, hidden)).astype(np.float32)
+    bf16 = lambda a: (a.view(np.uint32) >> 16).astype(np.uint16)  # noqa: E731 (truncation: exact below)
+    norm, emb = [((bf16(a).astype(np.uint32) << 16).view(np.float32)) for a in (norm, emb)]
+    blobs = [("model.norm.weight", bf16(norm)), ("model.embed_tokens.weight", bf16(emb))]
+    header, off = {}, 0
+    for name, a in blobs:
+        header[name] = {"dtype": "BF16", "shape": list(a.shape), "data_offsets": [off, off + a.nbytes]}
+        off += a.nbytes
+    h = json.dumps(header).encode()
+    d = tmp_path / "model"
+    d.mkdir()
+    (d / "model.safetensors").write_bytes(len(h).to_bytes(8, "little") + h + b"".join(a.tobytes() for _, a in blobs))
+    (d / "config.json").write_text(json.dumps({"rms_norm_eps": 1e-5, "hidden_size": hidden, "num_hidden_layers": 2}))
+    return d, norm, emb
+
+
+def test_token_probe_with_logit_features_scores_the_tokens_log_probability_and_entropies(tmp_path):
+    """Logit features (issue 27): at generated row p the analyzer appends the token's -log p and the top-k
+    entropy of the distribution it was drawn from (row p - 1; the last prompt row for the first token) and of
+    the next one (row p), computed from the last layer through the model's head; the reference here is the
+    definition (RMSNorm, softmax) in numpy."""
+    from mia_stream.analyzers import _logits
+
+    rng = np.random.default_rng(7)
+    model, norm, emb = _tiny_model_dir(tmp_path, rng=rng)
+    hidden, feats = 8, ["neg_logprob", "entropy", "next_entropy"]
+    width = hidden + len(feats)
+    p = LinearProbe("token_probe", "synthetic", hidden, 0, "generated", rng.standard_normal(width),
+                    rng.uniform(0.5, 2.0, width), rng.standard_normal(width), 0.1, 0.5, num_layers=2,
+                    num_features=width, extra={"logit_features": feats})
+    path = tmp_path / "tp.json"
+    p.save(path)
+    analyzer = create("token_probe", {"probe": str(path), "model_dir": str(model)})
+    assert analyzer.capture_spec()["hidden_states"] == {"layers": [0, 1], "positions": "all"}
+    plen, toks = 3, [5, 17, 42]
+    hs = rng.standard_normal((2, plen + len(toks), hidden)).astype(np.float32)
+    positions = [np.arange(plen), np.asarray([plen]), np.asarray([plen + 1]), np.asarray([plen + 2])]
+    ids = [np.asarray([1, 2, 3]), np.asarray([toks[0]]), np.asarray([toks[1]]), np.asarray([toks[2]])]
+    batches = []
+    for step, (pos, tid) in enumerate(zip(positions, ids)):
+        g = RowGroup(np.arange(1), np.asarray([len(pos)]), pos.astype(np.int64),
+                     [Tensor.from_array("hs", hs[:, pos], layers=[0, 1])], token_ids=tid)
+        batches.append(StepBatch("p", 1, step, ["a"], np.zeros(1, np.int64), [g]))
+    cap = {"hidden_states": {"layers": [0, 1], "positions": "all"}}
+    got = _run(analyzer, [_start("a", plen, cap)], batches, ["a"])["a"]
+    rows = [a for a in got if a.step >= 0]
+    assert [q for a in rows for q in a.positions] == [plen, plen + 1, plen + 2]
+
+    def logp(h):  # the definition, float64
+        x = h / np.sqrt((h.astype(np.float64) ** 2).mean() + 1e-5) * norm
+        z = emb.astype(np.float64) @ x
+        return z - z.max() - np.log(np.exp(z - z.max()).sum())
+
+    def top_h(lp, k=_logits.TOP_K):
+        t = np.sort(lp)[-k:]
+        q = np.exp(t - t.max())
+        q /= q.sum()
+        return -(q * np.log(q)).sum()
+
+    ref = []
+    for j, pos in enumerate(range(plen, plen + 3)):
+        prev, cur = logp(hs[1, pos - 1]), logp(hs[1, pos])
+        x = np.concatenate([hs[0, pos], [-prev[toks[j]], top_h(prev), top_h(cur)]])
+        ref.append(sigmoid(p.logits(x[None]))[0])
+    np.testing.assert_allclose(np.concatenate([a.values["risk"] for a in rows]), ref, rtol=1e-4)
 
 
 def test_lookback_ratio_matches_a_naive_per_head_attention_loop():
@@ -262,7 +426,7 @@ def _shipped(name):
 def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, tokenizer, model_dir):
     """The three shipped detectors as live analyzers on real requests (CPU vLLM): token_probe's and
     semantic_entropy_probe's risks equal the probe applied to Hugging Face's decoder-layer outputs on the same
-    tokens; lookback_ratio's per-head ratios (and risks) equal those of HF's eager attention weights
+    tokens (and, for the logit features, to HF's own logits: the token's -log p, top-20 entropies); lookback_ratio's per-head ratios (and risks) equal those of HF's eager attention weights
     (``output_attentions=True``); each end row aggregates its token rows."""
     import torch
     from transformers import AutoModelForCausalLM
@@ -273,12 +437,16 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
     from producer_helpers import hf_trace
 
     analyzers = {"token_probe": create("token_probe", {"probe": str(_shipped("token_probe"))}),
+                 "token_probe_logit": create("token_probe", {"probe": "token-probe-logit-smollm2-135m.json"}),
                  "semantic_entropy_probe": create("semantic_entropy_probe",
                                                   {"probe": str(_shipped("semantic_entropy_probe"))}),
                  "lookback_ratio": create("lookback_ratio", {"probe": str(_shipped("lookback_ratio")),
                                                              "emit_ratios": True})}
     tp, sep, lb = (analyzers[n].probe for n in ("token_probe", "semantic_entropy_probe", "lookback_ratio"))
-    spec = {"hidden_states": {"layers": sorted({tp.layer, sep.layer}), "positions": "all"},
+    tpl = analyzers["token_probe_logit"].probe
+    tp_layers = [x for n in ("token_probe", "token_probe_logit")  # + the last layer with logit features
+                 for x in analyzers[n].capture_spec()["hidden_states"]["layers"]]
+    spec = {"hidden_states": {"layers": sorted({*tp_layers, sep.layer}), "positions": "all"},
             "qk": {"layers": sorted(set(lb.extra["layers"])), "heads": "all", "positions": "all"}}
     items = [hd.capital_questions()[5], hd.arithmetic_questions()[100], hd.element_questions()[9]]
     prompts = [tokenizer(tokenizer.apply_chat_template(hd.chat_messages(it), add_generation_prompt=True,
@@ -294,11 +462,12 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
 
     threads = [threading.Thread(target=run_analyzer, args=(a, broker_address), daemon=True,
                                 kwargs=dict(patterns=["h15ref-*"], sinks=[sink_for(n)], max_streams=len(items),
-                                            idle_timeout=300)) for n, a in analyzers.items()]
+                                            idle_timeout=300, consumer_id=f"analyzer:{n}:h15ref"))
+               for n, a in analyzers.items()]  # two token_probe instances: distinct consumer ids
     for t in threads:
         t.start()
     deadline = time.monotonic() + 60
-    while sum(c.startswith("analyzer:") for c in fetch_stats(broker_address)["consumers"]) < 3:
+    while sum(c.startswith("analyzer:") for c in fetch_stats(broker_address)["consumers"]) < len(analyzers):
         assert time.monotonic() < deadline, "analyzers did not subscribe"
         time.sleep(0.1)
     params = [SamplingParams(max_tokens=12, temperature=0.0,
@@ -320,13 +489,34 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
         with torch.no_grad():
             att = eager(torch.tensor([fed]), output_attentions=True).attentions  # L x [1, H, T, T]
         gen_pos = list(range(P, P + G - 1))
-        for name, probe, positions in (("token_probe", tp, gen_pos), ("semantic_entropy_probe", sep,
+        with torch.no_grad():  # HF's own logits: the reference of the logit features
+            logp = torch.log_softmax(hf_model(torch.tensor([fed])).logits[0].double(), -1).numpy()
+
+        def top_entropy(lp, k=20):
+            t = np.sort(lp)[-k:]
+            q = np.exp(t - t.max())
+            q /= q.sum()
+            return -(q * np.log(q)).sum()
+
+        def features(probe, positions):
+            x = hs[probe.layer, positions]
+            names = probe.extra.get("logit_features") or []
+            if not names:
+                return x
+            f = {"neg_logprob": [-logp[p - 1, fed[p]] for p in positions],
+                 "entropy": [top_entropy(logp[p - 1]) for p in positions],
+                 "next_entropy": [top_entropy(logp[p]) for p in positions]}
+            lf = np.stack([np.asarray(f[n]) for n in names], axis=1)
+            return np.concatenate([x, lf], axis=1) if probe.extra.get("hidden", True) else lf
+
+        for name, probe, positions in (("token_probe", tp, gen_pos), ("token_probe_logit", tpl, gen_pos),
+                                       ("semantic_entropy_probe", sep,
                                                                       [P - 1] if sep.position == "last_prompt"
                                                                       else gen_pos)):
             rows = [a for a in results[name][rid] if a.step >= 0]
             got = {p: r for a in rows for p, r in zip(a.positions, a.values["risk"].tolist())}
             assert sorted(got) == positions, name
-            ref = sigmoid(probe.logits(hs[probe.layer, positions]))
+            ref = sigmoid(probe.logits(features(probe, positions)))
             err = np.abs(np.asarray([got[p] for p in positions]) - ref).max()
             worst[name] = max(worst.get(name, 0), err)
             end = results[name][rid][-1]
@@ -353,51 +543,86 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
     # vLLM CPU and HF float32 differ by ~1e-5 relative in the residual (h14's tests: 1e-4 bound); through a
     # probe with |w / scale| ~ 1 over 576 dimensions that moves a probability by well under 1e-3
     assert worst["token_probe"] < 2e-3 and worst["semantic_entropy_probe"] < 2e-3
+    assert worst["token_probe_logit"] < 2e-3
     assert worst["lookback_ratios"] < 1e-3 and worst["lookback_risk"] < 2e-3
 
 
 # ------------------------------------------------------------------------------------------------ engine: the commands
 
 @pytest.mark.slow
-def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path):
+def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path, model_dir):
     """``mia-stream probe collect`` (a real engine, broker and recorder processes) on a small generated set,
-    ``probe train --layer best`` on its recording (two captured layers, chosen by CV on the training requests),
-    ``probe eval --analyzers`` through the analyzer: the
-    held-out token and answer AUROC are above chance by the stated margin, and the analyzer replaying the recording
-    reproduces the trained probe's held-out numbers."""
+    ``probe train --layer best`` on its recording (layer and C chosen on the validation entities, every generated
+    token with its claim-level label, the threshold calibrated there), ``probe eval --analyzers`` through the
+    analyzer: the answer_risk the analyzer publishes separates wrong from right held-out answers by the stated
+    margin and reproduces the trained probe's numbers; ``probe relabel`` rebuilds the labels from the recording
+    alone (its logprobs from the last layer through the output head equal vLLM's)."""
     data = tmp_path / "data"
     shipped = json.loads(_shipped("token_probe").read_text())["layer"]
-    candidates = sorted({shipped, 4})  # --layer best chooses between these by CV on the training requests
+    last = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"] - 1
+    candidates = sorted({shipped, 4})  # --layer best chooses between these on the validation entities
     r = _cli("probe", "collect", str(data), "--sets", *TEST_SETS, "--limit", str(TEST_LIMIT), "--samples", "0",
-             "--hs-layers", ",".join(map(str, candidates)), "--qk-layers", "none")
+             "--hs-layers", ",".join(map(str, sorted({*candidates, last}))), "--qk-layers", "none")
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads((data / "collect-summary.json").read_text())  # stdout carries vLLM's log lines too
     assert summary["recorder_dropped"] == 0 and summary["requests"] == TEST_LIMIT * len(TEST_SETS)
     probe_file = tmp_path / "tp.json"
-    r = _cli("probe", "train", "--data", str(data), "--layer", "best", "--out", str(probe_file))
+    r = _cli("probe", "train", "--data", str(data), "--layer", "best", "--logit", "--out", str(probe_file))
     assert r.returncode == 0, r.stderr[-3000:]
     probe = json.loads(probe_file.read_text())
-    cv = probe["training"]["layer_selection"]["cv_auc"]
-    assert sorted(map(int, cv)) == candidates and cv[str(probe["layer"])] == max(cv.values())
-    layer = probe["layer"]
+    table = probe["training"]["layer_selection"]["auc"]
+    assert {int(k.split("/")[0]) for k in table} == {*candidates, last}
+    assert table[f"{probe['layer']}/{probe['training']['C']}"] == max(v for v in table.values() if v is not None)
     test = probe["metrics"]["test"]
     print("held-out:", test)
-    # the token probe's own metrics (answer-span tokens; answer = max over its span) clear the margin; the max
-    # over every generated token, spans of filler words included, is weaker (0.666 in the run on 2026-12-04
-    # against 0.866 for the span max) and only has to beat chance
-    assert test["token_auc"] >= 0.5 + AUC_MARGIN, test
-    assert test["answer_auc_span"] >= 0.5 + AUC_MARGIN, test
-    assert test["answer_auc"] > 0.5, test
-    r = _cli("probe", "eval", "--data", str(data), "--detectors", "token_probe", "--layers", str(layer),
-             "--analyzers", str(probe_file), "--json", str(tmp_path / "eval.json"))
+    # what the analyzer publishes per answer (max risk over every generated token)
+    assert test["answer_auc"] >= 0.5 + AUC_MARGIN, test
+    assert 0 < probe["threshold"] < 1 and probe["training"]["threshold"].startswith("answer_risk >= threshold")
+    r = _cli("probe", "eval", "--data", str(data), "--variants", "token_probe", "--no-loro", "--analyzers",
+             str(probe_file), "--json", str(tmp_path / "eval.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     ev = json.loads((tmp_path / "eval.json").read_text())
     replayed = ev["analyzers"][str(probe_file)]
     assert replayed["answer_auc"] == pytest.approx(test["answer_auc"], abs=1e-4)
-    assert replayed["token_auc"] == pytest.approx(test["token_auc"], abs=1e-4)
     assert replayed["requests"] == test["requests"]
+    assert {"mean_neg_logprob", "first_token_entropy", "answer_length"} <= set(ev["baselines"])
+    # relabel from the recording alone: the same labels; logprobs through the output head equal vLLM's
+    collected = [json.loads(x) for x in (data / "labels.jsonl").read_text().splitlines()[1:]]
+    (data / "labels.jsonl").rename(data / "collected.jsonl")
+    r = _cli("probe", "relabel", str(data), "--sets", *TEST_SETS, "--limit", str(TEST_LIMIT), "--hs-layers",
+             ",".join(map(str, sorted({*candidates, last}))))
+    assert r.returncode == 0, r.stderr[-3000:]
+    rebuilt = {x["request_id"]: x for x in map(json.loads, (data / "labels.jsonl").read_text().splitlines()[1:])}
+    assert len(rebuilt) == len(collected)
+    for c in collected:
+        b = rebuilt[c["request_id"]]
+        assert (b["token_ids"], b["text"], b["label"], b["split"]) == (c["token_ids"], c["text"], c["label"], c["split"])
+        assert np.allclose(b["logprobs"], c["logprobs"], atol=2e-3) and np.allclose(b["entropies"], c["entropies"], atol=2e-3)
 
 
 TEST_SETS = ("arithmetic", "capitals")
-TEST_LIMIT = 60
-AUC_MARGIN = 0.15
+TEST_LIMIT = 100
+AUC_MARGIN = 0.1
+
+
+def test_long_form_claims_are_located_and_labelled_against_the_facts():
+    """Obeso-style claim labels (issue 27): in "Tell me about France." every checkable claim (capital,
+    continent, currency, population) is found and marked supported or not; every other token is not a claim."""
+    from mia_stream.lab import claims as cl
+
+    fr = next(q for q in cl.long_form_questions() if q["group"] == "country:FR")
+    text = ("France is a country in Western Europe. Its capital is Paris and its currency is the Euro. It has a "
+            "population of about 67 million people. Its capital, Lyon, is famous.")
+    got = [(c["relation"], c["value"], c["supported"]) for c in cl.find_claims(fr, text)]
+    assert got == [("continent", "Europe", True), ("capital", "Paris", True), ("currency", "Euro", True),
+                   ("population", "67 million", True), ("capital", "Lyon", False)]
+    assert not hd.check_answer(fr, text) and hd.check_answer(fr, text.split(" Its capital, Lyon")[0])
+    wrong = "France lies in Asia; the capital is Berlin and the population is 12,000,000."
+    assert [(c["relation"], c["supported"]) for c in cl.find_claims(fr, wrong)] == [
+        ("continent", False), ("capital", False), ("population", False)]
+    # token labels: -1 outside claims, 0 on supported, 1 on unsupported claims
+    ranges = [(m.start(), m.end()) for m in __import__("re").finditer(r"\S+", wrong)]
+    labels = cl.token_claim_labels(ranges, cl.find_claims(fr, wrong))
+    words = wrong.split()
+    assert [w for w, x in zip(words, labels) if x == 1] == ["Asia;", "Berlin", "12,000,000."]
+    assert all(x == -1 for w, x in zip(words, labels) if w in ("France", "lies", "the", "capital", "is"))

@@ -22,8 +22,17 @@ the model's own greedy answers labelled right or wrong automatically; the rows o
 the answer's label (1 = wrong). The shipped probe (``probes/token-probe-smollm2-135m.json``) is for the
 embedded model; its training data, layer, held-out metrics and the command are in the file.
 
+Logit features (optional, the probe file's ``extra.logit_features``, e.g. ``["neg_logprob", "entropy",
+"next_entropy"]``, ``num_features`` = hidden size + their count, or their count alone with ``extra.hidden:
+false``): the free uncertainty signals appended to the residual, computed here from the captured last layer
+through the model's output head (``analyzers/_logits.py``; the model dir from the stream's start or config
+``model_dir``): at token k's row, its -log p and the top-20 entropy of the distribution it was drawn from (the
+previous row's logits; for k = 0 the last prompt row) and the top-20 entropy of the next token's distribution
+(this row's logits). These need the last layer at every position (the last prompt row included).
+
 Config: ``probe`` (path, or a shipped probe's file name), ``threshold`` (default: the probe's), ``window``
-(rows in ``window_risk``, default 4), ``answer_score`` ("max" | "mean" | "last").
+(rows in ``window_risk``, default 4), ``answer_score`` ("max" | "mean" | "last"), ``model_dir`` (logit
+features: the model whose output head to use; default the stream's).
 """
 
 from __future__ import annotations
@@ -37,6 +46,7 @@ from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 from mia_stream.schemas import StepBatch
 
 DEFAULT_PROBE = "token-probe-smollm2-135m.json"
+LOGIT_FEATURES = ("neg_logprob", "entropy", "next_entropy")
 
 
 def hidden_rows(detector: RiskDetector, batch: StepBatch, g, positions: str):
@@ -63,7 +73,7 @@ class TokenProbe(RiskDetector):
     name = "token_probe"
     version = "1"
     defaults = {"probe": DEFAULT_PROBE, "threshold": None, "window": 4, "answer_score": None,
-                "alert": None}
+                "alert": None, "model_dir": None}
 
     def load(self, probe: LinearProbe, config: dict) -> None:
         if probe.position != "generated":
@@ -72,13 +82,54 @@ class TokenProbe(RiskDetector):
         if probe.logit_features:
             raise AnalyzerConfigError(f"probe file {probe.path}: it reads the sampler's logit features, which only "
                                       "the engine has: name it in a request's 'detect' (docs/detectors.md)")
-        if probe.num_features:
-            raise AnalyzerConfigError(f"probe file {probe.path}: a token probe reads hidden states "
-                                      f"(no 'num_features')")
+        self.logit_features = list(probe.extra.get("logit_features") or [])
+        self.use_hidden = bool(probe.extra.get("hidden", True))
+        bad = sorted(set(self.logit_features) - set(LOGIT_FEATURES))
+        if bad:
+            raise AnalyzerConfigError(f"probe file {probe.path}: 'extra.logit_features' must be among "
+                                      f"{list(LOGIT_FEATURES)}, got {bad}")
+        width = (probe.hidden_size if self.use_hidden else 0) + len(self.logit_features)
+        if (probe.num_features or probe.hidden_size) != width:
+            raise AnalyzerConfigError(f"probe file {probe.path}: a token probe reads {width} features (hidden "
+                                      f"states{' and ' + str(len(self.logit_features)) + ' logit features' if self.logit_features else ''}), "
+                                      f"its 'num_features' is {probe.num_features}")
         self.v, self.c = probe.folded(np.float32)
-        self._needs = Needs(hs_layers=(probe.layer,), hs_positions="generated")
+        if not self.logit_features:
+            self._needs = Needs(hs_layers=(probe.layer,), hs_positions="generated")
+            return
+        if not probe.num_layers:
+            raise AnalyzerConfigError(f"probe file {probe.path}: logit features need 'num_layers' (the last layer)")
+        self.last_layer = probe.num_layers - 1
+        self.model_dir = config.get("model_dir")
+        self._heads: dict[str, object] = {}
+        self._head_of: dict[str, object] = {}
+        self._prev: dict[str, np.ndarray] = {}  # request -> log-probabilities of its last scored row
+        layers = tuple(sorted({probe.layer, self.last_layer})) if self.use_hidden else (self.last_layer,)
+        self._needs = Needs(hs_layers=layers, hs_positions="all")
+
+    def start_request(self, start) -> None:
+        if not self.logit_features:
+            return
+        from mia_stream.analyzers._logits import OutputHead
+
+        key = str(self.model_dir or start.model or "")
+        if key not in self._heads:
+            from pathlib import Path
+
+            if not key or not Path(key).is_dir():
+                raise AnalyzerInputError(f"request {start.request_id!r}: logit features need the model's files; "
+                                         f"the stream names model {key!r} (config 'model_dir' gives a local dir)")
+            self._heads[key] = OutputHead.from_model_dir(key)
+        self._head_of[start.request_id] = self._heads[key]
+
+    def end_request(self, request_id: str) -> None:
+        if self.logit_features:
+            self._prev.pop(request_id, None)
+            self._head_of.pop(request_id, None)
 
     def score(self, batch: StepBatch, g):
+        if self.logit_features:
+            return self._score_with_logits(batch, g)
         rows = hidden_rows(self, batch, g, "generated")
         if rows is None:
             return None
@@ -86,3 +137,43 @@ class TokenProbe(RiskDetector):
         # row-wise sums, not a BLAS matvec whose blocking may depend on the batch: bit-identical live and replayed
         risk = sigmoid((x * self.v).sum(axis=1, dtype=np.float64) + self.c)
         return rr, pos, risk, {}, tok
+
+    def _score_with_logits(self, batch: StepBatch, g):
+        """Rows at the last prompt position keep their log-probabilities; generated rows get [hidden, logit
+        features] scored. Rows of one request come in position order."""
+        from mia_stream.analyzers._logits import top_entropy
+
+        if not g.has("hs"):
+            return None
+        t = g.tensor("hs")
+        arr = t.numpy()
+        last = np.asarray(arr[int(layer_rows(t, (self.last_layer,))[0])], np.float32)
+        hid = np.asarray(arr[int(layer_rows(t, (self.probe.layer,))[0])], np.float32) if self.use_hidden else None
+        ids = batch.request_ids
+        plen = np.repeat([self.prompt_lengths.get(ids[i], 0) for i in g.requests.tolist()], g.rows)
+        keep = np.flatnonzero(g.positions >= plen - 1)
+        out_rows, feats = [], []
+        for j in keep.tolist():
+            rid = ids[int(g.row_requests[j])]
+            head = self._head_of.get(rid)
+            if head is None:
+                continue
+            logp = head.log_softmax(last[j:j + 1])[0]
+            prev = self._prev.get(rid)
+            self._prev[rid] = logp
+            if g.positions[j] < plen[j] or prev is None:
+                continue  # the last prompt row: only its distribution is needed (for token 0)
+            token = int(g.token_ids[j])
+            if not 0 <= token < len(prev):
+                raise AnalyzerInputError(f"request {rid!r}: logit features need the token ids of the stream")
+            values = {"neg_logprob": -prev[token], "entropy": float(top_entropy(prev[None])[0]),
+                      "next_entropy": float(top_entropy(logp[None])[0])}
+            f = np.asarray([values[n] for n in self.logit_features], np.float32)
+            feats.append(np.concatenate([hid[j], f]) if hid is not None else f)
+            out_rows.append(j)
+        if not out_rows:
+            return None
+        x = np.stack(feats)
+        risk = sigmoid((x * self.v).sum(axis=1, dtype=np.float64) + self.c)
+        sel = np.asarray(out_rows)
+        return g.row_requests[sel], g.positions[sel], risk, {}, g.token_ids[sel]

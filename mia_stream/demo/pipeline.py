@@ -5,7 +5,8 @@ then the recording replays through the same detector, and the terminal monitor s
   generated token from the captured hidden states and publishes the scores onto the bus as ``analysis``
   messages; its own printout (JSON lines) goes to ``live-scores.jsonl``;
 - ``RiskPrinter`` is a consumer process: it prints each generated token with the risk the detector published
-  for it, as both arrive through the broker (``[live] demo-0 | ' Paris' | risk 0.031``);
+  for it, as both arrive through the broker (``[live] demo-0 | ' Paris' | risk 0.031``), and ``ALERT`` after
+  the risk where the detector's alert policy flagged the token (the probe file's calibrated threshold);
 - the recorder writes everything (the engine's streams and the detector's results) to an MCAP recording.
 
 Afterwards ``mia-stream analyze DEMO_ANALYZER --source RECORDING`` recomputes the scores from the recording,
@@ -28,8 +29,12 @@ from mia_stream import settings
 from mia_stream.consumers import Consumer
 
 # The detector and the value it publishes per token: token_probe (issue 15; Obeso et al. 2025) with its shipped
-# probe for the embedded model, P(this token is part of a wrong answer) from one layer's residual.
+# probe for the embedded model, P(this token is part of a wrong claim), alerting at the probe file's threshold
+# (calibrated: at most 10 % of correct held-out answers alert; docs/hallucination.md says why this detector).
 DEMO_ANALYZER = "token_probe"
+# the probe the evaluation chose (docs/hallucination.md): hidden state + the token's logit features, computed by the
+# analyzer from the captured last layer; its threshold is the calibrated one in the file
+DEMO_CONFIG = {"probe": "token-probe-logit-smollm2-135m.json"}
 DEMO_SCORE = "risk"
 _OUT_ENV = "MIA_STREAM_DEMO_OUT"
 
@@ -38,7 +43,16 @@ def demo_capture() -> dict:
     """The capture spec the detector needs (``mia-stream analyze DEMO_ANALYZER --print-spec``)."""
     from mia_stream.analyzers import create
 
-    return {"capture": create(DEMO_ANALYZER).capture_spec()}
+    return {"capture": create(DEMO_ANALYZER, dict(DEMO_CONFIG)).capture_spec()}
+
+
+def write_demo_config(run_dir: Path) -> Path:
+    """The detector's config file (``mia-stream analyze --config``)."""
+    import json
+
+    path = run_dir / "detector.json"
+    path.write_text(json.dumps(DEMO_CONFIG))
+    return path
 
 
 class RiskPrinter(Consumer):
@@ -115,7 +129,8 @@ class RiskPrinter(Consumer):
         token_id = self._tokens[stream.request_id].pop(pos)
         text = self._tok(stream.start.tokenizer).decode([token_id])
         shown = "  -  " if risk is None or not math.isfinite(risk) else f"{risk:.3f}"
-        self._emit(f"{stream.request_id} | {text!r:>14} | risk {shown}")
+        alert = " ALERT" if pos in self._alerts.get(stream.request_id, ()) else ""
+        self._emit(f"{stream.request_id} | {text!r:>14} | risk {shown}{alert}")
 
     def _emit(self, line: str) -> None:
         print(f"[{self._tag}] {line}", flush=True)
@@ -148,9 +163,11 @@ class StreamingProcesses:
         self.procs["broker"] = subprocess.Popen(py + ["broker", "--address", str(self.run_dir)],
                                                 stdout=subprocess.DEVNULL)
         _wait_for(self.run_dir / "consumers.sock")
+        config = write_demo_config(self.run_dir)
         with open(self.live_scores, "w") as out:
             self.procs["detector"] = subprocess.Popen(
-                py + ["analyze", DEMO_ANALYZER, "--source", str(self.run_dir), "--publish", "--print",
+                py + ["analyze", DEMO_ANALYZER, "--config", str(config), "--source", str(self.run_dir), "--publish",
+                      "--print",
                       "--patterns", "demo-*", "--max-streams", str(num_streams)], stdout=out)
         env = dict(os.environ, **{_OUT_ENV: str(self.run_dir / "live.txt"), "MIA_STREAM_DEMO_TAG": "live",
                                   "MIA_STREAM_DEMO_STREAMS": str(num_streams)})
@@ -187,8 +204,9 @@ class StreamingProcesses:
 def replay_through_detector(recording: Path, out: Path) -> int:
     """The same detector on the recording (a separate process); its JSON lines go to ``out``."""
     with open(out, "w") as fh:
-        return subprocess.call([sys.executable, "-m", "mia_stream.cli", "analyze", DEMO_ANALYZER, "--source",
-                                str(recording), "--patterns", "demo-*"], stdout=fh)
+        return subprocess.call([sys.executable, "-m", "mia_stream.cli", "analyze", DEMO_ANALYZER, "--config",
+                                str(write_demo_config(recording.parent)), "--source", str(recording), "--patterns",
+                                "demo-*"], stdout=fh)
 
 
 def show_recording(recording: Path) -> int:

@@ -7,8 +7,10 @@ answers, labelled automatically from what the model answers.
   of the ``periodictable`` package.
 
 Each item: ``id``, ``set``, ``group`` (the fact: items of one group always land on the same side of a train/test
-split), ``question``, ``answer`` (the reference), ``kind`` (which checker). ``is_correct(item, text)`` labels an
-answer; ``label = 1`` means the answer is wrong (a hallucination).
+split), ``entity`` (``country:FR``, ``element:26``: the key ``hallucination_data.entity_split`` groups every set
+by), ``question``, ``answer`` (the reference), ``kind`` (which checker). ``is_correct(item, text)`` labels an
+answer (``hallucination_data.check_answer``'s rules: a capital answer naming other cities too is wrong, "I'm not
+sure." is no symbol); ``label = 1`` means the answer is wrong (a hallucination).
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ def _norm(text: str) -> str:
 def capital_questions() -> list[dict]:
     import countryinfo
 
+    from mia_stream.lab.fact_questions import countries
+
+    iso = {c["name"]: c["iso2"] for c in countries()}
+
     items = []
     seen = set()
     for c in countryinfo.all_countries():
@@ -46,7 +52,8 @@ def capital_questions() -> list[dict]:
         for k, q in enumerate((f"What is the capital of {name}?", f"Which city is the capital of {name}?",
                                f"Name the capital city of {name}.")):
             items.append({"id": f"capital-{len(seen)}-{k}", "set": "capitals", "group": f"capital:{name}",
-                          "question": q, "answer": capital, "kind": "contains"})
+                          "entity": f"country:{iso.get(name, name)}", "question": q, "answer": capital,
+                          "kind": "capital"})
     return items
 
 
@@ -59,12 +66,12 @@ def element_questions() -> list[dict]:
             continue
         name = e.name.capitalize()
         g = f"element:{e.number}"
-        items.append({"id": f"symbol-{e.number}", "set": "elements", "group": g,
+        items.append({"id": f"symbol-{e.number}", "set": "elements", "group": g, "entity": g,
                       "question": f"What is the chemical symbol of {name}?", "answer": e.symbol, "kind": "symbol"})
-        items.append({"id": f"number-{e.number}", "set": "elements", "group": g,
+        items.append({"id": f"number-{e.number}", "set": "elements", "group": g, "entity": g,
                       "question": f"What is the atomic number of {name}?", "answer": str(e.number),
                       "kind": "first_number"})
-        items.append({"id": f"element-{e.number}", "set": "elements", "group": g,
+        items.append({"id": f"element-{e.number}", "set": "elements", "group": g, "entity": g,
                       "question": f"Which element has the chemical symbol {e.symbol}?", "answer": name,
                       "kind": "contains"})
     return items
@@ -75,8 +82,10 @@ def is_correct(item: dict, text: str) -> bool:
     kind, ref = item["kind"], item["answer"]
     if kind == "contains":
         return _norm(ref) in _norm(text)
-    if kind == "symbol":  # case-sensitive, as a whole symbol: "Fe" but not "Feb"
-        return re.search(rf"(?<![A-Za-z]){re.escape(ref)}(?![a-z])", text) is not None
+    if kind in ("symbol", "capital"):  # the first symbol given (no pronoun "I"); a capital and no other city
+        from mia_stream.lab.hallucination_data import check_answer
+
+        return check_answer(item, text)
     if kind == "first_number":
         m = re.search(r"\d+", text)
         return m is not None and m.group(0) == ref

@@ -6,13 +6,15 @@ Labels file (``labels.jsonl``, format ``mia_stream.probe-labels/1``): a first li
 model, capture spec, sampling settings, sizes, the command), then one JSON object per request:
 
     request_id        the stream's request id in the recording ("probe-00042")
-    id, set, group, question, answer, kind, difficulty     the item (hallucination_data)
-    split             "train" | "test" (by group: rephrasings of one fact never straddle; 30 % test, seeded)
+    id, set, relation, group, question, answer, answers, kind, difficulty     the item (hallucination_data)
+    split             "train" | "val" | "test" (``hallucination_data.entity_split``: a hash of the entity, so an
+                      entity -- a country, an element, a pair of operands -- is on one side in every set and run)
     prompt_len        P: generated token k is at position P + k (its hidden state is the row at P + k)
     token_ids, text   the greedy answer (temperature 0)
     correct, label    the automatic check; label 1 = wrong answer (a hallucination)
     answer_chars      [start, stop) of the answer in text, or null
     answer_tokens     indices k of the generated tokens that overlap it (positions P + k)
+    token_labels      per generated token: 1 = a token of the answer span of a wrong answer, else 0 (claim level)
     logprobs          per generated token, its log-probability (vLLM's logprobs, raw model distribution)
     entropies         per generated token, the entropy of the top-``LOGPROBS`` distribution renormalized
                       (vLLM returns at most 20 log-probabilities; the tail is left out)
@@ -39,7 +41,7 @@ from mia_stream.lab import hallucination_data as hd
 LABELS_FORMAT = "mia_stream.probe-labels/1"
 LOGPROBS = 20
 REQUEST_PREFIX = "probe-"
-TEST_FRACTION = 0.3
+TEST_FRACTION = hd.SPLIT_FRACTIONS["test"]
 
 
 def _log(msg: str) -> None:
@@ -85,11 +87,47 @@ def _entropy(top: dict) -> float:
     return float(-sum(p / z * math.log(p / z) for p in ps if p > 0))
 
 
+def label_record(k: int, it: dict, c: Any, prompt_len: int, tok: Any, sampled: Sequence[str], split: str,
+                 request_id: str | None = None) -> dict:
+    """One line of the labels file for item ``it`` and its generation ``c`` (a vLLM ``CompletionOutput`` with
+    logprobs), its sampled answers' texts and its split."""
+    ids = list(c.token_ids)
+    text = c.text
+    ranges = hd.token_char_ranges(tok, ids)
+    span = hd.answer_span(it, text)
+    lps = c.logprobs or []
+    keys = [hd.answer_key(it, s) for s in sampled]
+    se, n_clusters = hd.semantic_entropy(keys)
+    correct = hd.check_answer(it, text)
+    span_tokens = hd.span_token_indices(ranges, span)
+    token_labels = hd.token_labels(len(ids), span_tokens, not correct)
+    extra = {}
+    if it.get("kind") == "long_form":  # every claim located: tokens of unsupported claims are the positives
+        from mia_stream.lab.claims import find_claims, token_claim_labels
+
+        found = find_claims(it, text)
+        claim_tokens = token_claim_labels(ranges, found)
+        token_labels = [int(x == 1) for x in claim_tokens]
+        span_tokens = [k for k, x in enumerate(claim_tokens) if x >= 0]
+        extra = {"claims": found, "token_claims": claim_tokens}
+    return dict(
+        request_id=request_id or f"{REQUEST_PREFIX}{k:05d}",
+        **{f: it.get(f) for f in ("id", "set", "relation", "group", "question", "answer", "answers", "kind",
+                                  "difficulty")},
+        split=split, prompt_len=prompt_len, token_ids=ids, text=text, correct=correct,
+        label=0 if correct else 1, answer_chars=list(span) if span else None,
+        answer_tokens=span_tokens, token_labels=token_labels, **extra,
+        logprobs=[float(lp[t].logprob) for lp, t in zip(lps, ids)],
+        entropies=[_entropy(lp) for lp in lps], samples=list(sampled), sample_keys=keys,
+        semantic_entropy=se, clusters=n_clusters)
+
+
 def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | None = None, samples: int = 10,
             temperature: float = 0.5, max_tokens: int = 24, model: str | None = None, seed: int = 0,
-            max_num_seqs: int = 64, capture: dict | None = None, command: str = "") -> dict:
-    """Run the questions, record them into ``out_dir/recording``, write ``out_dir/labels.jsonl``; returns
-    a summary (counts, accuracy, sizes, times)."""
+            max_num_seqs: int = 64, capture: dict | None = None, command: str = "",
+            questions: list[dict] | None = None) -> dict:
+    """Run the questions (``questions``, e.g. ``hallucination_data.load_questions``, or ``sets``), record them into
+    ``out_dir/recording``, write ``out_dir/labels.jsonl``; returns a summary (counts, accuracy, sizes, times)."""
     from transformers import AutoTokenizer
 
     from mia_stream.model import resolve_model
@@ -103,9 +141,9 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
     model_dir = str(resolve_model(model))
     config = json.loads((Path(model_dir) / "config.json").read_text())
     spec_capture = capture or default_capture(int(config["num_hidden_layers"]))
-    items = hd.question_set(sets, limit, seed)
-    train_idx, test_idx = datasets.group_split(items, TEST_FRACTION, seed)
-    split = {i: "train" for i in train_idx} | {i: "test" for i in test_idx}
+    items = list(questions) if questions is not None else hd.question_set(sets, limit, seed)
+    sets = list(dict.fromkeys(it["set"] for it in items))
+    split = {i: hd.entity_split(it["group"], seed) for i, it in enumerate(items)}
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = []
     for it in items:
@@ -185,33 +223,16 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
 
         shutil.rmtree(run_dir, ignore_errors=True)
 
-    records = []
-    for k, (it, o) in enumerate(zip(items, greedy)):
-        c = o.outputs[0]
-        ids = list(c.token_ids)
-        text = c.text
-        ranges = hd.token_char_ranges(tok, ids)
-        span = hd.answer_span(it, text)
-        lps = c.logprobs or []
-        keys = [hd.answer_key(it, s) for s in sampled[k]]
-        se, n_clusters = hd.semantic_entropy(keys)
-        correct = hd.check_answer(it, text)
-        records.append(dict(
-            request_id=f"{REQUEST_PREFIX}{k:05d}", **{f: it.get(f) for f in ("id", "set", "group", "question",
-                                                                             "answer", "kind", "difficulty")},
-            split=split[k], prompt_len=len(prompts[k]), token_ids=ids, text=text, correct=correct,
-            label=0 if correct else 1, answer_chars=list(span) if span else None,
-            answer_tokens=hd.span_token_indices(ranges, span),
-            logprobs=[float(lp[t].logprob) for lp, t in zip(lps, ids)],
-            entropies=[_entropy(lp) for lp in lps], samples=sampled[k], sample_keys=keys,
-            semantic_entropy=se, clusters=n_clusters))
+    records = [label_record(k, it, o.outputs[0], len(prompts[k]), tok, sampled[k], split[k])
+               for k, (it, o) in enumerate(zip(items, greedy))]
     header = {"format": LABELS_FORMAT, "model": Path(model_dir).name, "model_dir": model_dir,
               "num_layers": int(config["num_hidden_layers"]), "num_heads": int(config["num_attention_heads"]),
               "hidden_size": int(config["hidden_size"]),
               "capture": spec_capture, "max_tokens": max_tokens, "greedy": "temperature 0",
               "samples": samples, "sample_temperature": temperature, "logprobs": LOGPROBS, "seed": seed,
               "sets": list(sets), "limit": limit, "instruction": datasets.INSTRUCTION, "requests": len(records),
-              "test_fraction": TEST_FRACTION, "engine": "vLLM, float32, enforce_eager, no prefix caching",
+              "test_fraction": TEST_FRACTION, "split": f"entity hash {hd.SPLIT_FRACTIONS} (seed {seed})",
+              "engine": "vLLM, float32, enforce_eager, no prefix caching",
               "command": command, "date": time.strftime("%Y-%m-%d")}
     with open(out / "labels.jsonl", "w") as fh:
         fh.write(json.dumps({"header": header}) + "\n")
@@ -227,3 +248,43 @@ def collect(out_dir: str | Path, *, sets: Sequence[str] = hd.SETS, limit: int | 
                "greedy_tokens": n_tokens}
     (out / "collect-summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     return summary
+
+
+def add_samples(out_dir: str | Path, *, samples: int = 5, temperature: float = 0.5, max_tokens: int = 24,
+                model: str | None = None, max_num_seqs: int = 64, command: str = "") -> dict:
+    """Sample ``samples`` answers per request of ``out_dir/labels.jsonl`` (no capture: a plain engine) and write
+    their clusters and semantic entropy into it (``probe relabel`` leaves none; a collect run whose sampling
+    pass died gets them back)."""
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    from mia_stream.model import resolve_model
+
+    path = Path(out_dir) / "labels.jsonl"
+    lines = path.read_text().splitlines()
+    header = json.loads(lines[0])["header"]
+    records = [json.loads(x) for x in lines[1:] if x.strip()]
+    model_dir = str(resolve_model(model or header.get("model_dir")))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok(tok.apply_chat_template(hd.chat_messages(r), add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for r in records]
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    t0 = time.time()
+    llm = LLM(model_dir, dtype="float32", enforce_eager=True, max_model_len=512, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=512)
+    try:
+        sp = SamplingParams(n=samples, max_tokens=max_tokens, temperature=temperature)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+    for r, o in zip(records, outs):
+        r["samples"] = [c.text for c in o.outputs]
+        r["sample_keys"] = [hd.answer_key(r, t) for t in r["samples"]]
+        r["semantic_entropy"], r["clusters"] = hd.semantic_entropy(r["sample_keys"])
+    header.update(samples=samples, sample_temperature=temperature,
+                  samples_command=command or f"add_samples({samples}, {temperature})")
+    with open(path, "w") as fh:
+        fh.write(json.dumps({"header": header}) + "\n")
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    return {"requests": len(records), "samples": samples, "seconds": round(time.time() - t0, 1)}

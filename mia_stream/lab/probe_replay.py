@@ -42,6 +42,7 @@ def analyzer_results(recording: str | Path, probe_path: str | Path, request_ids:
 def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
     """Held-out AUROC of what the analyzer publishes: ``token_auc`` over the answer-span tokens (its per-token
     ``risk``), ``answer_auc`` over the requests (its end row's ``answer_risk``)."""
+    from mia_stream.lab.probe_metrics import alert_rates, bootstrap
     from mia_stream.lab.probe_train import _auc
 
     test = ds.requests("test").tolist()
@@ -62,5 +63,39 @@ def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
             sets.append(rec.get("set"))
     ay, as_, sets = np.asarray(ay), np.asarray(as_), np.asarray(sets)
     per_set = {s: _auc(ay[sets == s], as_[sets == s]) for s in sorted(set(sets.tolist()))}
+    groups = [ds.records[r]["group"] for r, rid in zip(test, rids) if rid in ends]
+    boot = bootstrap(ay, {"answer": as_}, groups)["answer"] if len(ay) else {"ci": [None, None]}
+    thr = float(json.loads(Path(probe_path).read_text()).get("threshold", 0.5))
+    alerts = alert_rates(ay, as_, thr, groups) if len(ay) else {}
+    groups = np.asarray(groups)
+    alerts_per_set = {s: alert_rates(ay[sets == s], as_[sets == s], thr, groups[sets == s], n=300)
+                      for s in sorted(set(sets.tolist()))}
+    auc_ci_per_set = {s: bootstrap(ay[sets == s], {"a": as_[sets == s]}, groups[sets == s], n=300)["a"]["ci"]
+                      if per_set[s] is not None else [None, None] for s in per_set}
     return {"analyzer": name, "token_auc": _auc(ty, ts) if ts else None, "answer_auc": _auc(ay, as_),
-            "requests": len(ay), "tokens": len(ts), "answer_auc_per_set": per_set}
+            "answer_ci": boot["ci"], "threshold": thr, "false_alert_rate": alerts.get("false_alert_rate"),
+            "recall": alerts.get("recall"), "requests": len(ay), "tokens": len(ts), "answer_auc_per_set": per_set,
+            "answer_ci_per_set": auc_ci_per_set, "alerts_per_set": alerts_per_set}
+
+
+def calibrate_file(ds, recording: str | Path, probe_path: str | Path, rate: float, out: str | Path) -> dict:
+    """Replay the probe's analyzer over the calibration split's requests, set the file's threshold to the lowest
+    at which at most ``rate`` of their correct answers alert (``answer_risk >= threshold``), write it to ``out``
+    with how it was chosen, and return the threshold and its held-out false-alert rate and recall."""
+    from mia_stream.lab.probe_metrics import calibrate
+
+    split = ds.calibration_split()
+    reqs = ds.requests(split).tolist()
+    rids = [ds.records[r]["request_id"] for r in reqs]
+    _, _, ends = analyzer_results(recording, probe_path, rids)
+    s = np.asarray([ends[rid]["answer_risk"] for rid in rids if rid in ends])
+    y = np.asarray([ds.labels[r] for r, rid in zip(reqs, rids) if rid in ends])
+    data = json.loads(Path(probe_path).read_text())
+    data["threshold"] = calibrate(s[y == 0], rate)
+    data.setdefault("training", {})["threshold"] = (
+        f"answer_risk >= threshold on at most {rate:.0%} of the correct {split} answers ({int((y == 0).sum())}) "
+        f"of {ds.header.get('command') or 'the labels file'}, recalibrated by replaying this file's analyzer")
+    Path(out).write_text(json.dumps(data, indent=1) + "\n")
+    held = replay_scores(ds, recording, out)
+    return {"threshold": data["threshold"], "false_alert_rate": held["false_alert_rate"], "recall": held["recall"],
+            "answer_auc": held["answer_auc"], "answer_ci": held["answer_ci"]}

@@ -100,6 +100,20 @@ class FeatureReader(Analyzer):
         self.rows: dict[str, dict[int, np.ndarray]] = {}  # rid -> position -> [L, H]
         self.ratios: dict[str, dict[int, np.ndarray]] = {}  # rid -> position -> [Lq, heads]
         self.cache = KeyCache(self.qk_layers) if self.qk_layers else None
+        self.tokens: dict[str, dict[int, int]] = {}  # rid -> position -> sampled token id
+        self.tags: dict[str, dict] = {}
+
+    def on_start(self, start) -> None:
+        super().on_start(start)
+        self.tags[start.request_id] = dict(start.tags or {})
+
+    def on_tokens(self, batch, out) -> None:
+        counts = batch.counts if batch.counts is not None else np.ones(len(batch.request_ids), np.int64)
+        offsets = np.r_[0, np.cumsum(counts)]
+        for i, rid in enumerate(batch.request_ids):
+            d = self.tokens.setdefault(rid, {})
+            for j, t in enumerate(np.asarray(batch.token_ids)[offsets[i]:offsets[i + 1]].tolist()):
+                d[int(batch.first_positions[i]) + j] = int(t)
 
     def needs(self) -> Needs:
         return Needs(hs_layers=tuple(self.hs_layers), hs_positions="all",
@@ -152,10 +166,9 @@ def _fingerprint(rec: Path) -> str:
 
 
 def read_features(recording: str | Path, labels: tuple[dict, list[dict]], labels_path: str | Path,
-                  cache: bool = True, log=print) -> Features:
-    """The features of every labelled request from ``recording`` (cached next to the labels file)."""
-    from mia_stream.analyzers import run_analyzer
-
+                  cache: bool = True, log=print, reader: "FeatureReader | None" = None) -> Features:
+    """The features of every labelled request from ``recording`` (cached next to the labels file); ``reader``: a
+    FeatureReader that already read it (``probe_relabel``)."""
     header, records = labels
     rec = Path(recording)
     if not rec.exists():
@@ -177,15 +190,9 @@ def read_features(recording: str | Path, labels: tuple[dict, list[dict]], labels
         if f.request_ids == [r["request_id"] for r in records]:
             return f
     t0 = time.time()
-    reader = FeatureReader(hs_layers, qk_layers)
-    try:
-        runner = run_analyzer(reader, str(rec), patterns=[f"{REQUEST_PREFIX}*"])
-    except MiaStreamError as e:
-        raise ProbeDataError(f"recording {rec}: {e}") from None
-    if runner.rejected:
-        rid, why = next(iter(runner.rejected.items()))
-        raise ProbeDataError(f"recording {rec}: {len(runner.rejected)} request(s) lack what training reads, "
-                             f"e.g. {why}")
+    if reader is None:
+        reader = FeatureReader(hs_layers, qk_layers)
+        reader.gap_seqs = read_recording(reader, rec)
     H = None
     tbg, gen, lrs, offsets, missing = [], [], [], [0], []
     for r in records:
@@ -210,13 +217,28 @@ def read_features(recording: str | Path, labels: tuple[dict, list[dict]], labels
     f = Features([r["request_id"] for r in records], hs_layers, qk_layers, np.stack(tbg),
                  np.stack(gen) if gen else np.zeros((0, *H), np.float32), np.asarray(offsets, np.int64),
                  np.stack(lrs) if lrs else np.zeros((0, len(qk_layers), 1), np.float32),
-                 {"read_s": round(time.time() - t0, 1), "gaps": int(runner.counters["gap_seqs"])})
+                 {"read_s": round(time.time() - t0, 1), "gaps": int(getattr(reader, "gap_seqs", 0))})
     log(f"read {len(records)} requests' features from {rec} in {f.info['read_s']} s")
     if cache:
         np.savez(cache_file, request_ids=np.asarray(f.request_ids), hs_layers=np.asarray(f.hs_layers),
                  qk_layers=np.asarray(f.qk_layers), tbg=f.tbg, gen=f.gen, offsets=f.offsets, lr=f.lr,
                  info=np.asarray(json.dumps(f.info)))
     return f
+
+
+def read_recording(reader: FeatureReader, rec: Path) -> int:
+    """Run ``reader`` over the recording's probe requests; the number of lost seqs (gaps)."""
+    from mia_stream.analyzers import run_analyzer
+
+    try:
+        runner = run_analyzer(reader, str(rec), patterns=[f"{REQUEST_PREFIX}*"])
+    except MiaStreamError as e:
+        raise ProbeDataError(f"recording {rec}: {e}") from None
+    if runner.rejected:
+        rid, why = next(iter(runner.rejected.items()))
+        raise ProbeDataError(f"recording {rec}: {len(runner.rejected)} request(s) lack what training reads, "
+                             f"e.g. {why}")
+    return int(runner.counters["gap_seqs"])
 
 
 # ------------------------------------------------------------------------------------------------ data sets
@@ -251,19 +273,34 @@ class Dataset:
         self.rows = np.asarray([len(r["token_ids"]) - 1 for r in records], np.int64)  # generated rows
         # answer-span tokens that have a state (k <= G - 2)
         self.span = [[k for k in r["answer_tokens"] if k < len(r["token_ids"]) - 1] for r in records]
+        # claim-level token labels of the rows (1 = an answer-span token of a wrong answer); older files: derived
+        self.token_labels = [np.asarray((r.get("token_labels") or hd.token_labels(
+            len(r["token_ids"]), r["answer_tokens"], bool(r["label"])))[:max(len(r["token_ids"]) - 1, 0)], np.int64)
+            for r in records]
 
     def requests(self, split: str) -> np.ndarray:
         return np.flatnonzero((self.split == split) & (self.rows > 0))
 
-    def token_rows(self, split: str, features) -> RowSet:
-        """The answer-span token rows of ``split``'s requests; ``features(r) -> [G', F]`` per request."""
+    def calibration_split(self) -> str:
+        """"val" where the labels file has a validation split, else "train" (older files)."""
+        return "val" if len(self.requests("val")) else "train"
+
+    def token_rows(self, split: str, features, rows: str = "span", reqs=None) -> RowSet:
+        """Token rows of ``split``'s requests (or of ``reqs``); ``features(r) -> [G', F]`` per request.
+        ``rows="span"``: the answer-span tokens, each with its request's label; ``"all"``: every generated row
+        with its claim-level token label (function words and right claims are negatives)."""
         X, y, g, req = [], [], [], []
-        for r in self.requests(split).tolist():
-            if not self.span[r]:
-                continue
-            X.append(features(r)[self.span[r]])
-            n = len(self.span[r])
-            y += [self.labels[r]] * n
+        for r in (self.requests(split) if reqs is None else np.asarray(reqs)).tolist():
+            if rows == "all":
+                X.append(features(r))
+                n = int(self.rows[r])
+                y += self.token_labels[r].tolist()
+            else:
+                if not self.span[r]:
+                    continue
+                X.append(features(r)[self.span[r]])
+                n = len(self.span[r])
+                y += [self.labels[r]] * n
             g += [self.groups[r]] * n
             req += [r] * n
         if not X:
@@ -276,11 +313,42 @@ class Dataset:
         return (se > threshold).astype(np.int64), float(threshold)
 
 
-def fit_logistic(rows: RowSet, cs: Sequence[float] = CS, folds: int = FOLDS, seed: int = 0) -> dict:
-    """Standardized L2 logistic regression; C by grouped k-fold CV AUROC on these (training) rows."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import GroupKFold
+def _fit_torch(Z: np.ndarray, y: np.ndarray, C: float) -> tuple[np.ndarray, float]:
+    """scikit-learn's objective (``C * sum_i cw_i * logloss_i + |w|^2 / 2``, balanced class weights ``cw``)
+    minimized by L-BFGS in torch float64 (GPU where there is one): where scikit-learn is not installed (the GPU
+    host). The objective is strictly convex, so both reach the same weights."""
+    import torch
 
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    Zt = torch.as_tensor(Z, dtype=torch.float64, device=dev)
+    yt = torch.as_tensor(y, dtype=torch.float64, device=dev)
+    n, n1 = len(y), float(y.sum())
+    cw = torch.where(yt > 0, n / (2 * n1), n / (2 * (n - n1)))
+    w = torch.zeros(Z.shape[1], dtype=torch.float64, device=dev, requires_grad=True)
+    b = torch.zeros(1, dtype=torch.float64, device=dev, requires_grad=True)
+    opt = torch.optim.LBFGS([w, b], lr=1, max_iter=500, tolerance_grad=1e-9, tolerance_change=1e-12,
+                            history_size=20, line_search_fn="strong_wolfe")
+
+    def closure():
+        opt.zero_grad()
+        z = Zt @ w + b
+        loss = C * (cw * torch.nn.functional.softplus(-(2 * yt - 1) * z)).sum() + 0.5 * (w * w).sum()
+        loss.backward()
+        return loss
+
+    for _ in range(5):
+        opt.step(closure)
+    return w.detach().cpu().numpy(), float(b.detach().cpu().item())
+
+
+def fit_logistic(rows: RowSet, cs: Sequence[float] = CS, folds: int = FOLDS, seed: int = 0) -> dict:
+    """Standardized L2 logistic regression; C by grouped k-fold CV AUROC on these (training) rows (one C given:
+    no CV). scikit-learn where installed, else the same objective in torch (``_fit_torch``)."""
+    try:
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.model_selection import GroupKFold
+    except ImportError:
+        LogisticRegression = GroupKFold = None
     X, y = rows.X.astype(np.float64), rows.y
     if len(np.unique(y)) < 2:
         raise ProbeDataError(f"the training rows hold one class only ({len(y)} rows, label {int(y[0])}); "
@@ -290,7 +358,7 @@ def fit_logistic(rows: RowSet, cs: Sequence[float] = CS, folds: int = FOLDS, see
     Z = (X - mean) / scale
     cv = {}
     n_groups = len(np.unique(rows.groups))
-    if len(cs) > 1 and n_groups >= folds:
+    if len(cs) > 1 and n_groups >= folds and GroupKFold is not None:
         for C in cs:
             scores = np.zeros(len(y))
             for tr, te in GroupKFold(n_splits=folds).split(Z, y, rows.groups):
@@ -303,9 +371,13 @@ def fit_logistic(rows: RowSet, cs: Sequence[float] = CS, folds: int = FOLDS, see
         C = max(cv, key=cv.get)
     else:
         C = cs[len(cs) // 2]
-    clf = LogisticRegression(C=C, class_weight="balanced", max_iter=5000).fit(Z, y)
-    return {"mean": mean, "scale": scale, "weights": clf.coef_[0].astype(np.float64),
-            "bias": float(clf.intercept_[0]), "C": C, "cv_auc": cv.get(C), "cv": {str(k): v for k, v in cv.items()}}
+    if LogisticRegression is None:
+        weights, bias = _fit_torch(Z, y, C)
+    else:
+        clf = LogisticRegression(C=C, class_weight="balanced", max_iter=5000).fit(Z, y)
+        weights, bias = clf.coef_[0].astype(np.float64), float(clf.intercept_[0])
+    return {"mean": mean, "scale": scale, "weights": weights, "bias": bias, "C": C, "cv_auc": cv.get(C),
+            "cv": {str(k): v for k, v in cv.items()}}
 
 
 def _probe_risk(fit: dict, X: np.ndarray) -> np.ndarray:
@@ -331,10 +403,28 @@ def _lookback_columns(f: Features, layers: Sequence[int] | None) -> tuple[list, 
     return layers, np.asarray([f.qk_layers.index(x) for x in layers])
 
 
+LOGIT_FEATURES = ("neg_logprob", "entropy", "next_entropy")
+
+
+def logit_features(ds: Dataset, r: int) -> np.ndarray:
+    """``[G', 3]`` per generated row k of request r: the token's -log p and the entropy of the distribution it
+    was sampled from (the previous row's logits), and the entropy of the next token's distribution (this row's
+    logits): what the row's own step knows."""
+    rec, n = ds.records[r], int(ds.rows[r])
+    lp = -np.asarray(rec["logprobs"], np.float64)
+    en = np.asarray(rec["entropies"], np.float64)
+    return np.stack([lp[:n], en[:n], en[1:n + 1]], axis=1).astype(np.float32)
+
+
 def detector_features(ds: Dataset, detector: str, layer: int | None = None, layers: Sequence[int] | None = None,
-                      position: str = "last_prompt", window: int = LOOKBACK_WINDOW):
+                      position: str = "last_prompt", window: int = LOOKBACK_WINDOW, logit: bool = False):
     """``features(r) -> [G', F]`` per request (token_probe, lookback_ratio) or ``[1, F]`` (semantic_entropy_probe)."""
     f = ds.f
+    if detector == "token_probe" and logit == "only":
+        return lambda r: logit_features(ds, r)
+    if detector == "token_probe" and logit:
+        li = _layer_index(f, layer)
+        return lambda r: np.concatenate([f.gen[f.of(r), li], logit_features(ds, r)], axis=1)
     if detector == "token_probe":
         li = _layer_index(f, layer)
         return lambda r: f.gen[f.of(r), li]
@@ -365,15 +455,18 @@ def _request_scores(ds: Dataset, reqs: np.ndarray, feats, fit: dict, span_only: 
 
 def train_detector(ds: Dataset, detector: str, layer: int | None = None, layers: Sequence[int] | None = None,
                    position: str = "last_prompt", window: int = LOOKBACK_WINDOW,
-                   cs: Sequence[float] = CS) -> tuple[dict, dict]:
-    """Fit one detector on the training requests; (fit, metrics) with held-out and training metrics."""
-    feats = detector_features(ds, detector, layer, layers, position, window)
+                   cs: Sequence[float] = CS, rows: str = "span", logit: bool = False,
+                   train_reqs=None) -> tuple[dict, dict]:
+    """Fit one detector on the training requests (or ``train_reqs``); (fit, metrics) with held-out and training
+    metrics. ``rows``: token detectors' training rows ("span" or "all", ``Dataset.token_rows``); ``logit``:
+    token_probe's features add ``LOGIT_FEATURES``."""
+    feats = detector_features(ds, detector, layer, layers, position, window, logit)
     metrics: dict[str, Any] = {}
     if detector == "semantic_entropy_probe":
         target, threshold = ds.semantic_targets()
         sets = {}
         for split in ("train", "test"):
-            reqs = ds.requests(split)
+            reqs = ds.requests(split) if split == "test" or train_reqs is None else np.asarray(train_reqs)
             X = np.concatenate([feats(r) for r in reqs.tolist()])
             sets[split] = (reqs, RowSet(X, target[reqs], ds.groups[reqs], reqs))
         fit = fit_logistic(sets["train"][1], cs)
@@ -384,14 +477,15 @@ def train_detector(ds: Dataset, detector: str, layer: int | None = None, layers:
                               "requests": int(len(reqs)), "wrong": int(ds.labels[reqs].sum()),
                               "high_se": int(rows.y.sum())}
         return fit, metrics
-    train_rows = ds.token_rows("train", feats)
+    train_rows = ds.token_rows("train", feats, rows, train_reqs)
     fit = fit_logistic(train_rows, cs)
+    fit["rows"], fit["logit"] = rows, logit
     for split in ("train", "test"):
-        rows = train_rows if split == "train" else ds.token_rows("test", feats)
-        risk = _probe_risk(fit, rows.X)
-        reqs = ds.requests(split)
-        m = {"token_auc": _auc(rows.y, risk), "tokens": int(len(rows.y)), "wrong_tokens": int(rows.y.sum()),
-             "token_accuracy": round(float(((risk >= 0.5) == rows.y).mean()), 4)}
+        rowset = train_rows if split == "train" else ds.token_rows("test", feats, rows)
+        risk = _probe_risk(fit, rowset.X)
+        reqs = ds.requests(split) if split == "test" or train_reqs is None else np.asarray(train_reqs)
+        m = {"token_auc": _auc(rowset.y, risk), "tokens": int(len(rowset.y)), "wrong_tokens": int(rowset.y.sum()),
+             "token_accuracy": round(float(((risk >= 0.5) == rowset.y).mean()), 4)}
         y, s = _request_scores(ds, reqs, feats, fit, True)
         m["answer_auc_span"] = _auc(y, s)
         y, s = _request_scores(ds, reqs, feats, fit, False)
@@ -452,6 +546,15 @@ def make_probe(ds: Dataset, detector: str, fit: dict, metrics: dict, *, layer: i
     num_features = 0
     if detector == "token_probe":
         pos, positive = "generated", "the token is part of a wrong answer (the model's answer to a question)"
+        if fit.get("rows") == "all":
+            positive = ("the token is part of the claim (the answer span) of a wrong answer; every other generated "
+                        "token (function words, right claims) is a negative")
+        if fit.get("logit"):
+            extra["logit_features"] = list(LOGIT_FEATURES)
+            num_features = hidden + len(LOGIT_FEATURES)
+        if fit.get("logit") == "only":
+            extra["hidden"] = False
+            num_features = len(LOGIT_FEATURES)
     elif detector == "semantic_entropy_probe":
         pos = position
         positive = (f"high semantic entropy: over {header.get('samples')} answers sampled at temperature "
@@ -466,8 +569,8 @@ def make_probe(ds: Dataset, detector: str, fit: dict, metrics: dict, *, layer: i
         num_features = len(layers) * heads
     train_n = metrics["train"]
     probe = LinearProbe(detector, model, hidden, int(layer), pos, fit["mean"], fit["scale"], fit["weights"],
-                        fit["bias"], 0.5, False, "last", n_layers, num_features=num_features, positive=positive,
-                        extra=extra)
+                        fit["bias"], float(fit.get("threshold", 0.5)), False, "last", n_layers,
+                        num_features=num_features, positive=positive, extra=extra)
     probe.training = {
         "data": (f"questions generated by mia_stream.lab.hallucination_data (sets {header.get('sets')}, "
                  f"limit {header.get('limit')} per set), answered greedily by the model (chat template, system "
@@ -475,13 +578,18 @@ def make_probe(ds: Dataset, detector: str, fit: dict, metrics: dict, *, layer: i
                  "at most), labelled "
                  "automatically"),
         "rows": ("one row per request" if detector == "semantic_entropy_probe" else
+                 "every generated token with its claim-level label (1 = a token of the answer span of a wrong "
+                 "answer)" if fit.get("rows") == "all" else
                  "answer-span tokens, each with its request's label (1 = wrong answer)"),
-        "features": {"token_probe": f"residual after decoder layer {layer}, at each generated token",
+        "threshold": fit.get("threshold_info", "0.5 (not calibrated)"),
+        "features": {"token_probe": f"residual after decoder layer {layer}, at each generated token" + (
+                         f", and {list(LOGIT_FEATURES)} from the output head" if fit.get("logit") else ""),
                      "semantic_entropy_probe": f"residual after decoder layer {layer} at the "
                                                f"{'last prompt position (TBG)' if pos == 'last_prompt' else 'last generated row (SLT)'}",
                      "lookback_ratio": f"lookback ratios of layers {layers} x {extra.get('heads')} heads, mean over "
                                        f"the last {window} generated tokens"}[detector],
-        "split": f"by fact (group), {header.get('test_fraction')} held out, seed {header.get('seed')}",
+        "split": header.get("split") or f"by fact (group), {header.get('test_fraction')} held out, seed "
+                                        f"{header.get('seed')}",
         "selection": f"C from {list(CS)} by grouped {FOLDS}-fold CV AUROC on the training requests",
         "C": fit["C"], "cv_auc": fit["cv_auc"], "cv": fit["cv"], "class_weight": "balanced",
         "train_requests": train_n.get("requests"), "train_rows": train_n.get("tokens", train_n.get("requests")),

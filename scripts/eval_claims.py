@@ -1,0 +1,105 @@
+"""Claim-level evaluation of the token probe on long-form answers (issue 27; Obeso et al. 2025's setting):
+every checkable claim of "Tell me about X." (``lab/claims.py``) scored by the max risk over its tokens, AUROC for
+"the claim is unsupported" on held-out entities, beside the free baselines on the same claims (max / mean token
+-log p and entropy over the claim's tokens), with 95 % bootstrap CIs by entity.
+
+    mia-stream probe collect DIR --sets long_form --samples 0 --max-tokens 64 --hs-layers 12,16,20,24,29 --qk-layers none
+    python scripts/eval_claims.py --data DIR [--layers 12,16,20,24] [--logit]
+
+The probe trains on every generated token of the training entities (1 = a token of an unsupported claim), its
+layer and C chosen on the validation entities' claim AUROC.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mia_stream.lab import probe_metrics as pm  # noqa: E402
+from mia_stream.lab import probe_train as pt  # noqa: E402
+
+
+def claims_of(ds, reqs):
+    """(request, token indices with a state, label, entity) of every claim of these requests."""
+    out = []
+    for r in reqs:
+        rec = ds.records[r]
+        n = int(ds.rows[r])  # tokens with a state (the last sampled one has none)
+        for c in rec.get("claims") or []:
+            toks = [k for k in range(n) if _overlap(rec, k, c)]
+            if toks:
+                out.append((r, toks, int(not c["supported"]), rec["group"]))
+    return out
+
+
+def _overlap(rec, k, c):
+    ranges = rec["_ranges"]
+    s, e = ranges[k]
+    return s < c["stop"] and e > c["start"]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--layers", default=None)
+    ap.add_argument("--logit", action="store_true")
+    args = ap.parse_args()
+    from transformers import AutoTokenizer
+
+    from mia_stream.lab import hallucination_data as hd
+
+    labels_path = Path(args.data) / "labels.jsonl"
+    labels = pt.load_labels(labels_path)
+    feats = pt.read_features(Path(args.data) / "recording", labels, labels_path)
+    ds = pt.Dataset(*labels, feats)
+    tok = AutoTokenizer.from_pretrained(ds.header["model_dir"])
+    for rec in ds.records:
+        rec["_ranges"] = hd.token_char_ranges(tok, rec["token_ids"])
+    layers = [int(x) for x in args.layers.split(",")] if args.layers else [x for x in ds.f.hs_layers
+                                                                            if x != ds.header["num_layers"] - 1]
+    val, test = ds.requests(ds.calibration_split()).tolist(), ds.requests("test").tolist()
+    cv, ct = claims_of(ds, val), claims_of(ds, test)
+    print(f"claims: validation {len(cv)} ({sum(c[2] for c in cv)} unsupported), held out {len(ct)} "
+          f"({sum(c[2] for c in ct)} unsupported) in {len(test)} answers")
+
+    def claim_scores(fit, layer, claims):
+        f = pt.detector_features(ds, "token_probe", layer, logit=args.logit)
+        cache = {}
+        out = []
+        for r, toks, _, _ in claims:
+            if r not in cache:
+                cache[r] = pt._probe_risk(fit, f(r))
+            out.append(float(cache[r][toks].max()))
+        return np.asarray(out)
+
+    best = None
+    for layer in layers:
+        for C in pt.CS:
+            fit, _ = pt.train_detector(ds, "token_probe", layer, cs=(C,), rows="all", logit=args.logit)
+            a = pm.auroc([c[2] for c in cv], claim_scores(fit, layer, cv))
+            if a is not None and (best is None or a > best[0]):
+                best = (a, layer, C, fit)
+    _, layer, C, fit = best
+    y = np.asarray([c[2] for c in ct])
+    groups = [c[3] for c in ct]
+    scores = {"token_probe": claim_scores(fit, layer, ct)}
+    for name, key, sign, agg in (("max_neg_logprob", "logprobs", -1, np.max), ("mean_neg_logprob", "logprobs", -1, np.mean),
+                                 ("max_entropy", "entropies", 1, np.max)):
+        scores[name] = np.asarray([agg(sign * np.asarray(ds.records[r][key])[toks]) for r, toks, _, _ in ct])
+    base = {k: pm.auroc(y, v) or 0 for k, v in scores.items() if k != "token_probe"}
+    ref = max(base, key=base.get)
+    res = pm.bootstrap(y, scores, groups, reference=ref)
+    print(f"token_probe{' + logit' if args.logit else ''}: layer {layer}, C {C} (validation claim AUROC {best[0]:.3f})")
+    for k, v in res.items():
+        diff = f"{v['diff']:+.3f} [{v['diff_ci'][0]:+.3f},{v['diff_ci'][1]:+.3f}]" if "diff" in v else "(best baseline)" if k == ref else ""
+        print(f"{k:>18} claim AUROC {v['auroc']:.3f} [{v['ci'][0]:.3f},{v['ci'][1]:.3f}] {diff}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

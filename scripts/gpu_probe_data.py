@@ -1,0 +1,246 @@
+"""Hallucination-detector data at scale on a GPU host (issue 27): ask every question of the fact sets (and many
+generated arithmetic questions) greedily and ``--captured-samples`` times sampled, with the residuals of
+``--layers`` captured through mia_stream (a private broker, ``StreamLLM``; no recording: the rows are kept in
+memory as float16), label every generation (``hallucination_data``), sample ``--se-samples`` uncaptured answers
+per question for semantic entropy, then run the whole evaluation there (``probe_eval``: every detector beside
+every baseline, entity-bootstrap CIs, calibrated thresholds, leave-one-relation-out), train the probes to ship
+with calibrated thresholds, and write compact outputs to ``--out`` (at most 8 files, each < 16 MiB):
+
+    report.json, report.txt     the evaluation (as ``mia-stream probe eval`` prints it)
+    token-probe.json            token_probe, every generated token (claim-level labels), layer/C by validation
+    token-probe-logit.json      the same with the logit features (``--logit``)
+    semantic-entropy-probe.json the TBG probe (last prompt row)
+    labels.jsonl.gz             every generation's labels file line (no sampled texts)
+    tbg.npz                     float16 last-prompt rows of the TBG probe's layer, request ids (for re-fitting)
+    log.txt                     the run's log
+
+Runs on the CPU engine too (small: ``--limit 3 --arith-per-level 2``), which is how it was tested. On the GPU
+host (vLLM 0.26 staged, ../shared/device/README.md; the model's files carried in parts, ``scripts/
+stage_model_parts.sh``):
+
+    python3 scripts/gpu_probe_data.py --model /tmp/model --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from mia_stream.lab import fact_questions as fq  # noqa: E402
+from mia_stream.lab import hallucination_data as hd  # noqa: E402
+from mia_stream.lab.probe_collect import LABELS_FORMAT, LOGPROBS, label_record  # noqa: E402
+
+T0 = time.time()
+LOG: list[str] = []
+
+
+def log(msg: str) -> None:
+    line = f"[gpu_probe_data {time.time() - T0:7.1f} s] {msg}"
+    LOG.append(line)
+    print(line, file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="the model dir (the embedded model's files)")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layers", default="8,12,16,20,24,29",
+                    help="captured residual layers (the last is needed for the logit features' check)")
+    ap.add_argument("--arith-per-level", type=int, default=300, help="arithmetic questions per difficulty level")
+    ap.add_argument("--limit", type=int, help="at most this many questions per set (a small run)")
+    ap.add_argument("--captured-samples", type=int, default=3, help="sampled generations per question, captured "
+                                                                   "and labelled like the greedy one")
+    ap.add_argument("--temperature", type=float, default=0.5)
+    ap.add_argument("--se-samples", type=int, default=10, help="uncaptured samples per question for semantic entropy")
+    ap.add_argument("--max-tokens", type=int, default=24)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--chunk", type=int, default=2048, help="prompts per streamed generate call")
+    ap.add_argument("--gpu-mem", type=float, default=0.5)
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-loro", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        return run(args, out)
+    finally:
+        (out / "log.txt").write_text("\n".join(LOG) + "\n")
+
+
+def _items(args) -> list[dict]:
+    sets = [s for s in hd.SETS if s != "arithmetic"]
+    items = hd.question_set(sets, args.limit, args.seed)
+    arith = fq.arithmetic_questions(per_level=args.arith_per_level, seed=args.seed)
+    return arith[:args.limit] + items if args.limit else arith + items
+
+
+def run(args, out: Path) -> int:
+    import torch
+    from transformers import AutoTokenizer
+    from vllm import SamplingParams
+
+    from mia_stream import StreamLLM
+
+    gpu = torch.cuda.is_available()
+    dtype = args.dtype or ("bfloat16" if gpu else "float32")
+    layers = sorted({int(x) for x in args.layers.split(",")})
+    config = json.loads((Path(args.model) / "config.json").read_text())
+    items = _items(args)
+    tok = AutoTokenizer.from_pretrained(args.model)
+    prompts = [tok(tok.apply_chat_template(hd.chat_messages(it), add_generation_prompt=True, tokenize=False),
+                   add_special_tokens=False)["input_ids"] for it in items]
+    counts = {}
+    for it in items:
+        counts[it["set"]] = counts.get(it["set"], 0) + 1
+    log(f"{len(items)} questions ({counts}); "
+        f"{1 + args.captured_samples} captured generations each; layers {layers}; {dtype}")
+    kw = dict(dtype=dtype, max_model_len=512, seed=args.seed, max_num_seqs=args.max_num_seqs,
+              enable_prefix_caching=False, max_logprobs=LOGPROBS)
+    if gpu:
+        kw["gpu_memory_utilization"] = args.gpu_mem
+    else:
+        kw.update(enforce_eager=True, max_num_batched_tokens=512)
+    # round 0 (greedy) captures every position (its last prompt row is the TBG row); sampled rounds only the
+    # generated ones: their prompt is the same, so is its last row (a third of the bytes through the bus)
+    capture = {"hidden_states": {"layers": layers, "positions": "all"}}
+    capture_gen = {"hidden_states": {"layers": layers, "positions": "generated"}}
+    records, tbg, gen, offsets = [], [], [], [0]
+    tbg_of: dict[int, np.ndarray] = {}
+    with StreamLLM(args.model, **kw) as sllm:
+        log("engine up")
+        se_texts: list[list[str]] = [[] for _ in items]
+        if args.se_samples:
+            # seeded only on a GPU: vLLM 0.32's CPU sampler fails on a seeded request whose prefill was chunked
+            sp = SamplingParams(n=args.se_samples, max_tokens=args.max_tokens, temperature=args.temperature,
+                                seed=args.seed if gpu else None)
+            outs = sllm.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+            se_texts = [[c.text for c in o.outputs] for o in outs]
+            log(f"semantic-entropy samples: {args.se_samples} x {len(items)}")
+        for round_ in range(1 + args.captured_samples):
+            temp = 0.0 if round_ == 0 else args.temperature
+            for a in range(0, len(items), args.chunk):
+                idx = list(range(a, min(a + args.chunk, len(items))))
+                sp = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, logprobs=LOGPROBS,
+                                     seed=args.seed * 1000 + round_ * 100003 + i if gpu else None) for i in idx]
+                rows: dict[str, dict[int, np.ndarray]] = {}
+                gaps = set()
+                events = sllm.stream([{"prompt_token_ids": prompts[i]} for i in idx], sp,
+                                     capture=capture if round_ == 0 else capture_gen, timeout=600)
+                ids_seen = {}
+                for ev in events:
+                    rid = ev.stream.request_id
+                    if ev.kind == "gap":
+                        gaps.add(rid)
+                    elif ev.kind == "frame" and "hs" in ev.frame.raw_tensors:
+                        k = idx[int(rid.rsplit("-", 1)[1])]
+                        ids_seen[rid] = k
+                        P = len(prompts[k])
+                        hs = ev.frame.tensors["hs"]  # [L, T, H]
+                        for j, p in enumerate(ev.frame.positions):
+                            if p >= P - 1:
+                                rows.setdefault(rid, {})[int(p)] = hs[:, j].astype(np.float16)
+                outputs = sllm._last_outputs
+                for rid, o in outputs.items():
+                    k = idx[int(rid.rsplit("-", 1)[1])]
+                    c = o.outputs[0]
+                    P, G = len(prompts[k]), len(c.token_ids)
+                    got = rows.get(rid, {})
+                    if round_ == 0 and P - 1 in got:
+                        tbg_of[k] = got[P - 1]
+                    elif k in tbg_of:
+                        got[P - 1] = tbg_of[k]
+                    if rid in gaps or G < 2 or any(p not in got for p in range(P - 1, P + G - 1)):
+                        continue
+                    rec = label_record(k, items[k], c, P, tok, se_texts[k], hd.entity_split(items[k]["group"],
+                                                                                              args.seed),
+                                       request_id=f"gen{round_}-{k:06d}")
+                    rec["round"], rec["temperature"] = round_, temp
+                    rec.pop("samples")
+                    records.append(rec)
+                    tbg.append(got[P - 1])
+                    gen.extend(got[p] for p in range(P, P + G - 1))
+                    offsets.append(offsets[-1] + G - 1)
+                log(f"round {round_} (temperature {temp}): prompts {idx[0]}-{idx[-1]}: {len(records)} labelled "
+                    f"generations so far, {len(gaps)} with gaps skipped")
+    header = {"format": LABELS_FORMAT, "model": Path(args.model).name, "model_dir": str(args.model),
+              "num_layers": int(config["num_hidden_layers"]), "num_heads": int(config["num_attention_heads"]),
+              "hidden_size": int(config["hidden_size"]), "capture": capture, "max_tokens": args.max_tokens,
+              "greedy": "round 0 temperature 0; rounds 1.. sampled", "samples": args.se_samples,
+              "sample_temperature": args.temperature, "logprobs": LOGPROBS, "seed": args.seed,
+              "sets": list(dict.fromkeys(it["set"] for it in items)), "requests": len(records),
+              "split": f"entity hash {hd.SPLIT_FRACTIONS} (seed {args.seed})",
+              "engine": f"vLLM {'GPU' if gpu else 'CPU'}, {dtype}, no prefix caching",
+              "command": "python3 scripts/gpu_probe_data.py " + " ".join(sys.argv[1:]),
+              "date": time.strftime("%Y-%m-%d")}
+    with gzip.open(out / "labels.jsonl.gz", "wt") as fh:
+        fh.write(json.dumps({"header": header}) + "\n")
+        for r in records:
+            fh.write(json.dumps(r) + "\n")
+    log(f"{len(records)} labelled generations, {sum(r['label'] for r in records)} wrong")
+    evaluate_and_train(args, out, header, records, layers, np.stack(tbg), np.stack(gen), np.asarray(offsets))
+    return 0
+
+
+def evaluate_and_train(args, out: Path, header, records, layers, tbg, gen, offsets) -> None:
+    from mia_stream.lab import probe_eval as pe
+    from mia_stream.lab import probe_metrics as pm
+    from mia_stream.lab import probe_train as pt
+
+    feats = pt.Features([r["request_id"] for r in records], layers, [], tbg.astype(np.float32),
+                        gen.astype(np.float32), offsets, np.zeros((0, 0, 1), np.float32))
+    ds = pt.Dataset(header, records, feats)
+    variants = [v for v in pe.VARIANTS if args.se_samples or pe.VARIANTS[v][0] != "semantic_entropy_probe"]
+    eval_layers = [x for x in layers if x != header["num_layers"] - 1] or layers
+    rep = pe.evaluate(ds, variants, eval_layers, loro=not args.no_loro, log=log)
+    rep["command"] = header["command"]
+    (out / "report.json").write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
+    (out / "report.txt").write_text(pe.format_report(rep) + "\n")
+    log("report written")
+    val, test = ds.requests(ds.calibration_split()), ds.requests("test")
+    ships = [("token_probe", {"rows": "all", "logit": False}, "token-probe.json"),
+             ("token_probe", {"rows": "all", "logit": True}, "token-probe-logit.json")]
+    if args.se_samples:
+        ships.append(("semantic_entropy_probe", {"position": "last_prompt"}, "semantic-entropy-probe.json"))
+    for detector, opts, name in ships:
+        fit, layer, table = pe.select_and_fit(ds, detector, eval_layers, opts, log=log)
+        _, metrics = pt.train_detector(ds, detector, layer, cs=(fit["C"],), **opts)
+        s_val = pe.answer_scores(ds, detector, fit, val.tolist(), layer=layer, **opts)
+        s_test = pe.answer_scores(ds, detector, fit, test.tolist(), layer=layer, **opts)
+        fit["threshold"] = pm.calibrate(s_val[ds.labels[val] == 0])
+        fit["threshold_info"] = f"answer_risk >= threshold on at most 10% of the correct validation answers"
+        y, g = ds.labels[test], ds.groups[test]
+        metrics["test"]["answer"] = pm.bootstrap(y, {"a": s_test}, g)["a"]
+        metrics["test"]["alerts"] = pm.alert_rates(y, s_test, fit["threshold"], g)
+        probe = pt.make_probe(ds, detector, fit, metrics, layer=layer, position=opts.get("position", "last_prompt"),
+                              command=header["command"])
+        probe.training["layer_selection"] = {"by": "validation answer AUROC", "auc": table}
+        probe.save(out / name)
+        if detector == "semantic_entropy_probe":
+            li = layers.index(layer)
+            np.savez_compressed(out / "tbg.npz", request_ids=np.asarray(feats.request_ids),
+                                rows=tbg[:, li].astype(np.float16), layer=layer)
+        log(f"wrote {name}: layer {layer}, C {fit['C']}, test {metrics['test'].get('answer')}")
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    sys.exit(main())
