@@ -75,7 +75,8 @@ def test_every_generated_token_is_scored_as_the_probe_file_defines(engine, broke
     while not rec_dir.exists() and time.monotonic() < deadline:  # it subscribes, then makes its directory
         time.sleep(0.1)
     time.sleep(1.0)
-    specs = [{"id": r, "capture": {"hidden_states": {"layers": [18], "positions": "generated"}},
+    layer = json.loads(PROBE.read_text())["layer"]
+    specs = [{"id": r, "capture": {"hidden_states": {"layers": [layer], "positions": "generated"}},
               "detect": [{"probe": PROBE.name}]} for r in rids]
     try:
         with collecting(broker_address, rids) as col:

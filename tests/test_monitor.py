@@ -32,7 +32,9 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 PY = sys.executable
 
-CAPTURE_LAYERS = [0, 4, 8, 12, 16, 18, 20, 24, 29]  # the token probe reads layer 18
+# the layers the page's norm plot shows, with the one the shipped token probe reads
+CAPTURE_LAYERS = sorted({0, 4, 8, 12, 16, 20, 24, 29, json.loads(
+    (REPO / "mia_stream" / "analyzers" / "probes" / "token-probe-smollm2-135m.json").read_text())["layer"]})
 # the per-token risk the page colours tokens by, and the request-level answer score published at the end
 ANALYZER, SCORE, FINAL = "token_probe", "risk", "answer_risk"
 # The page's latency target (tokens and scores shown within a second of their publication, issue 17) is measured
