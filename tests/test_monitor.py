@@ -345,8 +345,10 @@ def test_live_page_shows_tokens_and_scores_as_they_come(engine, broker_address, 
         assert truth.complete(rids), "the test's own consumer did not see every request end with its scores"
         rid = rids[0]
         n_scores = len(truth.scores[rid])
+        # the analyzer's request-level row follows the stream's end: wait for it too
         data = wait_page(page, lambda d: d["state"] in ("stop", "length") and sum(s[2] is not None for s in d["spans"])
-                         >= n_scores, 30, "the finished request with all its scores")
+                         >= n_scores and f"{ANALYZER}.{FINAL} = " in d["info"], 30,
+                         "the finished request with all its scores and the answer's score")
         # the text: the request's prompt and generated tokens, detokenized; it ends with what vLLM returned
         assert data["text"] == tokenizer.decode(truth.token_ids(rid))
         out_text = next(o.outputs[0].text for o in outputs.values() if o.prompt == prompts[0])
