@@ -353,7 +353,8 @@ def _control(scheduler):
             state.control = EngineControl(geometry_of(scheduler.vllm_config.model_config), REGISTRY.aborting)
         except Exception:
             state.control_failed = True
-            logger.exception("mia_stream: engine control channel unavailable; live steering disabled")
+            logger.exception("mia_stream: engine control channel unavailable; live steering, and the in-engine "
+                             "detectors' alerts, actions and published scores, are disabled")
     return state.control
 
 
