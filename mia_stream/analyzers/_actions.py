@@ -39,12 +39,12 @@ from typing import Any, Callable, Iterable
 import numpy as np
 
 from mia_stream.analyzers._alerts import AlertAction, risk_column
+from mia_stream.spec.alerts import ACTION_ANALYZER, action_outcome
 from mia_stream.errors import MiaStreamError
 from mia_stream.schemas import AnalysisBatch, SteeringAck, SteeringCommand
 
 log = logging.getLogger("mia_stream.analyzers.actions")
 
-ACTION_ANALYZER = "alert_action"  # the analyzer name of the actor's outcome messages
 _MAX_NAMED_PUBLISHERS = 1024  # untrusted publishers counted by name; past it, as one "<others>"
 
 
@@ -264,13 +264,11 @@ def outcome_batch(rec: ActionRecord, producer_id: str, epoch: int, seq: int) -> 
     """The ``alert_action`` analysis message for one action: one row at the alerting position."""
     ack = rec.ack
     applied = ack.applied_step if ack is not None and ack.ok and ack.applied_step is not None else -1
-    return AnalysisBatch(
-        producer_id, epoch, ACTION_ANALYZER, [rec.request_id], [seq], [1], [rec.alert_position],
-        {"alert_step": np.asarray([rec.alert_step], np.int64), "applied_step": np.asarray([applied], np.int64),
-         "steering_version": np.asarray([ack.steering_version if ack is not None else 0], np.int64)},
-        {"action": [rec.command.action], "source": [rec.analyzer], "error": [rec.error]}, [1],
-        step=applied, analyzer_version="1", time_ns=rec.acked_ns or time.time_ns(),
-        source_time_ns=rec.source_time_ns)
+    return action_outcome(producer_id, epoch, rec.request_id, seq, alert_position=rec.alert_position,
+                          alert_step=rec.alert_step, applied_step=applied,
+                          steering_version=ack.steering_version if ack is not None else 0,
+                          action=rec.command.action, source=rec.analyzer, error=rec.error,
+                          source_time_ns=rec.source_time_ns, time_ns=rec.acked_ns)
 
 
 class AlertWatcher:

@@ -49,6 +49,7 @@ from mia_stream.broker._steering import Steering, _user_id
 from mia_stream.broker._streams import Streams
 from mia_stream.broker._upkeep import Upkeep
 from mia_stream.errors import MalformedFrameError
+from mia_stream.spec.alerts import ACTION_ANALYZER
 from mia_stream.schemas import COLUMNAR_KINDS, SteeringCommand, Subscribe, Unsubscribe, shm_extent, split_batch
 from mia_stream.schemas import SHM_RING_KEY, Credit, seqranges
 
@@ -57,7 +58,6 @@ if TYPE_CHECKING:
     from mia_stream.bus.transport import ServerKeys
 
 ENGINE_ANALYZER_PREFIX = "engine:"  # in-engine detectors' analysis (producer/_detect_engine.py)
-ENGINE_ACTION_ANALYZER = "alert_action"
 _GAP_BATCH_MINOR = 1  # a consumer whose subscribe is of schema 2.1 or later decodes gap_batch (spec 3.16)
 
 
@@ -268,7 +268,7 @@ class Router:
                 return True
             # an engine publishes its in-engine detectors' scores and what it did on their alerts (issue 25)
             if user in self._producer_ids and (str(header.get("analyzer", "")).startswith(ENGINE_ANALYZER_PREFIX)
-                                               or header.get("analyzer") == ENGINE_ACTION_ANALYZER):
+                                               or header.get("analyzer") == ACTION_ANALYZER):
                 return True
             why = (f"analysis messages need an analyzer key (roles/analyzers/) and a producer_id that is its name "
                    f"or starts with {name + '/'!r}" if user in self._analyzer_ids else

@@ -30,10 +30,10 @@ from typing import Any, Sequence
 
 from mia_stream import settings
 from mia_stream.monitor._scores import choose_score_key, new_score_keys, scalar_column
+from mia_stream.spec.alerts import ACTION_ANALYZER  # (the one definition of the action outcome record)
 
 log = logging.getLogger("mia_stream.monitor.terminal")
 
-ACTION_ANALYZER = "alert_action"  # mia_stream.analyzers._actions.ACTION_ANALYZER (not imported: no zmq here)
 
 
 def risk_style(r: float) -> str:

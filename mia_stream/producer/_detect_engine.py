@@ -28,10 +28,9 @@ from typing import Any
 import numpy as np
 
 from mia_stream.schemas import AnalysisBatch
+from mia_stream.spec.alerts import action_outcome
 
 logger = logging.getLogger("mia_stream.producer")
-
-ACTION_ANALYZER = "alert_action"  # the same record as the analyzers' actor (analyzers/_actions.py)
 
 
 @dataclass
@@ -161,12 +160,9 @@ class EngineDetectors:
     def _publish_outcome(self, stream_id: str, alert_step: int, position: int, applied_step: int, version: int,
                          action: str, source: str, error: str | None, source_ns: int) -> None:
         publisher = self.control.publisher
-        batch = AnalysisBatch(
-            publisher.producer_id, publisher.epoch, ACTION_ANALYZER, [stream_id], publisher.next_seqs([stream_id]),
-            [1], [position], {"alert_step": np.asarray([alert_step], np.int64),
-                              "applied_step": np.asarray([applied_step], np.int64),
-                              "steering_version": np.asarray([version], np.int64)},
-            {"action": [action], "source": [source], "error": [error]}, [1], step=applied_step, analyzer_version="1",
-            time_ns=time.time_ns(), source_time_ns=source_ns)
+        batch = action_outcome(publisher.producer_id, publisher.epoch, stream_id, publisher.next_seqs([stream_id])[0],
+                               alert_position=position, alert_step=alert_step, applied_step=applied_step,
+                               steering_version=version, action=action, source=source, error=error,
+                               source_time_ns=source_ns)
         if not publisher.publish(batch):
             self.counters["analysis_dropped"] += 1

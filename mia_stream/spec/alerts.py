@@ -42,6 +42,7 @@ on live streams (``_actions.AlertActor``).
 from __future__ import annotations
 
 import math
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -49,10 +50,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from mia_stream.errors import AnalyzerConfigError, SteeringSpecError
-from mia_stream.schemas import SteeringCommand
+from mia_stream.schemas import AnalysisBatch, SteeringCommand
 from mia_stream.spec.request_table import RequestTable
 
 MODES = ("tokens", "mean")
+# the analyzer name of an action's outcome record (``action_outcome``): the analyzers' actor and the engine's
+# in-engine detectors publish the same record
+ACTION_ANALYZER = "alert_action"
 DEFAULTS: dict[str, Any] = {"value": "risk", "threshold": 0.5, "mode": "tokens", "window": 1, "min_hits": 1,
                             "cooldown": None, "action": None}
 # a window longer than this is a span, not a debounce: the state per request is window floats
@@ -329,3 +333,17 @@ def risk_column(values: dict, name: str, where: str = "") -> np.ndarray | None:
             raise AnalyzerConfigError(f"{where or 'alert'}: value {name!r} has {a.shape[1:]} entries per row; an "
                                       "alert policy needs one score per row")
     return a.astype(np.float64)
+
+
+def action_outcome(producer_id: str, epoch: int, request_id: str, seq: int, *, alert_position: int, alert_step: int,
+                   applied_step: int, steering_version: int, action: str, source: str, error: str | None,
+                   source_time_ns: int, time_ns: int | None = None) -> AnalysisBatch:
+    """The ``alert_action`` analysis message for one action taken on an alert: one row at the alerting position,
+    values ``alert_step``, ``applied_step`` (-1: refused), ``steering_version``; labels ``action``, ``source``
+    (the analyzer that alerted), ``error``."""
+    return AnalysisBatch(
+        producer_id, epoch, ACTION_ANALYZER, [request_id], [seq], [1], [alert_position],
+        {"alert_step": np.asarray([alert_step], np.int64), "applied_step": np.asarray([applied_step], np.int64),
+         "steering_version": np.asarray([steering_version], np.int64)},
+        {"action": [action], "source": [source], "error": [error]}, [1],
+        step=applied_step, analyzer_version="1", time_ns=time_ns or time.time_ns(), source_time_ns=source_time_ns)
