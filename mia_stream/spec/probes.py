@@ -28,13 +28,9 @@ A file that is not such an object is an ``AnalyzerConfigError`` naming the file 
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import math
-import os
-import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,6 +38,9 @@ from typing import Any
 import numpy as np
 
 from mia_stream import settings
+from mia_stream.spec._stored import DIGEST as _DIGEST
+from mia_stream.spec._stored import NAME as _NAME
+from mia_stream.spec._stored import registry_main, replace_atomically
 from mia_stream.errors import AnalyzerConfigError, AnalyzerInputError
 
 FORMAT = "mia_stream.probe/1"
@@ -235,8 +234,6 @@ def probe_from_text(text: str, analyzer: str | None, path: str = "") -> LinearPr
 # detector's probe as ``{"digest", "ref"}`` and the engine scores with exactly the file the frontend checked, even
 # if the name is registered again in between (the same rule as named steering vectors).
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-_DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 
 def probes_dir() -> Path:
@@ -250,19 +247,20 @@ def probe_digest(text: str) -> str:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    replace_atomically(path, lambda f: f.write(text.encode()))
+
+
+def _registered_path(name: str) -> Path:
+    if not _NAME.match(name):
+        raise AnalyzerConfigError(f"probe name {name!r} must match {_NAME.pattern}")
+    return probes_dir() / f"{name}.json"
 
 
 def register_probe(name: str, file: str | Path) -> Path:
     """Check the probe file ``file`` and store it as ``name`` (replacing an existing one atomically)."""
-    if not _NAME.match(name):
-        raise AnalyzerConfigError(f"probe name {name!r} must match {_NAME.pattern}")
+    path = _registered_path(name)
     text = Path(file).read_text()
     probe_from_text(text, None, str(file))  # refuse a malformed file here, not at a request's admission
-    path = probes_dir() / f"{name}.json"
     _write_atomically(path, text)
     return path
 
@@ -341,29 +339,14 @@ def resolve_probe(ref: Any) -> tuple[LinearProbe, str]:
 
 def main(argv: list[str]) -> int:
     """``mia-stream probes add NAME FILE | list | remove NAME``."""
-    parser = argparse.ArgumentParser(prog="mia-stream probes",
-                                     description="register detector probes that requests name in 'detect'")
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    add = sub.add_parser("add", help="check FILE (a mia_stream.probe/1 file) and register it as NAME")
-    add.add_argument("name")
-    add.add_argument("file")
-    sub.add_parser("list", help="list registered probes (and the shipped ones)")
-    rm = sub.add_parser("remove", help="unregister NAME")
-    rm.add_argument("name")
-    args = parser.parse_args(argv)
-    try:
-        if args.cmd == "add":
-            print(register_probe(args.name, args.file))
-        elif args.cmd == "list":
-            for name, p in list_probes().items():
-                print(f"{name}\t{p.analyzer}\tlayer {p.layer}\t{p.position}\t{p.model}")
-            for path in sorted(PROBES_DIR.glob("*.json")):
-                print(f"{path.name}\t(shipped)")
-        else:
-            if not _NAME.match(args.name):
-                raise ValueError(f"probe name {args.name!r} must match {_NAME.pattern}")
-            (probes_dir() / f"{args.name}.json").unlink()
-    except (ValueError, OSError, AnalyzerConfigError) as e:
-        print(f"mia-stream probes: {e}", file=sys.stderr)
-        return 2
-    return 0
+    def rows():
+        for name, p in list_probes().items():
+            yield f"{name}\t{p.analyzer}\tlayer {p.layer}\t{p.position}\t{p.model}"
+        for path in sorted(PROBES_DIR.glob("*.json")):
+            yield f"{path.name}\t(shipped)"
+
+    return registry_main(
+        argv, prog="mia-stream probes", description="register detector probes that requests name in 'detect'",
+        add_help="check FILE (a mia_stream.probe/1 file) and register it as NAME",
+        list_help="list registered probes (and the shipped ones)", add=register_probe, rows=rows,
+        path_of=_registered_path, errors=(ValueError, OSError, AnalyzerConfigError))

@@ -10,18 +10,17 @@ bus instead of 512 KiB of vectors (1 MiB as float lists on the wire).
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
-import re
-import sys
 from pathlib import Path
 
 import numpy as np
 
 from mia_stream import settings
+from mia_stream.spec._stored import DIGEST as _DIGEST
+from mia_stream.spec._stored import NAME, registry_main, replace_atomically
 
-_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+_NAME = NAME
 
 
 __all__ = ["list_vectors", "load_vector", "main", "named_vector", "register_vector", "vector_by_digest",
@@ -66,9 +65,7 @@ def vector_digest(arr: np.ndarray) -> str:
 
 
 def _write_atomically(path: Path, arr: np.ndarray) -> None:
-    tmp = path.with_name(f".{path.stem}.tmp{os.getpid()}.npy")
-    np.save(tmp, arr)
-    os.replace(tmp, path)
+    replace_atomically(path, lambda f: np.save(f, arr))
 
 
 def _digest_path(digest: str) -> Path:
@@ -84,7 +81,6 @@ def _keep_by_digest(arr: np.ndarray, digest: str) -> None:
         _write_atomically(path, arr)
 
 
-_DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 def vector_version(name: str) -> tuple | None:
     """What changes when the vector ``name`` is registered again (None: there is none, or a bad name)."""
@@ -173,24 +169,10 @@ def _read_file(path: str) -> np.ndarray:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="mia-stream vectors", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="cmd", required=True)
-    add = sub.add_parser("add", help="register FILE (.npy, .json list, or whitespace-separated text) as NAME")
-    add.add_argument("name")
-    add.add_argument("file")
-    sub.add_parser("list", help="list registered vectors and their lengths")
-    rm = sub.add_parser("remove", help="unregister NAME")
-    rm.add_argument("name")
-    args = parser.parse_args(argv)
-    try:
-        if args.cmd == "add":
-            print(register_vector(args.name, _read_file(args.file)))
-        elif args.cmd == "list":
-            for name, n in list_vectors().items():
-                print(f"{name}\t{n}")
-        else:
-            _path(args.name).unlink()
-    except (ValueError, OSError, KeyError) as e:
-        print(f"mia-stream vectors: {e}", file=sys.stderr)
-        return 2
-    return 0
+    return registry_main(
+        argv, prog="mia-stream vectors", description=__doc__.splitlines()[0],
+        add_help="register FILE (.npy, .json list, or whitespace-separated text) as NAME",
+        list_help="list registered vectors and their lengths",
+        add=lambda name, file: register_vector(name, _read_file(file)),
+        rows=lambda: (f"{name}\t{n}" for name, n in list_vectors().items()), path_of=_path,
+        errors=(ValueError, OSError, KeyError))
