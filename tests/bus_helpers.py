@@ -49,17 +49,25 @@ def start_broker(address: str, *args: str, timeout: float = 20.0) -> subprocess.
     """``mia-stream broker`` as a process; returns once it printed its ready line."""
     proc = subprocess.Popen([PY, "-m", "mia_stream.broker", "--address", address, *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, env=_env(), text=True)
+    try:
+        wait_line(proc, "ready", timeout, "broker")
+    except RuntimeError:
+        kill(proc)
+        raise
+    return proc
+
+
+def wait_line(proc: subprocess.Popen, word: str, timeout: float = 30.0, what: str = "process") -> None:
+    """Until ``proc`` prints a stdout line holding ``word``; RuntimeError (with its stderr) if it exits first or
+    ``timeout`` s pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         r, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if r:
-            line = proc.stdout.readline()
-            if "ready" in line:
-                return proc
+        if r and word in proc.stdout.readline():
+            return
         if proc.poll() is not None:
-            raise RuntimeError(f"broker exited with {proc.returncode}: {proc.stderr.read()}")
-    kill(proc)
-    raise RuntimeError("broker did not become ready")
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {proc.stderr.read()}")
+    raise RuntimeError(f"{what}: no {word!r} line within {timeout} s")
 
 
 def kill(proc: subprocess.Popen | None, sig: int = signal.SIGKILL) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import select
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bus_helpers import PY, _env, account, kill  # noqa: E402
+from bus_helpers import PY, _env, account, kill, wait_line  # noqa: E402
 
 
 def start_bridge(broker: str, url: str, engine: str, *args: str, timeout: float = 30.0,
@@ -30,17 +29,12 @@ def start_bridge(broker: str, url: str, engine: str, *args: str, timeout: float 
     proc = subprocess.Popen([PY, "-m", "mia_stream.cli", "bridge", "--broker", broker, "--nats", url, "--engine",
                              engine, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env or _env())
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if r:
-            line = proc.stdout.readline()
-            if "ready" in line:
-                return proc
-        if proc.poll() is not None:
-            raise RuntimeError(f"bridge exited with {proc.returncode}: {proc.stderr.read()}")
-    kill(proc)
-    raise RuntimeError("bridge did not become ready")
+    try:
+        wait_line(proc, "ready", timeout, "bridge")
+    except RuntimeError:
+        kill(proc)
+        raise
+    return proc
 
 
 def stop_bridge(proc: subprocess.Popen) -> str:
@@ -59,17 +53,6 @@ def stop_bridge(proc: subprocess.Popen) -> str:
 def spawn_consumer(*args: str) -> subprocess.Popen:
     return subprocess.Popen([PY, str(Path(__file__).resolve()), "consume", *args], env=_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-
-
-def wait_line(proc: subprocess.Popen, word: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        r, _, _ = select.select([proc.stdout], [], [], 0.1)
-        if r and word in proc.stdout.readline():
-            return
-        if proc.poll() is not None:
-            raise RuntimeError(f"process exited with {proc.returncode}: {proc.stderr.read()}")
-    raise RuntimeError(f"no {word!r} line within {timeout} s")
 
 
 def _consume(args) -> int:
