@@ -267,16 +267,7 @@ class Delivery:
                 return hit
         frames, h = select_requests(entry.frames, entry.header, idx)
         self.ctx.counters.selections += 1
-        extent = shm_extent(h) if entry.ring is not None else None
-        if (extent is not None and not reads_rings) or has_partial_inline_rows(h):
-            frames, n = self._inlined(entry, frames)
-            view = (frames, n, None)
-        else:
-            n = _frames_nbytes(frames)
-            view = (frames, n + extent[2], (extent[0], extent[1])) if extent is not None else (frames, n, None)
-        if views is not None:
-            views[key] = view
-        return view
+        return self._view_of(entry, frames, h, reads_rings, views, key)
 
     def view_selected(self, entry: _Entry, idx: list[int] | None, reads_rings: bool, sel: ViewSelection,
                       views: dict | None) -> tuple:
@@ -300,6 +291,11 @@ class Delivery:
             prompt_lens = entry.prompt_lens if whole else entry.prompt_lens[np.asarray(idx, dtype=np.intp)]
         frames, h = select_view(frames, h, sel, prompt_lens)
         self.ctx.counters.view_selections += 1
+        return self._view_of(entry, frames, h, reads_rings, views, key)
+
+    def _view_of(self, entry: _Entry, frames: list, h: dict, reads_rings: bool, views: dict | None, key) -> tuple:
+        """``(frames, bytes, ring extent)`` of a rewritten message: its ring bytes inline where the consumer reads no
+        rings or the header keeps only some of a group's rows, else by reference; kept in ``views`` under ``key``."""
         extent = shm_extent(h) if entry.ring is not None else None
         if (extent is not None and not reads_rings) or has_partial_inline_rows(h):
             frames, n = self._inlined(entry, frames)
