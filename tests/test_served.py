@@ -486,18 +486,22 @@ def test_stream_id_without_an_id_in_the_spec_is_the_response_id(servers):
 
 def test_stream_client_detect_scores_in_the_engine_and_aborts_on_alert(servers):
     """Served mode with an in-engine detector (``StreamClient.chat(detect=...)`` through ``vllm_xargs``): the
-    request's events carry the engine's scores (``engine:token_probe``) with no capture, and an alert on the first
-    generated row aborts it in the engine (its answer is the two tokens sampled before the action)."""
+    request's events carry the engine's scores (``engine:token_probe``) with no capture, and an alert debounced to
+    the second generated row (2 hot rows of 2; every row is hot at threshold 0) aborts it in the engine: its answer
+    is the three tokens sampled up to the alerting step. (The alerting step's own scores go out on the engine
+    core's channel and may reach the client after the stream's end, which the worker's drain publishes; the first
+    row's scores go out a step earlier.)"""
     from mia_stream.served.client import StreamClient
 
     client = StreamClient(servers.url, broker=servers.address, max_retries=0)
-    detect = [{"probe": "token-probe-smollm2-135m.json", "alert": {"threshold": 0.0}, "action": "abort"}]
+    detect = [{"probe": "token-probe-smollm2-135m.json",
+               "alert": {"threshold": 0.0, "mode": "tokens", "window": 2, "min_hits": 2}, "action": "abort"}]
     req = client.chat(PROMPT_A, max_tokens=12, temperature=0, detect=detect, request_id="served-detect-1",
                       stream=False)
     events = list(req)
     analyses = [e.bus.analysis for e in events if e.kind == "analysis"]
     response = next(e.response for e in events if e.kind == "response")
-    assert response.choices[0].finish_reason == "abort" and response.usage.completion_tokens == 2
+    assert response.choices[0].finish_reason == "abort" and response.usage.completion_tokens == 3
     scores = [a for a in analyses if a.analyzer == "engine:token_probe"]
     assert scores and all(len(a.positions) == 1 for a in scores)
     assert not any(e.kind == "frame" for e in events)
