@@ -62,6 +62,11 @@ def test_answers_are_labelled_spans_found_and_samples_clustered():
     assert {it["set"] for it in items} == set(hd.SETS) and len(items) == 10 * len(hd.SETS)
     levels = {it["difficulty"] for it in hd.arithmetic_questions()}
     assert levels == {name for name, *_ in hd.ARITHMETIC_LEVELS}
+    # more per level than a level has operand pairs: every pair once (81 one-digit sums), and it returns
+    big = hd.arithmetic_questions(per_level=300)
+    per_level = {name: sum(it["difficulty"] == name for it in big) for name, *_ in hd.ARITHMETIC_LEVELS}
+    assert per_level["add1"] == 81 and per_level["mul1"] == 64 and per_level["add2"] == 300
+    assert len({it["id"] for it in big}) == len(big)
     for it in hd.question_set():  # every generated reference is judged right by its own checker
         assert hd.check_answer(it, f"The answer is {it['answer']}."), it
 

@@ -207,12 +207,13 @@ def atomic_mass_questions() -> list[dict]:
 
 def arithmetic_questions(per_level: int = 40, seed: int = 0) -> list[dict]:
     """Sums, differences and products of graded difficulty; the group is the unordered pair of operands, so
-    "7 + 8" and "8 times 7" fall on one side of a split."""
+    "7 + 8" and "8 times 7" fall on one side of a split. A level has at most as many questions as it has
+    distinct operand pairs (one-digit sums have 81), however large ``per_level`` is."""
     rng = random.Random(seed)
     items, seen = [], set()
     for level, op, (a0, a1), (b0, b1) in ARITHMETIC_LEVELS:
-        n = 0
-        while n < per_level:
+        n, target = 0, min(per_level, (a1 - a0 + 1) * (b1 - b0 + 1))
+        while n < target:
             a, b = rng.randint(a0, a1), rng.randint(b0, b1)
             if (level, a, b) in seen:
                 continue
