@@ -19,6 +19,13 @@ host (vLLM 0.26 staged, ../shared/device/README.md; the model's files carried in
 stage_model_parts.sh``):
 
     python3 scripts/gpu_probe_data.py --model /tmp/model --out $OUT
+
+A device command runs at most 10 minutes, so the run splits in phases that share ``--work DIR`` (the host's
+/tmp lasts while it stays warm): ``--phase collect`` generates and labels and saves the rows there (float16
+``.npy``); ``--phase report`` writes the evaluation; ``--phase ship`` trains the probes to ship; ``all`` (the
+default) does the three in one process. ``--per-set N`` samples each set's questions until the set holds at
+least N labelled generations (the issue's 10,000), ``--max-seconds`` ends the sampling rounds early (what was
+collected is kept and said).
 """
 
 from __future__ import annotations
@@ -69,6 +76,11 @@ def main() -> int:
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on a GPU, float32 on the CPU")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-loro", action="store_true")
+    ap.add_argument("--per-set", type=int, default=0, help="sample until each set holds this many labelled "
+                                                          "generations (more rounds for smaller sets)")
+    ap.add_argument("--max-seconds", type=float, default=0, help="start no sampling round after this long")
+    ap.add_argument("--phase", choices=("all", "collect", "report", "ship"), default="all")
+    ap.add_argument("--work", help="where the collect phase saves the rows for the later phases")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -85,7 +97,23 @@ def _items(args) -> list[dict]:
     return arith[:args.limit] + items if args.limit else arith + items
 
 
+def rounds_per_item(items: list[dict], captured_samples: int, per_set: int) -> list[int]:
+    """Generations per question (greedy + sampled): ``1 + captured_samples``, or enough that its set reaches
+    ``per_set`` labelled generations."""
+    size: dict[str, int] = {}
+    for it in items:
+        size[it["set"]] = size.get(it["set"], 0) + 1
+    return [max(1 + captured_samples, -(-per_set // size[it["set"]]) if per_set else 0) for it in items]
+
+
 def run(args, out: Path) -> int:
+    if args.phase != "all" and not args.work:
+        raise SystemExit("--phase collect/report/ship needs --work DIR")
+    if args.phase in ("report", "ship"):
+        header, records, layers, tbg, gen, offsets = load_work(Path(args.work))
+        log(f"loaded {len(records)} labelled generations from {args.work}")
+        evaluate_and_train(args, out, header, records, layers, tbg, gen, offsets)
+        return 0
     import torch
     from transformers import AutoTokenizer
     from vllm import SamplingParams
@@ -103,8 +131,9 @@ def run(args, out: Path) -> int:
     counts = {}
     for it in items:
         counts[it["set"]] = counts.get(it["set"], 0) + 1
-    log(f"{len(items)} questions ({counts}); "
-        f"{1 + args.captured_samples} captured generations each; layers {layers}; {dtype}")
+    rounds = rounds_per_item(items, args.captured_samples, args.per_set)
+    log(f"{len(items)} questions ({counts}); {sum(rounds)} captured generations "
+        f"({min(rounds)}-{max(rounds)} per question); layers {layers}; {dtype}")
     kw = dict(dtype=dtype, max_model_len=512, seed=args.seed, max_num_seqs=args.max_num_seqs,
               enable_prefix_caching=False, max_logprobs=LOGPROBS)
     if gpu:
@@ -127,24 +156,32 @@ def run(args, out: Path) -> int:
             outs = sllm.llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
             se_texts = [[c.text for c in o.outputs] for o in outs]
             log(f"semantic-entropy samples: {args.se_samples} x {len(items)}")
-        for round_ in range(1 + args.captured_samples):
-            temp = 0.0 if round_ == 0 else args.temperature
-            for a in range(0, len(items), args.chunk):
-                idx = list(range(a, min(a + args.chunk, len(items))))
-                sp = [SamplingParams(max_tokens=args.max_tokens, temperature=temp, logprobs=LOGPROBS,
-                                     seed=args.seed * 1000 + round_ * 100003 + i if gpu else None) for i in idx]
+        # the greedy pass first (its last prompt row is every later generation's TBG row), then every sampled
+        # generation in one list, in chunks of full batches; ordered so that each set advances at the same pace
+        # (a --max-seconds cut leaves every set with the same share of its rounds)
+        greedy = [(0, i) for i in range(len(items))]
+        sampled = sorted(((r, i) for i in range(len(items)) for r in range(1, rounds[i])),
+                         key=lambda job: (job[0] / rounds[job[1]], job[1]))
+        for jobs in (greedy, sampled):
+            for a in range(0, len(jobs), args.chunk):
+                if jobs is sampled and args.max_seconds and time.time() - T0 > args.max_seconds:
+                    log(f"--max-seconds {args.max_seconds}: {len(jobs) - a} of {len(jobs)} sampled generations "
+                        f"not asked")
+                    break
+                chunk = jobs[a:a + args.chunk]
+                sp = [SamplingParams(max_tokens=args.max_tokens, temperature=0.0 if r == 0 else args.temperature,
+                                     logprobs=LOGPROBS, seed=args.seed * 1000 + r * 100003 + i if gpu else None)
+                      for r, i in chunk]
                 rows: dict[str, dict[int, np.ndarray]] = {}
                 gaps = set()
-                events = sllm.stream([{"prompt_token_ids": prompts[i]} for i in idx], sp,
-                                     capture=capture if round_ == 0 else capture_gen, timeout=600)
-                ids_seen = {}
+                events = sllm.stream([{"prompt_token_ids": prompts[i]} for _, i in chunk], sp,
+                                     capture=capture if jobs is greedy else capture_gen, timeout=600)
                 for ev in events:
                     rid = ev.stream.request_id
                     if ev.kind == "gap":
                         gaps.add(rid)
                     elif ev.kind == "frame" and "hs" in ev.frame.raw_tensors:
-                        k = idx[int(rid.rsplit("-", 1)[1])]
-                        ids_seen[rid] = k
+                        k = chunk[int(rid.rsplit("-", 1)[1])][1]
                         P = len(prompts[k])
                         hs = ev.frame.tensors["hs"]  # [L, T, H]
                         for j, p in enumerate(ev.frame.positions):
@@ -152,7 +189,7 @@ def run(args, out: Path) -> int:
                                 rows.setdefault(rid, {})[int(p)] = hs[:, j].astype(np.float16)
                 outputs = sllm._last_outputs
                 for rid, o in outputs.items():
-                    k = idx[int(rid.rsplit("-", 1)[1])]
+                    round_, k = chunk[int(rid.rsplit("-", 1)[1])]
                     c = o.outputs[0]
                     P, G = len(prompts[k]), len(c.token_ids)
                     got = rows.get(rid, {})
@@ -165,14 +202,14 @@ def run(args, out: Path) -> int:
                     rec = label_record(k, items[k], c, P, tok, se_texts[k], hd.entity_split(items[k]["group"],
                                                                                               args.seed),
                                        request_id=f"gen{round_}-{k:06d}")
-                    rec["round"], rec["temperature"] = round_, temp
+                    rec["round"], rec["temperature"] = round_, 0.0 if round_ == 0 else args.temperature
                     rec.pop("samples")
                     records.append(rec)
                     tbg.append(got[P - 1])
                     gen.extend(got[p] for p in range(P, P + G - 1))
                     offsets.append(offsets[-1] + G - 1)
-                log(f"round {round_} (temperature {temp}): prompts {idx[0]}-{idx[-1]}: {len(records)} labelled "
-                    f"generations so far, {len(gaps)} with gaps skipped")
+                log(f"{'greedy' if jobs is greedy else 'sampled'}: {a + len(chunk)} of {len(jobs)} asked: "
+                    f"{len(records)} labelled generations so far, {len(gaps)} with gaps skipped")
     header = {"format": LABELS_FORMAT, "model": Path(args.model).name, "model_dir": str(args.model),
               "num_layers": int(config["num_hidden_layers"]), "num_heads": int(config["num_attention_heads"]),
               "hidden_size": int(config["hidden_size"]), "capture": capture, "max_tokens": args.max_tokens,
@@ -187,9 +224,32 @@ def run(args, out: Path) -> int:
         fh.write(json.dumps({"header": header}) + "\n")
         for r in records:
             fh.write(json.dumps(r) + "\n")
-    log(f"{len(records)} labelled generations, {sum(r['label'] for r in records)} wrong")
-    evaluate_and_train(args, out, header, records, layers, np.stack(tbg), np.stack(gen), np.asarray(offsets))
+    per_set: dict[str, list[int]] = {}
+    for r in records:
+        per_set.setdefault(r["set"], []).append(r["label"])
+    log(f"{len(records)} labelled generations, {sum(r['label'] for r in records)} wrong; per set (generations, "
+        f"wrong): {({k: (len(v), sum(v)) for k, v in per_set.items()})}")
+    tbg, gen, offsets = np.stack(tbg), np.stack(gen), np.asarray(offsets)
+    if args.work:
+        save_work(Path(args.work), header, records, layers, tbg, gen, offsets)
+        log(f"saved the rows to {args.work} ({gen.nbytes / 2**30:.2f} GiB of generated rows)")
+    if args.phase == "all":
+        evaluate_and_train(args, out, header, records, layers, tbg, gen, offsets)
     return 0
+
+
+def save_work(work: Path, header, records, layers, tbg, gen, offsets) -> None:
+    work.mkdir(parents=True, exist_ok=True)
+    (work / "records.json").write_text(json.dumps({"header": header, "records": records, "layers": layers}))
+    np.save(work / "tbg.npy", tbg)
+    np.save(work / "gen.npy", gen)
+    np.save(work / "offsets.npy", offsets)
+
+
+def load_work(work: Path):
+    meta = json.loads((work / "records.json").read_text())
+    return (meta["header"], meta["records"], meta["layers"], np.load(work / "tbg.npy"),
+            np.load(work / "gen.npy"), np.load(work / "offsets.npy"))
 
 
 def evaluate_and_train(args, out: Path, header, records, layers, tbg, gen, offsets) -> None:
@@ -200,17 +260,20 @@ def evaluate_and_train(args, out: Path, header, records, layers, tbg, gen, offse
     feats = pt.Features([r["request_id"] for r in records], layers, [], tbg.astype(np.float32),
                         gen.astype(np.float32), offsets, np.zeros((0, 0, 1), np.float32))
     ds = pt.Dataset(header, records, feats)
-    variants = [v for v in pe.VARIANTS if args.se_samples or pe.VARIANTS[v][0] != "semantic_entropy_probe"]
+    variants = [v for v in pe.VARIANTS if header.get("samples") or pe.VARIANTS[v][0] != "semantic_entropy_probe"]
     eval_layers = [x for x in layers if x != header["num_layers"] - 1] or layers
-    rep = pe.evaluate(ds, variants, eval_layers, loro=not args.no_loro, log=log)
-    rep["command"] = header["command"]
-    (out / "report.json").write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
-    (out / "report.txt").write_text(pe.format_report(rep) + "\n")
-    log("report written")
+    if args.phase in ("all", "report"):
+        rep = pe.evaluate(ds, variants, eval_layers, loro=not args.no_loro, log=log)
+        rep["command"] = header["command"]
+        (out / "report.json").write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
+        (out / "report.txt").write_text(pe.format_report(rep) + "\n")
+        log("report written")
+    if args.phase == "report":
+        return
     val, test = ds.requests(ds.calibration_split()), ds.requests("test")
     ships = [("token_probe", {"rows": "all", "logit": False}, "token-probe.json"),
              ("token_probe", {"rows": "all", "logit": True}, "token-probe-logit.json")]
-    if args.se_samples:
+    if header.get("samples"):
         ships.append(("semantic_entropy_probe", {"position": "last_prompt"}, "semantic-entropy-probe.json"))
     for detector, opts, name in ships:
         fit, layer, table = pe.select_and_fit(ds, detector, eval_layers, opts, log=log)
