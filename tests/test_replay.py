@@ -364,3 +364,15 @@ def test_a_consumer_without_on_gap_batch_replays_a_gap_batch_as_its_gap_notices(
     replay(tmp_path / "rec", into=consumer)
     assert consumer.gaps == [(n.request_id, n.producer_id, n.missing, n.reason)
                              for m in msgs if isinstance(m, GapBatch) for n in m.notices()]
+
+
+def test_a_missing_recording_is_an_error_not_a_wait_for_a_broker(tmp_path):
+    """``--source x.mcap`` that does not exist used to be taken for a broker's run dir and wait forever."""
+    from mia_stream.consumers import open_stream
+    from mia_stream.errors import StreamError
+
+    with pytest.raises(StreamError, match="no recording at .*missing.mcap"):
+        open_stream(str(tmp_path / "missing.mcap"))
+    cli = subprocess.run([sys.executable, "-m", "mia_stream.cli", "analyze", "token_probe", "--source",
+                          str(tmp_path / "missing.mcap")], capture_output=True, text=True, timeout=120)
+    assert cli.returncode != 0 and "no recording at" in cli.stderr

@@ -28,6 +28,7 @@ import os
 import sys
 import time
 import uuid
+import logging
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -47,6 +48,7 @@ __all__ = ["AnalysisEvent", "BatchEvent", "BrokerClient", "Consumer", "EVENT_CLA
            "StreamAssembler", "TokensEvent", "consume_main", "dispatch", "merge_shards", "open_batches", "open_stream",
            "run_consumer", "subset_batch", "wants_batches"]
 
+logger = logging.getLogger("mia_stream.consumers")
 _IDLE_TICK_S = 0.05
 
 
@@ -59,6 +61,8 @@ def _is_recording(source: Any) -> bool:
     p = Path(s)
     if p.is_file():
         return True
+    if p.suffix == ".mcap" and not p.exists():  # a recording's name, not a run dir: waiting for it would be forever
+        raise StreamError(f"no recording at {s}: no such file")
     if p.is_dir():
         return not any((p / f"{r}.sock").exists() for r in ("consumers", "producers"))
     return False
@@ -79,6 +83,9 @@ class _Source:
             self.client = NatsClient(source, consumer_id=consumer_id, **nats_options)
             self.client.subscribe(self.patterns, from_start)
         elif not _is_recording(source):
+            if source is not None and "://" not in str(source) and not Path(str(source)).exists():
+                logger.warning("no broker at %s yet: waiting for one to start there (a recording must be an "
+                               "existing .mcap file or directory)", source)
             self.client = BrokerClient(source, consumer_id=consumer_id, keys=keys, window_bytes=window_bytes,
                                        shm=shm, select=select)
             self.client.subscribe(self.patterns, from_start)
