@@ -147,6 +147,8 @@ def parity(llm, SamplingParams, address: str, probe: str, rng, vocab: int, a) ->
                 if ev.kind == "frame" and "hs" in ev.frame.raw_tensors:
                     for pos, h in zip(ev.frame.positions, ev.frame.tensors["hs"][0]):
                         rows[(rid, int(pos))] = np.asarray(h, np.float64)
+                elif ev.kind == "analysis" and ev.analysis.step == -1:
+                    pass  # a detector's final result (max_risk, alert_rows) at the request's end
                 elif ev.kind == "analysis" and ev.analysis.analyzer == "engine:with_logits":
                     for pos, r in zip(ev.analysis.positions, ev.analysis.values["risk"]):
                         with_logits[(rid, int(pos))] = float(r)

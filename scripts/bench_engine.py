@@ -144,7 +144,8 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
                         r = rec(rid)
                         r["frames"] += 1
                         r["lat"].append(ms)
-                elif ev.kind == "batch" and ev.batch.KIND == "analysis" and ev.batch.analyzer.startswith("engine:"):
+                elif ev.kind == "batch" and ev.batch.KIND == "analysis" and ev.batch.analyzer.startswith("engine:") \
+                        and ev.batch.step >= 0:  # step -1: a detector's final result at the request's end
                     # an in-engine detector's scores: from the step's scores on the host to here
                     ms = (now - ev.batch.source_time_ns) / 1e6
                     for rid in ev.batch.request_ids:

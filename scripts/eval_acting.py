@@ -212,7 +212,7 @@ class Bench:
             with open_stream(str(self.run_dir), patterns=[f"act-{tag}-*"], timeout=120) as events:
                 ready.set()
                 for ev in events:
-                    if ev.kind == "analysis" and ev.analysis.analyzer == "engine:hnode":
+                    if ev.kind == "analysis" and ev.analysis.analyzer == "engine:hnode" and ev.analysis.step >= 0:
                         seen["scored"] += 1
                         seen["alerts"] += [ev.stream.request_id] * int(sum(ev.analysis.alerts))
                     elif ev.kind == "analysis" and ev.analysis.analyzer == "alert_action":

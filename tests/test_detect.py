@@ -44,12 +44,15 @@ def _probe_formula(h: np.ndarray) -> np.ndarray:
     return 1.0 / (1.0 + np.exp(-(z @ np.asarray(d["weights"]) + d["bias"])))
 
 
-def _analysis(col, rid, analyzer):
-    return [e.analysis for e in col.events[rid] if e.kind == "analysis" and e.analysis.analyzer == analyzer]
+def _analysis(col, rid, analyzer, final=None):
+    """The analysis rows of one analyzer for one request: all, the per-step rows (``final=False``) or its final
+    (step -1) rows (``final=True``)."""
+    return [e.analysis for e in col.events[rid] if e.kind == "analysis" and e.analysis.analyzer == analyzer
+            and (final is None or (e.analysis.step == -1) == final)]
 
 
 def _scores(col, rid, name="engine:token_probe"):
-    an = _analysis(col, rid, name)
+    an = _analysis(col, rid, name, final=False)
     if not an:
         return np.zeros(0, np.int64), np.zeros(0)
     return (np.concatenate([a.positions for a in an]).astype(np.int64),
@@ -110,7 +113,7 @@ def test_every_generated_token_is_scored_as_the_probe_file_defines(engine, broke
     replayed = {}
     with open_stream(str(rec_dir), patterns=["det-par-*"]) as events:
         for ev in events:
-            if ev.kind == "analysis" and ev.analysis.analyzer == "engine:token_probe":
+            if ev.kind == "analysis" and ev.analysis.analyzer == "engine:token_probe" and ev.analysis.step >= 0:
                 for p, r in zip(ev.analysis.positions, ev.analysis.values["risk"]):
                     replayed[(ev.stream.request_id, int(p))] = float(r)
     for rid in rids:
@@ -145,6 +148,13 @@ def test_an_alert_aborts_the_request_before_its_next_step(engine, broker_address
     assert int(act.values["applied_step"][0]) == int(act.values["alert_step"][0]) + 1
     (end,) = [e.end for e in col.events[rid] if e.kind == "end"]
     assert end.finish_reason == "abort"
+    # the detector's final result, sent when the engine freed the request, after its score rows: their max
+    _wait_for(col, rid, lambda: _analysis(col, rid, "engine:token_probe", final=True))
+    (final,) = _analysis(col, rid, "engine:token_probe", final=True)
+    assert final.values["max_risk"][0] == np.float32(risk.max()) and final.values["alert_rows"].tolist() == [1]
+    arrived = [e.analysis.step for e in col.events[rid] if e.kind == "analysis" and
+               e.analysis.analyzer == "engine:token_probe"]
+    assert arrived[-1] == -1  # one publisher, in order: nothing of the detector's comes after its final
 
 
 def test_an_alert_steers_the_request_from_the_next_step(engine, broker_address):
@@ -247,7 +257,7 @@ def test_the_monitor_page_shows_in_engine_scores_without_any_capture(engine, bro
             _wait_for(col, rid, lambda: len(_scores(col, rid)[0]) == 19)
         pos, risk = _scores(col, rid)
         assert not col.frames(rid)  # nothing captured: the scores are all that crossed the bus
-        alerts = np.concatenate([a.alerts for a in _analysis(col, rid, "engine:token_probe")]).astype(bool)
+        alerts = np.concatenate([a.alerts for a in _analysis(col, rid, "engine:token_probe", final=False)]).astype(bool)
         data = wait_page(page, lambda d: sum(s[2] is not None for s in d["spans"]) >= len(pos), 30,
                          "every in-engine score")
         assert data["scoreKey"] == "engine:token_probe.risk"

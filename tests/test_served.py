@@ -488,9 +488,9 @@ def test_stream_client_detect_scores_in_the_engine_and_aborts_on_alert(servers):
     """Served mode with an in-engine detector (``StreamClient.chat(detect=...)`` through ``vllm_xargs``): the
     request's events carry the engine's scores (``engine:token_probe``) with no capture, and an alert debounced to
     the second generated row (2 hot rows of 2; every row is hot at threshold 0) aborts it in the engine: its answer
-    is the three tokens sampled up to the alerting step. (The alerting step's own scores go out on the engine
-    core's channel and may reach the client after the stream's end, which the worker's drain publishes; the first
-    row's scores go out a step earlier.)"""
+    is the three tokens sampled up to the alerting step. The scores come from the engine core, the stream's end
+    from the worker's drain: the client waits for the detector's final result (step -1, sent after its last score
+    row on the same channel), so the alerting step's scores are there too."""
     from mia_stream.served.client import StreamClient
 
     client = StreamClient(servers.url, broker=servers.address, max_retries=0)
@@ -502,8 +502,12 @@ def test_stream_client_detect_scores_in_the_engine_and_aborts_on_alert(servers):
     analyses = [e.bus.analysis for e in events if e.kind == "analysis"]
     response = next(e.response for e in events if e.kind == "response")
     assert response.choices[0].finish_reason == "abort" and response.usage.completion_tokens == 3
-    scores = [a for a in analyses if a.analyzer == "engine:token_probe"]
-    assert scores and all(len(a.positions) == 1 for a in scores)
+    scores = [a for a in analyses if a.analyzer == "engine:token_probe" and a.step >= 0]
+    assert len(scores) == 2 and all(len(a.positions) == 1 for a in scores)  # both generated rows scored
+    assert [int(a.alerts[0]) for a in scores] == [0, 1]  # the second hot row alerts (debounced)
+    (final,) = [a for a in analyses if a.analyzer == "engine:token_probe" and a.step == -1]
+    assert final.values["max_risk"][0] == max(float(a.values["risk"][0]) for a in scores)
+    assert final.values["alert_rows"].tolist() == [1]
     assert not any(e.kind == "frame" for e in events)
 
 

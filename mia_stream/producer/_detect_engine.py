@@ -15,6 +15,10 @@ step's tokens:
   for the control's next ``take`` (the next ``schedule``: without async scheduling, the step after the alert).
   Each outcome is an ``alert_action`` analysis row (values ``alert_step``, ``applied_step``,
   ``steering_version``; labels ``action``, ``source``, ``error``), the record the analyzers' actor publishes.
+- when vLLM frees the request (``forget``), each detector's final result: one row at step -1 (values
+  ``max_risk``, NaN when nothing was scored, and ``alert_rows``), the analyzers' convention for "this request's
+  results are complete". It goes out on the same publisher after every score row of the request, so a client
+  that waits for it (``StreamClient(detect=...)``) has them all, whenever the drain's StreamEnd arrives.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class _Req:
     stream_id: str
     detectors: tuple  # spec.detect.DetectorSpec by column
     policy_keys: list  # the key of each detector's policy in EngineDetectors._policies
+    stat_slots: np.ndarray  # each column's row in EngineDetectors' running max risk / alert count
     acted: set = field(default_factory=set)  # columns whose action was taken
 
 
@@ -47,6 +52,10 @@ class EngineDetectors:
         self._requests: dict[str, _Req] = {}
         self._policies: dict[str, Any] = {}  # policy config key -> AlertPolicy (request keys "eid\0col")
         self._group_cache: tuple | None = None
+        # per (request, detector): the running max risk and alert rows of its final result; rows reused
+        self._max_risk = np.full(64, -np.inf, np.float32)
+        self._alert_rows = np.zeros(64, np.int64)
+        self._free_slots = list(range(63, -1, -1))
         self.counters = {"scored_rows": 0, "alerts": 0, "actions": 0, "analysis_dropped": 0, "bad_specs": 0}
 
     def add_request(self, engine_id: str, stream_id: str, detect_wire: Any) -> None:
@@ -65,8 +74,18 @@ class EngineDetectors:
             if key not in self._policies:
                 self._policies[key] = det.policy()
             keys.append(key)
-        self._requests[engine_id] = _Req(stream_id, dets, keys)
+        self._requests[engine_id] = _Req(stream_id, dets, keys, self._take_slots(len(dets)))
         self._group_cache = None
+
+    def _take_slots(self, n: int) -> np.ndarray:
+        while len(self._free_slots) < n:
+            old = len(self._max_risk)
+            self._max_risk = np.concatenate([self._max_risk, np.full(old, -np.inf, np.float32)])
+            self._alert_rows = np.concatenate([self._alert_rows, np.zeros(old, np.int64)])
+            self._free_slots[:0] = range(2 * old - 1, old - 1, -1)
+        slots = np.asarray([self._free_slots.pop() for _ in range(n)], np.int64)
+        self._max_risk[slots], self._alert_rows[slots] = -np.inf, 0
+        return slots
 
     def forget(self, engine_id: str) -> None:
         r = self._requests.pop(engine_id, None)
@@ -74,6 +93,24 @@ class EngineDetectors:
             for col, key in enumerate(r.policy_keys):
                 self._policies[key].release(f"{engine_id}\0{col}")
             self._group_cache = None
+            try:
+                self._publish_finals(r)
+            finally:
+                self._free_slots.extend(r.stat_slots.tolist())
+
+    def _publish_finals(self, r: _Req) -> None:
+        publisher = self.control.publisher
+        for col, det in enumerate(r.detectors):
+            slot = int(r.stat_slots[col])
+            top, n_alerts = float(self._max_risk[slot]), int(self._alert_rows[slot])
+            batch = AnalysisBatch(
+                publisher.producer_id, publisher.epoch, "engine:" + det.name, [r.stream_id],
+                publisher.next_seqs([r.stream_id]), None, np.asarray([-1], np.int64),
+                {"max_risk": np.asarray([top if top > -np.inf else np.nan], np.float32),
+                 "alert_rows": np.asarray([n_alerts], np.int64)}, {}, np.asarray([int(n_alerts > 0)], np.int64),
+                step=-1, analyzer_version="1", time_ns=time.time_ns())
+            if not publisher.publish(batch):
+                self.counters["analysis_dropped"] += 1
 
     def _groups(self, eids: list, cols: np.ndarray) -> list:
         """The rows of one step grouped by detector name: [(name, row indices, [(eid, _Req, col)] per row, stream
@@ -102,7 +139,8 @@ class EngineDetectors:
                 slots = policy.slots_of(rids) if len(set(rids)) == len(rids) else None
                 judges.append((policy, np.asarray(js, np.int64), rids, slots))
             groups.append((name, np.asarray([x[0] for x in rows], np.int64), [(x[1], x[2], x[3]) for x in rows],
-                           [x[2].stream_id for x in rows], judges))
+                           [x[2].stream_id for x in rows], judges,
+                           np.asarray([x[2].stat_slots[x[3]] for x in rows], np.int64)))
         self._group_cache = (list(eids), cols.copy(), groups)
         return groups
 
@@ -115,7 +153,7 @@ class EngineDetectors:
 
     def _on_step(self, sc: Any) -> None:
         publisher = self.control.publisher
-        for name, idx, rows, stream_ids, judges in self._groups(sc.eids, sc.cols):
+        for name, idx, rows, stream_ids, judges, stat_slots in self._groups(sc.eids, sc.cols):
             risk32 = sc.risk[idx].astype(np.float32)
             judged = risk32.astype(np.float64)  # judge the values as published (the analyzers' rule)
             alerts = np.zeros(len(idx), bool)
@@ -126,6 +164,8 @@ class EngineDetectors:
                     alerts[ja] = policy.update(rids, np.arange(len(ja)), judged[ja])
             positions = sc.positions[idx]
             self.counters["scored_rows"] += len(idx)
+            np.maximum.at(self._max_risk, stat_slots, risk32)
+            np.add.at(self._alert_rows, stat_slots, alerts)
             batch = AnalysisBatch(
                 publisher.producer_id, publisher.epoch, "engine:" + name, stream_ids, publisher.next_seqs(stream_ids),
                 None, positions, {"risk": risk32}, {}, alerts.astype(np.int64), step=sc.step, analyzer_version="1",

@@ -66,6 +66,11 @@ class ServedEvent:
         return self.bus.stream if self.bus is not None else None
 
 
+# what a request awaits for each of its in-engine detectors (``detect=``): one final result (step -1) from an
+# "engine:<name>" analyzer, published when the engine frees the request, after its last score row
+ENGINE_DETECTOR = "in-engine detector #"
+
+
 @dataclass
 class StreamProgress:
     """Whether a request's stream is over for the client: its end came, and the final result (step -1) of every
@@ -78,7 +83,11 @@ class StreamProgress:
         if type(ev) is EndEvent:
             self.ended = True
         elif type(ev) is AnalysisEvent and ev.analysis.step == -1:
-            self.awaiting.discard(ev.analysis.analyzer)
+            name = ev.analysis.analyzer
+            if name in self.awaiting:
+                self.awaiting.discard(name)
+            elif name.startswith("engine:"):  # an in-engine detector's final (its name is the probe's, engine-side)
+                self.awaiting.discard(next((a for a in sorted(self.awaiting) if a.startswith(ENGINE_DETECTOR)), None))
 
     @property
     def done(self) -> bool:

@@ -56,7 +56,8 @@ import numpy as np
 
 from mia_stream.consumers import open_stream
 from mia_stream.errors import BrokerTimeoutError, SpecError
-from mia_stream.served._protocol import RequestMachine, RequestState, Results, ServedEvent, StreamProgress
+from mia_stream.served._protocol import (ENGINE_DETECTOR, RequestMachine, RequestState, Results, ServedEvent,
+                                         StreamProgress)
 
 __all__ = ["AsyncServedRequest", "AsyncStreamClient", "RecordingClient", "ServedEvent", "ServedRequest",
            "StreamClient", "build_spec"]
@@ -94,6 +95,13 @@ def build_spec(capture: dict | None = None, steer: list | None = None, tags: dic
         out["steer"] = [dict(op, vector=_jsonable_vector(op.get("vector"))) if isinstance(op, dict) else op
                         for op in out["steer"]]
     return out
+
+
+def _awaited(analyzers: Any, detect: list | None) -> tuple:
+    """The analyzers whose final results a request waits for, plus one entry per in-engine detector: their
+    scores come from the engine core, their StreamEnd from the drain, so only their own finals say all came."""
+    names = [analyzers] if isinstance(analyzers, str) else list(analyzers or ())
+    return (*names, *(f"{ENGINE_DETECTOR}{i}" for i in range(len(detect or ()))))
 
 
 def _analyzer_names(analyzers: Any) -> frozenset:
@@ -305,7 +313,7 @@ class _ClientBase:
         rid, body = self._request("chat", capture, steer, tags, request_id, spec, extra_body, create_kwargs, detect)
         call = self._call(self.openai.chat.completions.create, create_kwargs, messages=messages, stream=stream,
                           extra_body=body)
-        return self._served(rid, call, stream, True, keep_frames, analyzers)
+        return self._served(rid, call, stream, True, keep_frames, _awaited(analyzers, detect))
 
     def completion(self, prompt: str | list[int], *, capture: dict | None = None, steer: list | None = None,
                    tags: dict | None = None, request_id: str | None = None, spec: dict | None = None,
@@ -317,7 +325,7 @@ class _ClientBase:
         rid, body = self._request("cmpl", capture, steer, tags, request_id, spec, extra_body, create_kwargs, detect)
         call = self._call(self.openai.completions.create, create_kwargs, prompt=prompt, stream=stream,
                           extra_body=body)
-        return self._served(rid, call, stream, False, keep_frames, analyzers)
+        return self._served(rid, call, stream, False, keep_frames, _awaited(analyzers, detect))
 
     def open(self, request_id: str, keep_frames: bool | None = None, analyzers: Sequence[str] = ()):
         """The stream of a request sent by someone else (live, from its start while the broker buffers it)."""
