@@ -22,8 +22,8 @@ stage_model_parts.sh``):
 
 A device command runs at most 10 minutes, so the run splits in phases that share ``--work DIR`` (the host's
 /tmp lasts while it stays warm): ``--phase collect`` generates and labels and saves the rows there (float16
-``.npy``); ``--phase report`` writes the evaluation; ``--phase ship`` trains the probes to ship; ``all`` (the
-default) does the three in one process. ``--per-set N`` samples each set's questions until the set holds at
+``.npy``); ``--phase report`` writes the evaluation and trains the probes to ship at the layer and C it chose;
+``--phase ship`` only trains them (choosing again); ``all`` (the default) collects and reports in one process. ``--per-set N`` samples each set's questions until the set holds at
 least N labelled generations (the issue's 10,000), ``--max-seconds`` ends the sampling rounds early (what was
 collected is kept and said).
 """
@@ -262,26 +262,31 @@ def evaluate_and_train(args, out: Path, header, records, layers, tbg, gen, offse
     ds = pt.Dataset(header, records, feats)
     variants = [v for v in pe.VARIANTS if header.get("samples") or pe.VARIANTS[v][0] != "semantic_entropy_probe"]
     eval_layers = [x for x in layers if x != header["num_layers"] - 1] or layers
+    chosen: dict[str, tuple] = {}  # variant -> (layer, C, selection table) the report chose on validation
     if args.phase in ("all", "report"):
         rep = pe.evaluate(ds, variants, eval_layers, loro=not args.no_loro, log=log)
         rep["command"] = header["command"]
         (out / "report.json").write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
         (out / "report.txt").write_text(pe.format_report(rep) + "\n")
         log("report written")
-    if args.phase == "report":
-        return
+        chosen = {v: (d["layer"], d["C"], d["selection"]) for v, d in rep["detectors"].items()}
     val, test = ds.requests(ds.calibration_split()), ds.requests("test")
-    ships = [("token_probe", {"rows": "all", "logit": False}, "token-probe.json"),
-             ("token_probe", {"rows": "all", "logit": True}, "token-probe-logit.json")]
+    ships = [("token_probe", {"rows": "all", "logit": False}, "token-probe.json", "token_probe"),
+             ("token_probe", {"rows": "all", "logit": True}, "token-probe-logit.json", "token_probe+logit")]
     if header.get("samples"):
-        ships.append(("semantic_entropy_probe", {"position": "last_prompt"}, "semantic-entropy-probe.json"))
-    for detector, opts, name in ships:
-        fit, layer, table = pe.select_and_fit(ds, detector, eval_layers, opts, log=log)
-        _, metrics = pt.train_detector(ds, detector, layer, cs=(fit["C"],), **opts)
+        ships.append(("semantic_entropy_probe", {"position": "last_prompt"}, "semantic-entropy-probe.json",
+                      "sep_tbg"))
+    for detector, opts, name, variant in ships:
+        if variant in chosen:  # the report's choice: one more fit, not the layer and C search again
+            layer, C, table = chosen[variant]
+            fit, metrics = pt.train_detector(ds, detector, layer, cs=(C,), **opts)
+        else:
+            fit, layer, table = pe.select_and_fit(ds, detector, eval_layers, opts, log=log)
+            _, metrics = pt.train_detector(ds, detector, layer, cs=(fit["C"],), **opts)
         s_val = pe.answer_scores(ds, detector, fit, val.tolist(), layer=layer, **opts)
         s_test = pe.answer_scores(ds, detector, fit, test.tolist(), layer=layer, **opts)
         fit["threshold"] = pm.calibrate(s_val[ds.labels[val] == 0])
-        fit["threshold_info"] = f"answer_risk >= threshold on at most 10% of the correct validation answers"
+        fit["threshold_info"] = "answer_risk >= threshold on at most 10% of the correct validation answers"
         y, g = ds.labels[test], ds.groups[test]
         metrics["test"]["answer"] = pm.bootstrap(y, {"a": s_test}, g)["a"]
         metrics["test"]["alerts"] = pm.alert_rates(y, s_test, fit["threshold"], g)
