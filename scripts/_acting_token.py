@@ -139,6 +139,15 @@ def _neg_logprobs(out) -> list[float]:
     return [-float(lp[t].logprob) for t, lp in zip(c.token_ids, c.logprobs or [])]
 
 
+def _entity_ci(hit: np.ndarray, groups: np.ndarray, n: int = 1000, seed: int = 0) -> list[float]:
+    uniq, inv = np.unique(groups, return_inverse=True)
+    members = [np.flatnonzero(inv == g) for g in range(len(uniq))]
+    rng = np.random.default_rng(seed)
+    rates = [hit[np.concatenate([members[g] for g in rng.integers(0, len(uniq), len(uniq))])].mean()
+             for _ in range(n)]
+    return [round(float(np.quantile(rates, 0.025)), 3), round(float(np.quantile(rates, 0.975)), 3)]
+
+
 def score_arm(items, res, base_correct=None, detector=None) -> dict:
     n = len(items)
     correct = wrong = aborted = lost = stopped = 0
@@ -159,7 +168,10 @@ def score_arm(items, res, base_correct=None, detector=None) -> dict:
             k = res["first_alert"][detector][rid] - len(o.prompt_token_ids)  # the alerting token's index
             after.append(len(c.token_ids) - 1 - k)
     r = {"n": n, "accuracy": correct / n, "hallucination_rate": wrong / n, "abstained": aborted / n,
-         "correct": correct, "wrong": wrong, "aborted": aborted}
+         "correct": correct, "wrong": wrong, "aborted": aborted,
+         "outcomes": [o.outputs[0].finish_reason == "abort" and "aborted" or
+                      ("correct" if hd.check_answer(it, o.outputs[0].text) else "wrong")
+                      for it, o in zip(items, res["outs"])]}
     if base_correct is not None:
         r.update(correct_lost=int(lost), wrong_stopped=int(stopped))
     if after:
@@ -204,13 +216,15 @@ def main(args, run_dir: str) -> dict:
             return d | ({"action": action} if action is not None else {})
 
         unit = np.asarray(probe["weights"]) / np.asarray(probe["scale"])
-        ablate = {"steer": [{"layer": probe["layer"], "op": "ablate", "vector": (unit / np.linalg.norm(unit)).tolist()}]}
+        ablate = {"steer": [{"layer": probe["layer"], "op": "ablate",
+                             "vector": (unit / np.linalg.norm(unit)).tolist()}]}
         arms = {}
         base = eng.run("base", test, [det("token_probe", probe_path), det("neg_logprob", lp_file)])
         base_correct = [bool(hd.check_answer(it, o.outputs[0].text)) for it, o in zip(test, base["outs"])]
         arms["no action"] = score_arm(test, base)
         # the -log p detector's alerts against vLLM's own logprobs of the same tokens (a check of the probe file)
-        by_logprobs = {rid for rid, o in zip(base["ids"], base["outs"]) if max(_neg_logprobs(o)[:-1] or [0.0]) >= lp_thr}
+        by_logprobs = {rid for rid, o in zip(base["ids"], base["outs"])
+                       if max(_neg_logprobs(o)[:-1] or [0.0]) >= lp_thr}
         results["neg_logprob"]["engine_alerts_equal_vllm_logprobs"] = \
             by_logprobs == set(base["first_alert"]["engine:neg_logprob"])
         for name in ("token_probe", "neg_logprob"):
@@ -227,6 +241,11 @@ def main(args, run_dir: str) -> dict:
             res = eng.run(f"arm{len(arms)}", test, [d])
             arms[arm] = score_arm(test, res, base_correct, f"engine:{d['name']}")
             _log(f"{arm}: {arms[arm]} ({res['secs']:.0f} s)")
+        groups = np.asarray([it["group"] for it in test])
+        for r in arms.values():  # 95 % bootstrap CIs over entities (questions of one entity resampled together)
+            out = np.asarray(r.pop("outcomes"))
+            for key, what in (("hallucination_rate", "wrong"), ("accuracy", "correct"), ("abstained", "aborted")):
+                r[key + "_ci"] = _entity_ci(out == what, groups)
         results["held_out"] = arms
     finally:
         eng.stop()
@@ -234,11 +253,13 @@ def main(args, run_dir: str) -> dict:
 
 
 def print_table(results: dict) -> None:
-    print(f"\n{'arm':<46} {'accuracy':>8} {'halluc.':>8} {'abstain':>8} {'lost':>5} {'stopped':>7}  "
+    print(f"\n{'arm':<46} {'accuracy':>8} {'halluc.':>8} {'abstain':>8} {'halluc. 95% CI':>15} {'lost':>5} "
+          f"{'stopped':>7}  "
           f"tokens after alert (median/max)")
     for name, r in results["held_out"].items():
         ta = r.get("tokens_after_alert")
         print(f"{name:<46} {r['accuracy']:8.3f} {r['hallucination_rate']:8.3f} {r['abstained']:8.3f} "
+              f"[{r['hallucination_rate_ci'][0]:.3f},{r['hallucination_rate_ci'][1]:.3f}] "
               f"{r.get('correct_lost', '-'):>5} {r.get('wrong_stopped', '-'):>7}  "
               + (f"{ta['median']:g} / {ta['max']}" if ta else ""))
     for k, v in results["held_out"]["no action"].items():

@@ -43,7 +43,8 @@ pytestmark = pytest.mark.slow
 
 K = 4
 N_TOKENS = 24
-PROBE_FILE = Path(__file__).resolve().parents[1] / "mia_stream" / "analyzers" / "probes" / "token-probe-smollm2-135m.json"
+PROBES = Path(__file__).resolve().parents[1] / "mia_stream" / "analyzers" / "probes"
+PROBE_FILE = PROBES / "token-probe-smollm2-135m.json"  # the analyzer's default and the in-engine detectors' probe
 HELPERS = Path(__file__).resolve().parent / "monitoring_helpers.py"
 # the probe's held-out entities (hallucination_data.entity_split: "test"); the model's answers: right / wrong
 RIGHT = {"question": "What is the capital of Germany?", "answer": "Berlin", "answers": ["Berlin"], "kind": "capital",

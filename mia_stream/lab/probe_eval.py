@@ -95,6 +95,9 @@ def evaluate(ds: pt.Dataset, variants: Sequence[str] = tuple(VARIANTS), layers: 
     token_layer = None
     for name in variants:
         detector, opts, moment = VARIANTS[name]
+        if detector == "lookback_ratio" and not getattr(ds.f, "qk_layers", None):
+            log(f"{name}: skipped, the data hold no Q/K (collect with --qk-layers)")
+            continue
         # the token-probe variants share the first one's layer (choosing C only): a third of the fits
         if detector == "lookback_ratio":  # no hidden-state layer to choose: C only, on every Q/K layer
             choices = [None]
