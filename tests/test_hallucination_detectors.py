@@ -649,3 +649,22 @@ def test_long_form_claims_are_located_and_labelled_against_the_facts():
     words = wrong.split()
     assert [w for w, x in zip(words, labels) if x == 1] == ["Asia;", "Berlin", "12,000,000."]
     assert all(x == -1 for w, x in zip(words, labels) if w in ("France", "lies", "the", "capital", "is"))
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_the_analyze_command_prints_where_the_shipped_probe_stands_against_the_free_baseline(name, tmp_path):
+    """Issue 27: no detector beats the best free baseline on held-out data; each shipped probe file says so
+    (``metrics.versus_baseline``) and ``mia-stream analyze NAME`` prints it when it starts, before any alert. A
+    probe file that says nothing prints nothing."""
+    shipped = json.loads(_shipped(name).read_text())
+    note = shipped["metrics"]["versus_baseline"]
+    assert "baseline" in note and "docs/hallucination.md" in note
+    source = str(tmp_path / "no-broker")  # nothing to read: the analyzer starts, prints, and idles out
+    r = _cli("analyze", name, "--source", source, "--idle-timeout", "1", timeout=120)
+    assert f"mia-stream analyze {name}: note: {note}\n" in r.stderr, r.stderr[-2000:]
+    del shipped["metrics"]["versus_baseline"]
+    (tmp_path / "p.json").write_text(json.dumps(shipped))
+    (tmp_path / "c.json").write_text(json.dumps({"probe": str(tmp_path / "p.json")}))
+    r = _cli("analyze", name, "--config", str(tmp_path / "c.json"), "--source", source, "--idle-timeout", "1",
+             timeout=120)
+    assert "note:" not in r.stderr and "0 request(s)" in r.stderr, r.stderr[-2000:]
