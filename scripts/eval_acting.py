@@ -3,6 +3,11 @@
 without an action taken live on each alert (abort, or steer along a truthfulness direction).
 
     python scripts/eval_acting.py [--layer 16] [--scales 2,4,8] [--train-subset 150] [--out results.json]
+    python scripts/eval_acting.py --detector token_probe [--per-set 60] [--out results.json]
+
+``--detector token_probe``: the shipped claim-level token probe in the engine (abort, steer) against a free
+-log p detector calibrated the same way, on its held-out entities: scripts/_acting_token.py. The rest of this
+docstring is the default ``hnode`` mode.
 
 Data: the country-capital questions of ``mia_stream.lab.datasets`` (countryinfo); held out are the countries of
 the test split the shipped before-answer ``hnode`` probe was trained with (scripts/eval_hnode.py: by entity, 30 %,
@@ -331,6 +336,28 @@ def score(items, outs, seen=None):
     return res
 
 
+def _token_probe_arms(args, argv) -> int:
+    import _acting_token as at  # scripts/_acting_token.py, beside this file
+
+    args.argv = list(argv if argv is not None else sys.argv[1:])
+    run_dir = tempfile.mkdtemp(prefix="mia-act-", dir="/tmp")
+    broker = subprocess.Popen([sys.executable, "-m", "mia_stream.cli", "broker", "--address", run_dir],
+                              stdout=subprocess.DEVNULL)
+    try:
+        while not (Path(run_dir) / "consumers.sock").exists():
+            time.sleep(0.05)
+        t0 = time.monotonic()
+        results = at.main(args, run_dir)
+        results["seconds"] = round(time.monotonic() - t0)
+    finally:
+        stop_processes([broker])
+    print(json.dumps(results, indent=1))
+    at.print_table(results)
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layer", type=int, default=16, help="the steered layer (and the direction's)")
@@ -338,6 +365,11 @@ def main(argv=None) -> int:
     ap.add_argument("--train-subset", type=int, default=150, help="training questions used to pick the scale")
     ap.add_argument("--limit", type=int, help="held-out questions used (default: all; a quick check)")
     ap.add_argument("--out", help="write the results as JSON here")
+    ap.add_argument("--detector", choices=("hnode", "token_probe"), default="hnode",
+                    help="hnode: the before-answer probe's arms (below); token_probe: the shipped claim-level token "
+                         "probe in the engine, abort / steer, against a -log p detector (scripts/_acting_token.py)")
+    ap.add_argument("--per-set", type=int, default=60,
+                    help="token_probe: questions per set of lab/hallucination_data (seeded sample)")
     ap.add_argument("--watch", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.watch:
@@ -345,6 +377,8 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    if args.detector == "token_probe":
+        return _token_probe_arms(args, argv)
     from mia_stream.analyzers import create
 
     items = datasets.capital_questions()

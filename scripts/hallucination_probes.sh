@@ -28,7 +28,12 @@ probe train --data "$DIR" --detector semantic_entropy_probe --layer best "${ship
   > "$DIR/train-semantic_entropy_probe.json"
 if [ -z "${NO_LOOKBACK:-}" ]; then  # needs Q/K in the recording (collect's default --qk-layers all)
   probe train --data "$DIR" --detector lookback_ratio "${ship[@]}" $(out lookback-ratio) > "$DIR/train-lookback_ratio.json"
+  # its threshold: calibrated on the validation split by replaying the analyzer (train leaves it at 0.5)
+  if [ -n "${NO_SHIP:-}" ]; then lb="$DIR/lookback-ratio.json"; else lb=mia_stream/analyzers/probes/lookback-ratio-smollm2-135m.json; fi
+  probe calibrate "$lb" --data "$DIR" > "$DIR/calibrate-lookback_ratio.json"
 fi
+# A shipped file says where it stands against the best free baseline (metrics.versus_baseline, printed by
+# 'mia-stream analyze' and checked by tests/test_hallucination_detectors.py): write it from eval.txt after shipping.
 if [ -n "${NO_SHIP:-}" ]; then
   probe eval --data "$DIR" --json "$DIR/eval.json" --analyzers "$DIR"/token-probe.json \
     "$DIR"/semantic-entropy-probe.json | tee "$DIR/eval.txt"

@@ -1,5 +1,6 @@
 """Helpers for the monitoring tests: a terminal in a pseudo-terminal read through a VT100 emulator (pyte), a
-scripted request stream with per-token risk (real broker, real publishers), and a per-token risk analyzer.
+scripted request stream with per-token risk (real broker, real publishers), and a shipped analyzer run
+as a process that reports what its actor did.
 
 ``PtyScreen`` runs a command in a real pty of a fixed size and keeps what a terminal would show (text and each
 cell's colours), so a test reads the terminal monitor as a person would, without tmux.
@@ -171,65 +172,19 @@ def scripted_request(address: str, rid: str, tokenizer_dir: str, text: str, risk
     return ids, positions
 
 
-# ------------------------------------------------------------------------------------------ a per-token risk analyzer
-
-def _projection_risk_class():
-    from mia_stream.analyzers import Analyzer, Needs, layer_rows
-    from mia_stream.analyzers._alerts import AlertPolicy
-    from mia_stream.errors import AnalyzerConfigError
-
-    class ProjectionRisk(Analyzer):
-        """Per generated token: ``projection`` = h_L . u (u a unit direction) and ``risk`` =
-        sigmoid((projection - center) / width); alerts by the shared alert policy (config ``alert``)."""
-
-        name, version = "projection_risk", "1"
-        defaults = {"layer": 12, "direction": None, "center": 0.0, "width": 1.0, "alert": None}
-
-        def configure(self, config):
-            d = np.asarray(config["direction"] or [], np.float64)
-            if d.ndim != 1 or not len(d) or not np.isfinite(d).all() or not np.linalg.norm(d):
-                raise AnalyzerConfigError("projection_risk config: 'direction' must be a non-zero list of floats")
-            self.unit = (d / np.linalg.norm(d)).astype(np.float32)
-            self.layer = self.config_value("layer", int)
-            self.center = float(self.config_value("center", (int, float)))
-            self.width = float(self.config_value("width", (int, float)))
-            self.alert_policy = AlertPolicy.for_analyzer(config["alert"], "projection_risk config", threshold=0.5,
-                                                         values=("risk",))
-
-        def needs(self):
-            return Needs(hs_layers=(self.layer,), hs_positions="generated")
-
-        def on_batch(self, batch, out):
-            for g in batch.groups:
-                if not g.has("hs") or not g.num_rows:
-                    continue
-                t = g.tensor("hs")
-                x = t.numpy()[int(layer_rows(t, (self.layer,))[0])]
-                proj = (x * self.unit).sum(axis=1, dtype=np.float64)  # row-wise: independent of the batch
-                values = {"risk": (1.0 / (1.0 + np.exp(-(proj - self.center) / self.width))).astype(np.float32),
-                          "projection": proj.astype(np.float32)}
-                alerts = self.alert_policy.judge(batch.request_ids, g.row_requests, values)
-                out.add(batch.request_ids, g.row_requests, g.positions, values, alerts=alerts)
-
-        def on_end(self, request_id, end, out):
-            self.alert_policy.release(request_id)
-
-    return ProjectionRisk
-
-
-def projection_risk(config):
-    return _projection_risk_class()(config)
-
+# ------------------------------------------------------------------------------------------ an analyzer process
 
 def _analyze(argv) -> int:
-    """``python tests/monitoring_helpers.py analyze``: the projection_risk analyzer as a process, through the
-    same runner as ``mia-stream analyze``; results as JSON lines in --out, actions taken as JSON in --actions."""
+    """``python tests/monitoring_helpers.py analyze NAME``: a shipped analyzer (``token_probe``) as a process,
+    through the same runner as ``mia-stream analyze``; results as JSON lines in --out, and what its actor did
+    (alert step, applied step, error: what ``mia-stream analyze`` only logs) as JSON in --actions."""
     import argparse
     import json
 
-    from mia_stream.analyzers import jsonl_printer, run_analyzer
+    from mia_stream.analyzers import create, jsonl_printer, run_analyzer
 
     ap = argparse.ArgumentParser()
+    ap.add_argument("analyzer")
     ap.add_argument("--source", required=True)
     ap.add_argument("--publish")
     ap.add_argument("--patterns", nargs="+", default=["*"])
@@ -238,7 +193,7 @@ def _analyze(argv) -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--actions")
     args = ap.parse_args(argv)
-    analyzer = projection_risk(json.loads(Path(args.config).read_text()))
+    analyzer = create(args.analyzer, json.loads(Path(args.config).read_text()))
     with open(args.out, "w") as fh:
         runner = run_analyzer(analyzer, args.source, patterns=args.patterns, sinks=[jsonl_printer(fh)],
                               publish=args.publish, max_streams=args.max_streams, idle_timeout=300,

@@ -314,3 +314,38 @@ def test_logit_features_need_generated_positions(engine, tmp_path):
     with pytest.raises(ValueError, match=r"\['detect'\]\[0\]\['positions'\].*generated tokens only"):
         engine.generate([PROMPTS[0]], [_params({"detect": [{"probe": str(probe), "positions": "all"}]}, 2)],
                         use_tqdm=False)
+
+
+def test_the_shipped_free_detector_alerts_when_a_tokens_own_neg_logprob_reaches_its_threshold(engine,
+                                                                                                broker_address,
+                                                                                                hf_model):
+    """``neg-logprob-smollm2-135m.json`` (issue 27: the free per-token baseline as an in-engine detector, no
+    residual weights): every generated row's risk is ``sigmoid(-(log p - mean) / scale * w + b)`` of the token's
+    own log-probability from Hugging Face's raw logits, and the alert is exactly ``-log p >= -b`` (the file's
+    calibrated -log p threshold). Sampled at temperature 1.5 so that some tokens are improbable."""
+    import torch
+    from vllm import SamplingParams
+
+    d = json.loads((PROBE.parent / "neg-logprob-smollm2-135m.json").read_text())
+    assert not any(d["weights"]) and d["logit_features"]["names"] == ["logprob"] and d["threshold"] == 0.5
+    lf = d["logit_features"]
+    rid = f"det-nlp-{uuid.uuid4().hex[:6]}"
+    params = SamplingParams(max_tokens=16, temperature=1.5, seed=3, ignore_eos=True, extra_args={"mia_stream": {
+        "id": rid, "detect": [{"probe": "neg-logprob-smollm2-135m.json"}]}})
+    with collecting(broker_address, [rid]) as col:
+        out = engine.generate([PROMPTS[2]], [params], use_tqdm=False)[0]
+        col.wait_ended([rid])
+        _wait_for(col, rid, lambda: len(_scores(col, rid, "engine:neg_logprob")[0]) == 15)
+    an = _analysis(col, rid, "engine:neg_logprob")
+    pos, risk = _scores(col, rid, "engine:neg_logprob")
+    alerts = np.concatenate([np.asarray(a.alerts, bool) for a in an])
+    ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    assert pos.tolist() == list(range(len(out.prompt_token_ids), len(ids) - 1))
+    with torch.no_grad():
+        lp = torch.log_softmax(hf_model(torch.tensor([ids])).logits[0].double(), dim=-1)
+    neg = np.array([-float(lp[p - 1, ids[p]]) for p in pos.tolist()])
+    logit = (-neg - lf["mean"][0]) / lf["scale"][0] * lf["weights"][0] + d["bias"]
+    np.testing.assert_allclose(risk, 1.0 / (1.0 + np.exp(-logit)), rtol=0, atol=2e-4)
+    clear = np.abs(neg + d["bias"]) > 1e-3  # not within rounding of the threshold
+    assert clear.sum() >= 10 and (alerts[clear] == (neg[clear] >= -d["bias"])).all(), (neg, alerts)
+    assert alerts.any() and not alerts.all(), neg  # both sides of the threshold are exercised

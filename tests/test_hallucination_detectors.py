@@ -558,10 +558,13 @@ def test_detectors_equal_the_hf_reference(engine, broker_address, hf_model, toke
 def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path, model_dir):
     """``mia-stream probe collect`` (a real engine, broker and recorder processes) on a small generated set,
     ``probe train --layer best`` on its recording (layer and C chosen on the validation entities, every generated
-    token with its claim-level label, the threshold calibrated there), ``probe eval --analyzers`` through the
-    analyzer: the answer_risk the analyzer publishes separates wrong from right held-out answers by the stated
-    margin and reproduces the trained probe's numbers; ``probe relabel`` rebuilds the labels from the recording
-    alone (its logprobs from the last layer through the output head equal vLLM's)."""
+    token with its claim-level label, the threshold calibrated there), then ``mia-stream analyze token_probe
+    --source RECORDING`` with that probe file, as a user runs it: the score it publishes for each held-out answer
+    (its end row's ``answer_risk``, max risk over the generated tokens; no label or answer span involved)
+    separates wrong from right answers (AUROC computed here, by the pairwise definition) by the stated margin,
+    and its alert (``answer_risk >= the file's threshold``) catches a larger share of the wrong answers than of
+    the right ones; ``probe eval --analyzers`` reproduces that AUROC; ``probe relabel`` rebuilds the labels from
+    the recording alone (its logprobs from the last layer through the output head equal vLLM's)."""
     data = tmp_path / "data"
     shipped = json.loads(_shipped("token_probe").read_text())["layer"]
     last = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"] - 1
@@ -579,16 +582,36 @@ def test_a_probe_trained_by_the_commands_beats_chance_held_out(tmp_path, model_d
     assert {int(k.split("/")[0]) for k in table} == {*candidates, last}
     assert table[f"{probe['layer']}/{probe['training']['C']}"] == max(v for v in table.values() if v is not None)
     test = probe["metrics"]["test"]
-    print("held-out:", test)
-    # what the analyzer publishes per answer (max risk over every generated token)
-    assert test["answer_auc"] >= 0.5 + AUC_MARGIN, test
     assert 0 < probe["threshold"] < 1 and probe["training"]["threshold"].startswith("answer_risk >= threshold")
+    # what the analyzer publishes per answer, read as a user reads it: its end rows' answer_risk and alert
+    (tmp_path / "cfg.json").write_text(json.dumps({"probe": str(probe_file)}))
+    r = _cli("analyze", "token_probe", "--source", str(data / "recording"), "--config", str(tmp_path / "cfg.json"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    ends = {}
+    for line in r.stdout.splitlines():
+        row = json.loads(line) if line.startswith("{") else None
+        if row and row["analyzer"] == "token_probe" and row["step"] == -1:
+            ends[row["request_id"]] = (row["values"]["answer_risk"][0], row["alerts"][0])
+    labels = [json.loads(x) for x in (data / "labels.jsonl").read_text().splitlines()[1:]]
+    held = [(x["label"], *ends[x["request_id"]]) for x in labels if x["split"] == "test" and len(x["token_ids"]) > 1]
+    wrong = [s for y, s, _ in held if y == 1]
+    right = [s for y, s, _ in held if y == 0]
+    assert len(wrong) >= 10 and len(right) >= 10, (len(wrong), len(right))
+    auc = np.mean([(w > c) + 0.5 * (w == c) for w in wrong for c in right])  # P(score of wrong > score of right)
+    thr = probe["threshold"]
+    assert all(alert == (s >= thr) for _, s, alert in held)  # the published alert is the file's threshold
+    recall = np.mean([alert for y, _, alert in held if y == 1])
+    false_alerts = np.mean([alert for y, _, alert in held if y == 0])
+    print(f"held out: {len(wrong)} wrong, {len(right)} right; published answer_risk AUROC {auc:.3f}; at the "
+          f"calibrated threshold {thr:.3f}: recall {recall:.2f}, false alerts {false_alerts:.2f}")
+    assert auc >= 0.5 + AUC_MARGIN
+    assert recall > false_alerts
     r = _cli("probe", "eval", "--data", str(data), "--variants", "token_probe", "--no-loro", "--analyzers",
              str(probe_file), "--json", str(tmp_path / "eval.json"))
     assert r.returncode == 0, r.stderr[-3000:]
     ev = json.loads((tmp_path / "eval.json").read_text())
     replayed = ev["analyzers"][str(probe_file)]
-    assert replayed["answer_auc"] == pytest.approx(test["answer_auc"], abs=1e-4)
+    assert replayed["answer_auc"] == pytest.approx(auc, abs=1e-4) == test["answer_auc"]
     assert replayed["requests"] == test["requests"]
     assert {"mean_neg_logprob", "first_token_entropy", "answer_length"} <= set(ev["baselines"])
     # relabel from the recording alone: the same labels; logprobs through the output head equal vLLM's
@@ -631,3 +654,22 @@ def test_long_form_claims_are_located_and_labelled_against_the_facts():
     words = wrong.split()
     assert [w for w, x in zip(words, labels) if x == 1] == ["Asia;", "Berlin", "12,000,000."]
     assert all(x == -1 for w, x in zip(words, labels) if w in ("France", "lies", "the", "capital", "is"))
+
+
+@pytest.mark.parametrize("name", sorted(SHIPPED))
+def test_the_analyze_command_prints_where_the_shipped_probe_stands_against_the_free_baseline(name, tmp_path):
+    """Issue 27: no detector beats the best free baseline on held-out data; each shipped probe file says so
+    (``metrics.versus_baseline``) and ``mia-stream analyze NAME`` prints it when it starts, before any alert. A
+    probe file that says nothing prints nothing."""
+    shipped = json.loads(_shipped(name).read_text())
+    note = shipped["metrics"]["versus_baseline"]
+    assert "baseline" in note and "docs/hallucination.md" in note
+    source = str(tmp_path / "no-broker")  # nothing to read: the analyzer starts, prints, and idles out
+    r = _cli("analyze", name, "--source", source, "--idle-timeout", "1", timeout=120)
+    assert f"mia-stream analyze {name}: note: {note}\n" in r.stderr, r.stderr[-2000:]
+    del shipped["metrics"]["versus_baseline"]
+    (tmp_path / "p.json").write_text(json.dumps(shipped))
+    (tmp_path / "c.json").write_text(json.dumps({"probe": str(tmp_path / "p.json")}))
+    r = _cli("analyze", name, "--config", str(tmp_path / "c.json"), "--source", source, "--idle-timeout", "1",
+             timeout=120)
+    assert "note:" not in r.stderr and "0 request(s)" in r.stderr, r.stderr[-2000:]

@@ -83,6 +83,14 @@ class RiskDetector(Analyzer):
     def end_request(self, request_id: str) -> None:
         """Free per-request state of the subclass (default: nothing)."""
 
+    @property
+    def caveat(self) -> str:
+        """What the probe file says of the detector against the best free baseline on held-out data
+        (``metrics.versus_baseline``), printed where the detector starts: a user reads it before trusting an
+        alert. Empty when the file says nothing."""
+        v = self.probe.metrics.get("versus_baseline") if isinstance(self.probe.metrics, dict) else None
+        return v if isinstance(v, str) else ""
+
     # ---------------------------------------------------------------------------------- Analyzer
     def configure(self, config: dict) -> None:
         probe = load_probe(resolve_probe_path(config["probe"], f"{self.name} config"), self.name)

@@ -389,6 +389,8 @@ def analyze_main(argv: list[str] | None = None) -> int:
         if args.print_spec:
             print(json.dumps({"capture": analyzer.capture_spec()}))
             return 0
+        if getattr(analyzer, "caveat", ""):  # the probe file's own word on its baseline (docs/hallucination.md)
+            print(f"{prog} {args.name}: note: {analyzer.caveat}", file=sys.stderr, flush=True)
         publish = None
         if args.publish is not None:
             # a bare --publish without --source: the broker the source defaults to ($MIA_STREAM_BROKER or the

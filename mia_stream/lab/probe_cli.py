@@ -326,6 +326,16 @@ def _eval(argv) -> int:
             print(f"{r['analyzer']:>24} {_fmt(r['token_auc']):>7} {_fmt(r['answer_auc']):>7} "
                   f"[{_fmt(r['answer_ci'][0])},{_fmt(r['answer_ci'][1])}] {_fmt(r['false_alert_rate']):>12} "
                   f"{_fmt(r['recall']):>7} {r['requests']:>9}  {path}", flush=True)
+            vs = versus_baseline(ds, r["answer_risk"])
+            rep["analyzers"][path]["versus_baseline"] = vs
+            if vs is None:
+                print(f"{'':>24} (no request scored: the recording lacks what the probe reads?)")
+            else:
+                p, w = vs["pooled"], vs["within_set"]
+                print(f"{'':>24} against {vs['reference']} on the same requests: pooled {_fmt(p['auroc'])} vs "
+                      f"{_fmt(p['reference_auroc'])}, difference {p['diff']:+.3f} [{p['diff_ci'][0]:+.3f},"
+                      f"{p['diff_ci'][1]:+.3f}]; within each set {_fmt(w['auroc'])} vs {_fmt(w['reference_auroc'])}, "
+                      f"difference {w['diff']:+.3f} [{w['diff_ci'][0]:+.3f},{w['diff_ci'][1]:+.3f}]")
             for set_name, a in r["alerts_per_set"].items():
                 ci = r["answer_ci_per_set"][set_name]
                 print(f"{'':>10}{set_name:>14} {'':>7} {_fmt(r['answer_auc_per_set'][set_name]):>7} "
@@ -335,6 +345,30 @@ def _eval(argv) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
     return 0
+
+
+def versus_baseline(ds, answer_risk: dict, reference: str = "mean_neg_logprob") -> dict | None:
+    """A replayed probe's published answer_risk against a free baseline on the same held-out requests: AUROC of
+    both and the paired difference with its bootstrap CI by entity, pooled and within each set; None when no
+    request was scored."""
+    from mia_stream.lab import probe_metrics as pm
+
+    test = ds.requests("test")
+    prior = pm.question_prior(ds.records, ds.requests("train").tolist())
+    base = pm.baseline_scores(ds.records, test.tolist(), prior, ds.rows)[reference]
+    keep = [i for i, r in enumerate(test.tolist()) if ds.records[r]["request_id"] in answer_risk]
+    if not keep:
+        return None
+    reqs = test[keep]
+    s = np.asarray([answer_risk[ds.records[r]["request_id"]] for r in reqs.tolist()])
+    y, g = ds.labels[reqs], ds.groups[reqs]
+    sets = np.asarray([ds.records[r].get("set") for r in reqs.tolist()])
+    out = {"reference": reference}
+    for name, strata in (("pooled", None), ("within_set", sets)):
+        b = pm.bootstrap(y, {"probe": s, reference: np.asarray(base)[keep]}, g, reference=reference, strata=strata)
+        out[name] = {"auroc": b["probe"]["auroc"], "ci": b["probe"]["ci"], "diff": b["probe"]["diff"],
+                     "diff_ci": b["probe"]["diff_ci"], "reference_auroc": b[reference]["auroc"]}
+    return out
 
 
 def _json_default(o):

@@ -32,6 +32,8 @@ VARIANTS = {  # name: (detector, options, moment)
     "token_logit_only": ("token_probe", {"rows": "all", "logit": "only"}, "after"),
     "sep_tbg": ("semantic_entropy_probe", {"position": "last_prompt"}, "before"),
     "sep_slt": ("semantic_entropy_probe", {"position": "generated"}, "after"),
+    # every captured Q/K layer (the shipped probe's), Chuang et al.'s window of 8; needs --qk-layers at collect
+    "lookback_ratio": ("lookback_ratio", {"rows": "all"}, "after"),
 }
 SEP_ON_LABEL = "sep_tbg_wrong"  # the TBG probe trained on "the answer is wrong" instead of high semantic entropy
 
@@ -93,9 +95,17 @@ def evaluate(ds: pt.Dataset, variants: Sequence[str] = tuple(VARIANTS), layers: 
     token_layer = None
     for name in variants:
         detector, opts, moment = VARIANTS[name]
+        if detector == "lookback_ratio" and not getattr(ds.f, "qk_layers", None):
+            log(f"{name}: skipped, the data hold no Q/K (collect with --qk-layers)")
+            continue
         # the token-probe variants share the first one's layer (choosing C only): a third of the fits
-        fit, layer, table = select_and_fit(ds, detector, [token_layer] if token_layer is not None and
-                                           detector == "token_probe" else layers, opts, log=log)
+        if detector == "lookback_ratio":  # no hidden-state layer to choose: C only, on every Q/K layer
+            choices = [None]
+        elif detector == "token_probe" and token_layer is not None:
+            choices = [token_layer]
+        else:
+            choices = layers
+        fit, layer, table = select_and_fit(ds, detector, choices, opts, log=log)
         if detector == "token_probe" and token_layer is None:
             token_layer = layer
         s_val = answer_scores(ds, detector, fit, val.tolist(), layer=layer, **opts)
@@ -157,7 +167,7 @@ def leave_one_relation_out(ds: pt.Dataset, report: dict, base_test: dict, test: 
         row = {"n": int(len(reqs)), "wrong": int(y.sum())}
         others = train[rel[train] != relation]
         scores = {}
-        for name in ("token_probe", "token_probe+logit", "sep_tbg"):
+        for name in ("token_probe", "token_probe+logit", "sep_tbg", "lookback_ratio"):
             if name not in report["detectors"]:
                 continue
             d = report["detectors"][name]
@@ -234,7 +244,7 @@ def format_report(rep: dict) -> str:
     for s, v in rep["per_set"].items():
         lines.append(f"{s:>16} {v['n']:>5} {v['wrong']:>5} " + " ".join(f"{_f(v.get(n)):>14}" for n in names))
     if rep.get("leave_one_relation_out"):
-        cols = ["token_probe", "token_probe+logit", "sep_tbg", "mean_neg_logprob", "max_neg_logprob",
+        cols = ["token_probe", "token_probe+logit", "sep_tbg", "lookback_ratio", "mean_neg_logprob", "max_neg_logprob",
                 "mean_entropy", "first_token_entropy", "answer_length", "semantic_entropy"]
         lines += ["", "leave one relation out (trained on the other relations' training entities, scored on this "
                       "relation's held-out ones):", f"{'relation':>16} {'n':>5} {'wrong':>5} " +

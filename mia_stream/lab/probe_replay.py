@@ -75,7 +75,8 @@ def replay_scores(ds, recording: str | Path, probe_path: str | Path) -> dict:
     return {"analyzer": name, "token_auc": _auc(ty, ts) if ts else None, "answer_auc": _auc(ay, as_),
             "answer_ci": boot["ci"], "threshold": thr, "false_alert_rate": alerts.get("false_alert_rate"),
             "recall": alerts.get("recall"), "requests": len(ay), "tokens": len(ts), "answer_auc_per_set": per_set,
-            "answer_ci_per_set": auc_ci_per_set, "alerts_per_set": alerts_per_set}
+            "answer_ci_per_set": auc_ci_per_set, "alerts_per_set": alerts_per_set,
+            "answer_risk": {rid: float(ends[rid]["answer_risk"]) for rid in rids if rid in ends}}
 
 
 def calibrate_file(ds, recording: str | Path, probe_path: str | Path, rate: float, out: str | Path) -> dict:

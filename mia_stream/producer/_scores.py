@@ -246,18 +246,25 @@ class DetectorRouting:
         return out
 
     # ------------------------------------------------------------------------------- logit features
-    def on_logits(self, logits: torch.Tensor, sampled: torch.Tensor) -> None:
-        """The sampler's raw logits ``[rows, vocab]`` of the step routed last (a row per request, in the step's
-        order) and its sampled token ids: queue each row's log-probability of its sampled token and the entropy of
-        its distribution (float32, on the device, copied to the host without a sync). Only while some request
-        reads logit features."""
+    def distribution_stats(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The raw logits ``[rows, vocab]`` of the step routed last, read before the sampler changes them in place:
+        (log-probabilities of the step's rows, their entropies), float32 on the device."""
+        with torch.no_grad():
+            n = min(len(self._batch_req_ids), logits.shape[0])
+            lp = torch.log_softmax(logits[:n].float(), dim=-1)
+            return lp, -(lp.exp() * lp).sum(dim=-1)
+
+    def on_logits(self, raw: tuple[torch.Tensor, torch.Tensor], sampled: torch.Tensor) -> None:
+        """``distribution_stats`` of the step routed last (a row per request, in the step's order) and its sampled
+        token ids: queue each row's log-probability of its sampled token and the entropy of its distribution
+        (float32, on the device, copied to the host without a sync). Only while some request reads logit
+        features."""
         step, req_ids = self.current_step, self._batch_req_ids
         if not self.feature_requests or step not in self._sampled:
             return
+        lp, entropy = raw
         with torch.no_grad():
-            n = min(len(req_ids), logits.shape[0])
-            lp = torch.log_softmax(logits[:n].float(), dim=-1)
-            entropy = -(lp.exp() * lp).sum(dim=-1)
+            n = lp.shape[0]
             chosen = lp.gather(1, sampled[:n].reshape(n, -1)[:, :1].long()).squeeze(1)
             stats = torch.stack([chosen, entropy], dim=1)
         if self.device.type == "cuda":

@@ -687,16 +687,24 @@ def _apply_scheduler_side(runtime, scheduler_output) -> None:
 
 def _wrap_sampler(orig):
     """Around a sampling call ``(self, logits, ...) -> SamplerOutput`` (V1 ``GPUModelRunner._sample``, V2
-    ``Sampler.__call__``): the raw logits and the sampled ids reach the detectors that read logit features."""
+    ``Sampler.__call__``): the raw logits and the sampled ids reach the detectors that read logit features. The
+    distribution is read before the call: the sampler scales and masks ``logits`` in place (temperature, top-k/p),
+    so after it the tensor no longer holds the raw logits."""
     def sample(self, logits, *args, **kwargs):
-        out = orig(self, logits, *args, **kwargs)
+        raw = []
         for rt in REGISTRY.runtimes:
             probes = rt.probes
             if probes is not None and probes.feature_requests and logits is not None:
                 try:
-                    probes.on_logits(logits, out.sampled_token_ids)
+                    raw.append((probes, probes.distribution_stats(logits)))
                 except Exception:  # scoring must never take the engine down
                     logger.exception("mia_stream: reading the sampler's statistics failed")
+        out = orig(self, logits, *args, **kwargs)
+        for probes, stats in raw:
+            try:
+                probes.on_logits(stats, out.sampled_token_ids)
+            except Exception:  # scoring must never take the engine down
+                logger.exception("mia_stream: reading the sampler's statistics failed")
         return out
     return sample
 
