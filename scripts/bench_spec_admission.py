@@ -32,6 +32,8 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--repeat", type=int, default=5, help="rounds; the median per-request time is reported")
+    ap.add_argument("--forms", default="list,ndarray,f32 bytes,named", help="comma list of the vector forms")
+    ap.add_argument("--layer-counts", default="", help="comma list of steered layer counts (default: 1 and --layers)")
     a = ap.parse_args(argv)
     os.environ["MIA_STREAM_VECTORS"] = tempfile.mkdtemp(prefix="mia-vec-")
     from mia_stream.spec import ModelGeometry, parse_spec
@@ -49,8 +51,11 @@ def main(argv=None) -> int:
         "named": {"name": "bench"},
     }
     results, sizes = {}, {}
-    for layers in sorted({1, a.layers}):
+    counts = [int(x) for x in a.layer_counts.split(",")] if a.layer_counts else sorted({1, a.layers})
+    for layers in counts:
         for form, v in forms.items():
+            if form not in a.forms.split(","):
+                continue
             spec = {"steer": [{"layer": i, "op": "add", "vector": v, "scale": 0.1} for i in range(layers)]}
             per = []
             for _ in range(a.repeat):
