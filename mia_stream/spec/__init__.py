@@ -73,9 +73,8 @@ class SteerOp:
 
     @functools.cached_property
     def _key(self) -> str:
-        h = hashlib.blake2b(digest_size=12)
-        h.update(f"{self.layer}|{self.op}|{self.scale!r}|{self.threshold!r}|{self.positions}".encode())
-        h.update(self.vector)
+        h = hashlib.blake2b(digest_size=12)  # the vector by its digest: ops of a list that share it hash it once
+        h.update(f"{self.layer}|{self.op}|{self.scale!r}|{self.threshold!r}|{self.positions}|{self.digest}".encode())
         return h.hexdigest()
 
     def key(self) -> str:
@@ -85,7 +84,7 @@ class SteerOp:
     @functools.cached_property
     def digest(self) -> str:
         """The content digest of ``vector`` (BLAKE2b-128 of its float32 bytes, as ``vectors.vector_digest``),
-        computed once per parsed op: parsed ops are cached, so once per distinct op in a process."""
+        computed once per vector of a parsed list (``_parse_new_op`` sets it for the list's ops that share one)."""
         return hashlib.blake2b(self.vector, digest_size=16).hexdigest()
 
     def to_wire(self, compact: bool = False, digest: bool = False) -> dict:
@@ -531,6 +530,45 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, memo: 
     if kind not in STEER_OPS:
         _fail(SteeringSpecError, path + "['op']", f"must be one of {list(STEER_OPS)}, got {kind!r}")
     vec = op.get("vector")
+    source = _vector_source(vec)
+    made = memo.get(("vector", source, kind != "add")) if source is not None else None
+    if made is None:
+        vector, ref = _vector_bytes(vec, kind, geo, resolve_vector, path, memo)
+        made = (vector, ref, hashlib.blake2b(vector, digest_size=16).hexdigest())
+        if source is not None:
+            memo[("vector", source, kind != "add")] = made
+    vector, ref, digest = made
+    scale, threshold = op.get("scale", 1.0), op.get("threshold", 0.0)
+    for name, value in (("scale", scale), ("threshold", threshold)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            _fail(SteeringSpecError, path + f"['{name}']", f"must be a finite number, got {value!r}")
+    positions = _positions(op.get("positions", "all"), path + "['positions']", STEER_POSITIONS, SteeringSpecError)
+    parsed = SteerOp(layer, kind, vector, float(scale), float(threshold), positions, ref)
+    parsed.__dict__["digest"] = digest  # its cached_property: one hash per vector of the list, not per op
+    return parsed
+
+
+def _vector_source(vec: Any) -> tuple | None:
+    """What a vector's conversion depends on, within one list's parse (the objects are alive in the caller's list
+    until it returns): the object itself for an inline vector, the bytes object of an ``f32`` form, the digest of a
+    ``{"digest"}`` form (the bytes it names), the name and digest of a named one. None: convert it for each op."""
+    kind = type(vec)
+    if kind is list or kind is tuple or kind is np.ndarray:
+        return ("object", id(vec))
+    if kind is dict:
+        if "f32" in vec:
+            return ("bytes", id(vec["f32"]))
+        if vec.keys() == {"digest"}:
+            return ("digest", vec["digest"]) if type(vec["digest"]) is str else None
+        if "name" in vec and type(vec["name"]) is str and type(vec.get("digest", "")) is str:
+            return ("name", vec["name"], vec.get("digest"))
+    return None
+
+
+def _vector_bytes(vec: Any, kind: str, geo: ModelGeometry, resolve_vector, path: str,
+                  memo: dict) -> tuple[bytes, tuple | None]:
+    """An op's vector, checked, as float32 bytes (unit-normalized for cap/ablate), and its (name, digest) when it
+    is a registered one."""
     ref = None
     if isinstance(vec, dict) and set(vec) in ({"f32"}, {"f32", "digest"}):  # float32 little-endian bytes
         if not isinstance(vec["f32"], (bytes, bytearray, memoryview)) or len(vec["f32"]) != 4 * geo.hidden_size:
@@ -574,7 +612,11 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, memo: 
         except ValueError as e:
             _fail(SteeringSpecError, path + "['vector']", str(e))
     elif isinstance(vec, (list, tuple)):
-        arr = _float_list(vec, path)
+        seen = memo.get(id(vec))  # its token holds the float64 bytes already (_vector_token)
+        if seen is not None and seen[0] is vec and seen[1] is not None and seen[1][1] == "<f8":
+            arr = np.frombuffer(seen[1][2], dtype=np.float64)
+        else:
+            arr = _float_list(vec, path)
     elif isinstance(vec, np.ndarray):
         if vec.dtype.kind not in "iuf":  # bool or non-numeric arrays
             _fail(SteeringSpecError, path + "['vector']", "must be a list of numbers")
@@ -588,15 +630,9 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, memo: 
               f"has length {arr.size}; the model's hidden size is {geo.hidden_size}")
     if not np.all(np.isfinite(arr)):
         _fail(SteeringSpecError, path + "['vector']", "contains NaN or inf")
-    scale, threshold = op.get("scale", 1.0), op.get("threshold", 0.0)
-    for name, value in (("scale", scale), ("threshold", threshold)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            _fail(SteeringSpecError, path + f"['{name}']", f"must be a finite number, got {value!r}")
     if kind != "add":
         norm = float(np.linalg.norm(arr))
         if norm == 0.0:
             _fail(SteeringSpecError, path + "['vector']", f"a '{kind}' direction must be non-zero")
         arr = arr / norm
-    positions = _positions(op.get("positions", "all"), path + "['positions']", STEER_POSITIONS, SteeringSpecError)
-    return SteerOp(layer, kind, arr.astype("<f4").tobytes(), float(scale),
-                   float(threshold), positions, ref)
+    return arr.astype("<f4").tobytes(), ref
