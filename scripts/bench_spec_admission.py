@@ -2,7 +2,7 @@
 
 vLLM admits requests one after another in its frontend process (``InputProcessor.process_inputs``); what
 mia_stream does there per request (parse and check the spec, normalize it to float32 bytes, derive the prefix-
-cache salt) delays every later request. On the H200, 256 requests steering all 32 layers of an 8B model with
+cache salt, and vLLM's deep copy of the params holding the normalized spec) delays every later request. On the H200, 256 requests steering all 32 layers of an 8B model with
 inline float lists ran at 0.438 of plain vLLM: the engine waited for admission (~8 ms a request here), not
 for the kernels. This measures that cost alone, per request, for each way a vector can be given, and for
 requests that each bring their own vector (``distinct``: the 256-distinct-vectors row of bench_engine).
@@ -13,6 +13,7 @@ requests that each bring their own vector (``distinct``: the 256-distinct-vector
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -74,9 +75,9 @@ def main(argv=None) -> int:
             for _ in range(a.repeat):
                 specs = specs_for(form, v, layers)
                 t = time.perf_counter()
-                for spec in specs:  # what process_inputs does per request
+                for spec in specs:  # what process_inputs does per request, and vLLM's clone of the params in it
                     parsed = parse_spec(spec, geo)
-                    parsed.to_wire()
+                    copy.deepcopy(parsed.to_wire())
                     parsed.steering_salt()
                 per.append((time.perf_counter() - t) / a.requests * 1e3)
             results[f"{layers} layer(s), {form}"] = round(statistics.median(per), 3)
