@@ -329,7 +329,8 @@ def parse_steer_ops(ops: Any, geo: ModelGeometry,
     if not isinstance(ops, (list, tuple)):
         _fail(SteeringSpecError, "['steer']", f"must be a list of operations, got {type(ops).__name__}")
     memo: dict = {}  # one token per vector object, one stat per vector name, for the whole list
-    whole = _list_key(ops, geo, resolve_vector, memo)
+    one = _op_cache_key(ops[0], geo, resolve_vector, memo) if len(ops) == 1 else None  # cheaper than _list_key
+    whole = (None if one is None else ("one", one)) if len(ops) == 1 else _list_key(ops, geo, resolve_vector, memo)
     if whole is not None:
         hit = _parse_cache.LISTS.get(whole)
         if hit is not None:
@@ -338,9 +339,10 @@ def parse_steer_ops(ops: Any, geo: ModelGeometry,
             return hit
         _parse_cache.LISTS.misses += 1
     parsed = SteerOps(_parse_op(op, geo, resolve_vector, f"['steer'][{i}]",
-                                _op_cache_key(op, geo, resolve_vector, memo), memo) for i, op in enumerate(ops))
+                                one if one is not None else _op_cache_key(op, geo, resolve_vector, memo), memo)
+                      for i, op in enumerate(ops))
     if whole is not None:
-        tokens = whole[-1] if whole[-1][0] != "wire" else ()  # inline tokens hold bytes; a wire token none
+        tokens = (one[2],) if one is not None else whole[-1] if whole[-1][0] != "wire" else ()  # bytes they hold
         _parse_cache.LISTS.put(whole, parsed, sum(len(o.vector) for o in parsed)
                                + sum(_token_bytes(t) for t in {id(t): t for t in tokens}.values()))
     return parsed
