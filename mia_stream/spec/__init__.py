@@ -547,8 +547,8 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, memo: 
     source = _vector_source(vec)
     made = memo.get(("vector", source, kind != "add")) if source is not None else None
     if made is None:
-        vector, ref = _vector_bytes(vec, kind, geo, resolve_vector, path, memo)
-        made = (vector, ref, hashlib.blake2b(vector, digest_size=16).hexdigest())
+        vector, ref, digest = _vector_bytes(vec, kind, geo, resolve_vector, path, memo)
+        made = (vector, ref, digest or hashlib.blake2b(vector, digest_size=16).hexdigest())
         if source is not None:
             memo[("vector", source, kind != "add")] = made
     vector, ref, digest = made
@@ -580,10 +580,11 @@ def _vector_source(vec: Any) -> tuple | None:
 
 
 def _vector_bytes(vec: Any, kind: str, geo: ModelGeometry, resolve_vector, path: str,
-                  memo: dict) -> tuple[bytes, tuple | None]:
-    """An op's vector, checked, as float32 bytes (unit-normalized for cap/ablate), and its (name, digest) when it
-    is a registered one."""
+                  memo: dict) -> tuple[bytes, tuple | None, str | None]:
+    """An op's vector, checked, as float32 bytes (unit-normalized for cap/ablate), its (name, digest) when it is a
+    registered one, and the digest of those bytes when it is known already (None: hash them)."""
     ref = None
+    given = None  # (float32 bytes, their checked digest or None) of a vector given as float32 bytes
     if isinstance(vec, dict) and set(vec) in ({"f32"}, {"f32", "digest"}):  # float32 little-endian bytes
         if not isinstance(vec["f32"], (bytes, bytearray, memoryview)) or len(vec["f32"]) != 4 * geo.hidden_size:
             _fail(SteeringSpecError, path + "['vector']",
@@ -593,6 +594,7 @@ def _vector_bytes(vec: Any, kind: str, geo: ModelGeometry, resolve_vector, path:
         # the op by the digest alone), so no digest can stand for other bytes
         if "digest" in vec and vec["digest"] != hashlib.blake2b(raw, digest_size=16).hexdigest():
             _fail(SteeringSpecError, path + "['vector']['digest']", "is not the digest of the vector's f32 bytes")
+        given = (raw, vec.get("digest"))
         arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
     elif isinstance(vec, dict) and set(vec) == {"digest"}:  # the normalized form: an earlier op carries the bytes
         raw = memo.get(("digest", vec["digest"])) if isinstance(vec["digest"], str) else None
@@ -601,6 +603,7 @@ def _vector_bytes(vec: Any, kind: str, geo: ModelGeometry, resolve_vector, path:
                   "carries as {'f32': bytes, 'digest': D}")
         if len(raw) != 4 * geo.hidden_size or vec["digest"] != hashlib.blake2b(raw, digest_size=16).hexdigest():
             _fail(SteeringSpecError, path + "['vector']['digest']", "is not the digest of the vector's f32 bytes")
+        given = (raw, vec["digest"])
         arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
     elif isinstance(vec, dict):
         if set(vec) not in ({"name"}, {"name", "digest"}) or not all(isinstance(x, str) for x in vec.values()):
@@ -644,9 +647,11 @@ def _vector_bytes(vec: Any, kind: str, geo: ModelGeometry, resolve_vector, path:
               f"has length {arr.size}; the model's hidden size is {geo.hidden_size}")
     if not np.all(np.isfinite(arr)):
         _fail(SteeringSpecError, path + "['vector']", "contains NaN or inf")
+    if kind == "add" and given is not None:  # float32 -> float64 -> float32 is exact: the bytes as given
+        return given[0], ref, given[1]
     if kind != "add":
         norm = float(np.linalg.norm(arr))
         if norm == 0.0:
             _fail(SteeringSpecError, path + "['vector']", f"a '{kind}' direction must be non-zero")
         arr = arr / norm
-    return arr.astype("<f4").tobytes(), ref
+    return arr.astype("<f4").tobytes(), ref, None
