@@ -3,9 +3,10 @@
     python scripts/bench_begin_step.py [--repeat 5]
 
 256 requests of 64 prompt tokens (Llama-3-8B geometry) with one spec each: none, HS 1 layer, steering 1 layer,
-steering all 32 layers. Per spec: ``add_request`` for all 256 (the worker's admission: the spec arrives in the
-frontend's normalized form), the two 8192-token prefill steps, the first decode step (the full routing path)
-and steady decode steps (the cached path). ``begin_step`` runs on the engine thread before every forward, so
+steering all 32 layers (an inline array; a registered vector by name), 256 distinct vectors at one layer. Per
+spec: ``add_request`` for all 256 (the worker's admission, its parse included: the spec arrives in the frontend's
+normalized form, through msgpack as vLLM's IPC hands it over), the two 8192-token prefill steps, the first
+decode step (the full routing path) and steady decode steps (the cached path). ``begin_step`` runs on the engine thread before every forward, so
 its time adds to every step (an 8B decode step of 256 requests is ~13.5 ms on an H200).
 """
 

@@ -2,12 +2,14 @@
 
 vLLM admits requests one after another in its frontend process (``InputProcessor.process_inputs``); what
 mia_stream does there per request (parse and check the spec, normalize it to float32 bytes, derive the prefix-
-cache salt, and vLLM's deep copy of the params holding the normalized spec) delays every later request. On the H200, 256 requests steering all 32 layers of an 8B model with
-inline float lists ran at 0.438 of plain vLLM: the engine waited for admission (~8 ms a request here), not
-for the kernels. This measures that cost alone, per request, for each way a vector can be given, and for
+cache salt; and vLLM's deep copy of the params holding the normalized spec) delays every later request. On the
+H200, 256 requests steering all 32 layers of an 8B model with inline float lists ran at 0.438 of plain vLLM:
+the engine waited for admission (~8 ms a request here), not for the kernels. This measures that cost alone, per request, for each way a vector can be given, and for
 requests that each bring their own vector (``distinct``: the 256-distinct-vectors row of bench_engine).
 
-    python scripts/bench_spec_admission.py [--layers 32] [--hidden 4096] [--requests 256]
+    python scripts/bench_spec_admission.py [--layers 32] [--hidden 4096] [--requests 256] [--forms list,named]
+
+The engine side is what the workers parse per request (the engine core keeps the wire form until a command).
 """
 
 from __future__ import annotations

@@ -109,7 +109,8 @@ class SteerOp:
 class SteerOps(tuple):
     """A parsed steering list: a tuple of ``SteerOp``. ``parse_steer_ops`` hands out one such object per distinct
     list in a process (the list cache), so what every request derives from its list is made once: the wire forms
-    (``wire``), the prefix-cache salt (``salt``), the ops' steering-table keys (``table_keys``). Immutable, like its ops."""
+    (``wire``), the prefix-cache salt (``salt``), the ops' steering-table keys (``table_keys``). Immutable, like
+    its ops."""
 
     def wire(self, compact: bool = True, digest: bool = False) -> list:
         """``[op.to_wire(compact, digest) for op in self]``, built once: a new list on each call, its op dicts
