@@ -449,7 +449,7 @@ def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, key: tuple
 
 
 def _token_bytes(token: tuple) -> int:
-    return sum(len(x) for x in token if isinstance(x, bytes))
+    return len(token[2]) if token[0] == "raw" else 0  # the other tokens name content by digest or file version
 
 
 _op_cache = _parse_cache.OPS
@@ -552,6 +552,8 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, memo: 
         made = (vector, ref, digest or hashlib.blake2b(vector, digest_size=16).hexdigest())
         if source is not None:
             memo[("vector", source, kind != "add")] = made
+            if source[0] == "bytes" and type(vec.get("digest")) is str:  # checked: later {"digest"} ops reuse it
+                memo[("vector", ("digest", vec["digest"]), kind != "add")] = made
     vector, ref, digest = made
     scale, threshold = op.get("scale", 1.0), op.get("threshold", 0.0)
     for name, value in (("scale", scale), ("threshold", threshold)):
