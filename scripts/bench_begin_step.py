@@ -3,9 +3,10 @@
     python scripts/bench_begin_step.py [--repeat 5]
 
 256 requests of 64 prompt tokens (Llama-3-8B geometry) with one spec each: none, HS 1 layer, steering 1 layer,
-steering all 32 layers. Per spec: ``add_request`` for all 256 (the worker's admission: the spec arrives in the
-frontend's normalized form), the two 8192-token prefill steps, the first decode step (the full routing path)
-and steady decode steps (the cached path). ``begin_step`` runs on the engine thread before every forward, so
+steering all 32 layers (an inline array; a registered vector by name), 256 distinct vectors at one layer. Per
+spec: ``add_request`` for all 256 (the worker's admission, its parse included: the spec arrives in the frontend's
+normalized form, through msgpack as vLLM's IPC hands it over), the two 8192-token prefill steps, the first
+decode step (the full routing path) and steady decode steps (the cached path). ``begin_step`` runs on the engine thread before every forward, so
 its time adds to every step (an 8B decode step of 256 requests is ~13.5 ms on an H200).
 """
 
@@ -14,9 +15,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
+import msgpack
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -39,16 +42,19 @@ def measure(raw, repeat: int) -> dict:
     from mia_stream.spec import ModelGeometry, parse_spec
 
     geo = ModelGeometry(32, 4096, 32, 8, 128)
-    wire = parse_spec(raw, geo).to_wire() if raw is not None else None
     ids = [f"r{i}" for i in range(256)]
+    # the frontend's normalized form, through msgpack as vLLM's IPC hands it over (fresh objects per request);
+    # a callable spec gives each request its own (256 distinct vectors)
+    wires = None if raw is None else [
+        msgpack.unpackb(msgpack.packb(parse_spec(raw(i) if callable(raw) else raw, geo).to_wire())) for i in range(256)]
     runs: dict[str, list] = {"add_256": [], "prefill_step": [], "first_decode": [], "decode": []}
     for _ in range(repeat):
         rt = ProducerRuntime(geo=geo, model_name="m", tokenizer="t", dtype=torch.bfloat16, device=torch.device("cpu"),
                              max_tokens=8192, tp_rank=0, tp_size=1, dp_rank=0, publisher=_NullPublisher(),
                              cfg=RuntimeConfig(aperture_rows=8192, capture_qk=False))
         t = time.perf_counter()
-        if wire is not None:
-            for i in ids:
+        if wires is not None:
+            for i, wire in zip(ids, wires):
                 rt.add_request(i, i, parse_spec(wire, geo), list(range(64)))
         runs["add_256"].append(time.perf_counter() - t)
         for half in range(2):
@@ -75,11 +81,20 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=5)
     a = ap.parse_args(argv)
     v = np.ones(4096, np.float32)
+    os.environ["MIA_STREAM_VECTORS"] = tempfile.mkdtemp(prefix="mia-vec-")
+    from mia_stream.spec.vectors import register_vector
+
+    register_vector("bench", v)
+    distinct = np.random.default_rng(0).standard_normal((256, 4096)).astype(np.float32)
     specs = {
         "none": None,
         "hs_1layer": {"capture": {"hidden_states": {"layers": [16], "positions": "all"}}},
         "steer_1layer": {"steer": [{"layer": 16, "op": "add", "vector": v, "scale": 0.5}]},
         "steer_all_layers": {"steer": [{"layer": i, "op": "add", "vector": v, "scale": 0.1} for i in range(32)]},
+        "steer_all_named": {"steer": [{"layer": i, "op": "add", "vector": {"name": "bench"}, "scale": 0.1}
+                                      for i in range(32)]},
+        "steer_256_distinct": lambda i: {"steer": [{"layer": 16, "op": "add", "vector": distinct[i].tolist(),
+                                                    "scale": 0.5}]},
     }
     print(f"ms, median of {a.repeat} (load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores)")
     print(f"{'spec':18s} {'add 256':>9s} {'prefill step':>13s} {'1st decode':>11s} {'decode':>8s}")

@@ -81,3 +81,43 @@ def test_routed_slots_follow_each_ops_positions_through_prefill_recompute_and_de
     # a is preempted and recomputed: one chunk from prompt position 3 into its generated positions
     _check(rt, _step(rt, 5, [("a", 3, 6), ("b", 8, 1)]))
     _check(rt, _step(rt, 6, [("b", 9, 1)]))  # fewer rows than before: a's old rows are cleared
+
+
+def _table_row(rt, slot):
+    st = rt.state
+    return st.vectors[slot].numpy(), int(st.op_codes[slot]), float(st.scales[slot]), float(st.thresholds[slot])
+
+
+def test_slots_are_shared_by_equal_lists_uploaded_by_the_step_and_freed_with_their_last_request():
+    """Issue 26: requests with the same steering list share its slots (one lookup per op, one layout); the
+    slots the step's new requests placed reach the device table in begin_step's one upload, each holding its op
+    as given (the spec's float32 vector, op code, scale); a slot is freed with its last request, and a new list
+    placed there is on the device at the next step."""
+    from mia_stream.schemas import OP_CODES
+
+    rt = ProducerRuntime(geo=GEO, model_name="m", tokenizer="t", dtype=torch.float32, device=torch.device("cpu"),
+                         max_tokens=64, tp_rank=0, tp_size=1, dp_rank=0, publisher=_NullPublisher(),
+                         cfg=RuntimeConfig(aperture_rows=64, capture_qk=False))
+    shared = SPECS["a"]
+    for eid in ("a1", "a2"):
+        rt.add_request(eid, eid, parse_spec(shared, GEO), list(range(6)))
+    a1, a2 = rt.requests["a1"], rt.requests["a2"]
+    assert a1.steer_slots == a2.steer_slots and None not in a1.steer_slots
+    assert len(set(a1.steer_slots)) == len(shared["steer"])  # one slot per distinct op
+    assert a1.steer_rows is a2.steer_rows  # the layout is made once
+    _step(rt, 0, [("a1", 0, 6), ("a2", 0, 6)])
+    for raw, slot in zip(shared["steer"], a1.steer_slots):
+        vector, code, scale, threshold = _table_row(rt, slot)
+        assert np.array_equal(vector, raw["vector"]) and code == OP_CODES[raw["op"]] and scale == raw["scale"]
+    placed = set(a1.steer_slots)
+    rt.finish_request("a1", "stop", 8)
+    assert set(rt.steering._by_key.values()) == placed  # a2 still holds them
+    rt.finish_request("a2", "stop", 8)
+    assert not rt.steering._by_key  # freed with the last request
+    other = {"steer": [_op(layer, "all", 40 + layer) for layer in range(4)]}
+    rt.add_request("b1", "b1", parse_spec(other, GEO), list(range(4)))
+    reused = rt.requests["b1"].steer_slots
+    assert set(reused) & placed  # the freed slots are placed again
+    _step(rt, 1, [("b1", 0, 4)])
+    for raw, slot in zip(other["steer"], reused):
+        assert np.array_equal(_table_row(rt, slot)[0], raw["vector"])

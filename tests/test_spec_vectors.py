@@ -174,3 +174,123 @@ def test_the_op_cache_is_bounded_in_bytes():
         assert op_cache_info()["bytes"] <= 1000 and 0 < op_cache_info()["entries"] <= 6
     finally:
         _op_cache.MAX_BYTES = old
+
+
+# ---------------------------------------------------------------------------------------------- issue 26: any form,
+# the cost of a named vector; never a stale vector
+
+def _steer(vector, layers=range(4), **kw):
+    return {"steer": [dict({"layer": layer, "op": "add", "vector": vector, "scale": 0.5}, **kw) for layer in layers]}
+
+
+@pytest.mark.parametrize("mutate", ["ndarray in place", "ndarray one element", "ndarray -0.0", "list one element",
+                                    "list -0.0", "list append then pop"])
+def test_the_same_object_changed_in_place_parses_to_its_content_of_now(mutate):
+    """The same spec object twice, its vector changed in place in between: the second parse is the new content
+    (compared with numpy's float32 of that content), never the cached op, down to the sign of a zero."""
+    base = np.random.default_rng(30).standard_normal(16)
+    base[3] = 0.0
+    vec = base.astype(np.float32) if mutate.startswith("ndarray") else base.tolist()
+    spec = _steer(vec)
+    first = parse_spec(spec, GEO).steer
+    assert all(np.array_equal(op.array, base.astype(np.float32)) for op in first)
+    if mutate == "ndarray in place":
+        vec[:] = np.arange(16)
+    elif mutate in ("ndarray one element", "list one element"):
+        vec[7] = vec[7] + 0.25
+    elif mutate in ("ndarray -0.0", "list -0.0"):
+        vec[3] = -0.0
+    else:
+        vec.append(1.0)
+        vec.pop(0)
+        vec.insert(0, base[0] + 1.0)
+        vec.pop()
+    now = np.asarray(vec, np.float32)
+    again = parse_spec(spec, GEO).steer
+    assert all(op.array.tobytes() == now.tobytes() for op in again)  # bit-exact: -0.0 is not 0.0
+    assert again[0].key() != first[0].key()
+
+
+def test_a_cached_list_does_not_let_a_bad_field_or_element_through():
+    """What a fresh parse refuses is refused after an equal-looking list was cached: a bool layer (True == 1), a
+    numpy integer layer, a bool element of a vector (True == 1.0), an unknown key."""
+    vec = [1.0] + [0.5] * 15
+    parse_spec(_steer(vec, layers=[1]), GEO)
+    with pytest.raises(SteeringSpecError, match=r"\['layer'\]"):
+        parse_spec(_steer(vec, layers=[True]), GEO)
+    with pytest.raises(SteeringSpecError, match=r"\['layer'\]"):
+        parse_spec(_steer(vec, layers=[np.int64(1)]), GEO)
+    with pytest.raises(SteeringSpecError, match="must be a list of numbers"):
+        parse_spec(_steer([True] + vec[1:], layers=[1]), GEO)
+    with pytest.raises(SteeringSpecError, match="unknown key"):
+        parse_spec(_steer(vec, layers=[1], bogus=1), GEO)
+    assert parse_spec(_steer(vec, layers=[1], scale=-0.0), GEO).steer[0].key() != \
+        parse_spec(_steer(vec, layers=[1], scale=0.0), GEO).steer[0].key()
+
+
+@pytest.mark.parametrize("form", ["list", "ndarray", "f32", "named"])
+def test_a_repeated_list_is_one_cached_object_in_the_frontend_and_the_engine(form):
+    """The 2nd request with the same steering, in any form, finds the parsed list whole (one object: its wire,
+    salt and table keys made once), in the frontend (the caller's objects) and on the engine side (fresh objects
+    from vLLM's IPC); the vector's bytes travel once per list however many layers use it."""
+    v = np.random.default_rng(31).standard_normal(16).astype(np.float32)
+    register_vector("rep", v)
+    vec = {"list": v.tolist(), "ndarray": v, "f32": {"f32": v.tobytes()}, "named": {"name": "rep"}}[form]
+    spec = _steer(vec)
+    first = parse_spec(spec, GEO)
+    before = op_cache_info()
+    again = parse_spec(spec, GEO)
+    after = op_cache_info()
+    assert again.steer is first.steer and again.steering_salt() == first.steering_salt()
+    assert after["lists"]["hits"] == before["lists"]["hits"] + 1 and after["misses"] == before["misses"]
+    wire = msgpack.packb(first.to_wire())
+    if form != "named":  # one op carries the bytes, the other three name them by digest
+        carried = [op["vector"] for op in msgpack.unpackb(wire)["steer"]]
+        assert [set(c) for c in carried] == [{"f32", "digest"}] + [{"digest"}] * 3
+        assert len(wire) < 2 * v.nbytes + 600
+    engine = [parse_spec(msgpack.unpackb(wire), GEO) for _ in range(2)]
+    assert engine[1].steer is engine[0].steer  # found whole on the engine side too
+    assert [o.vector for o in engine[0].steer] == [o.vector for o in first.steer]
+    assert [o.key() for o in engine[0].steer] == [o.key() for o in first.steer]
+
+
+def test_a_digest_alone_must_name_bytes_an_earlier_op_of_the_list_carries():
+    v = np.random.default_rng(32).standard_normal(16).astype(np.float32)
+    digest = vector_digest(v)
+    with pytest.raises(SteeringSpecError, match="names no vector an earlier op"):
+        parse_spec({"steer": [{"layer": 1, "op": "add", "vector": {"digest": digest}}]}, GEO)
+    forged = {"steer": [{"layer": 1, "op": "add", "vector": {"f32": (v + 1).tobytes(), "digest": digest}},
+                        {"layer": 2, "op": "add", "vector": {"digest": digest}}]}
+    with pytest.raises(SteeringSpecError, match="is not the digest"):
+        parse_spec(forged, GEO)
+    good = {"steer": [{"layer": 1, "op": "add", "vector": {"f32": v.tobytes(), "digest": digest}},
+                      {"layer": 2, "op": "add", "vector": {"digest": digest}}]}
+    ops = parse_spec(good, GEO).steer
+    assert [np.array_equal(o.array, v) for o in ops] == [True, True]
+
+
+def test_the_inline_and_list_caches_are_bounded_and_counted():
+    from mia_stream.spec import _parse_cache
+
+    rng = np.random.default_rng(33)
+    caches = (_parse_cache.INLINE, _parse_cache.LISTS)
+    old = [(c.MAX_ENTRIES, c.MAX_BYTES) for c in caches]
+    try:
+        for c in caches:
+            c.MAX_ENTRIES, c.MAX_BYTES = 8, 2000  # a 16-float vector: 64-128 bytes as a token, 64 as an op
+        held = [rng.standard_normal(16) for _ in range(40)]  # alive: their ids are not reused
+        before = op_cache_info()
+        for arr in held:
+            parse_spec(_steer(arr, layers=[1, 2]), GEO)
+        info = op_cache_info()
+        for name, c in (("inline", _parse_cache.INLINE), ("lists", _parse_cache.LISTS)):
+            assert 0 < info[name]["entries"] <= 8 and info[name]["bytes"] <= 2000
+            assert info[name]["bytes"] == sum(c.sizes.values())
+        assert info["inline"]["misses"] - before["inline"]["misses"] == 40  # one per distinct array, not per op
+        assert info["lists"]["misses"] - before["lists"]["misses"] == 40
+        parse_spec(_steer(held[-1], layers=[1, 2]), GEO)
+        assert op_cache_info()["inline"]["hits"] == info["inline"]["hits"] + 1
+        assert op_cache_info()["lists"]["hits"] == info["lists"]["hits"] + 1
+    finally:
+        for c, (entries, size) in zip(caches, old):
+            c.MAX_ENTRIES, c.MAX_BYTES = entries, size

@@ -220,3 +220,75 @@ def test_the_engines_control_id_carries_the_token_this_process_made(engine, brok
     control_id = col.events["ctl-id"][0].stream.start.control_id
     token = settings.get_text("MIA_STREAM_CONTROL_TOKEN")
     assert re.fullmatch(rf"[^:]+:\d+:engine:{token}", control_id) and re.fullmatch(r"[0-9a-f]{16}", token)
+
+
+def _two_layer_hook(layers, fn):
+    def hook(i, h):
+        return _hook_for(i, fn)(i, h) if i in layers else h
+    return hook
+
+
+@pytest.mark.parametrize("form", ["ndarray", "list"])
+def test_a_vector_changed_in_place_steers_the_next_request_with_its_new_content(engine, hf_model, broker_address, form):
+    """Issue 26: inline vectors are cached by the caller's object and checked against its bytes on every request.
+    The same spec object sent twice, its vector changed in place in between (the whole array; one element of the
+    list), steers the second request with the new content: HF transformers with that content added at both layers
+    is the reference, and the cached (old) content is not."""
+    old = (_direction(21) * 6).astype(np.float32)
+    new = (_direction(22) * 6).astype(np.float32) if form == "ndarray" else old.copy()
+    if form == "list":
+        new[7] += 3.0
+    vec = old.copy() if form == "ndarray" else old.tolist()
+    layers = (LAYER - 1, LAYER)
+    spec = {"steer": [{"layer": layer, "op": "add", "vector": vec} for layer in layers],  # one object, two ops
+            "capture": {"hidden_states": {"layers": [LAYER], "positions": "all"}}}
+    tag = uuid.uuid4().hex[:6]
+    prompt = "The river flows past the old mill and"
+    outs = {}
+    with collecting(broker_address, [f"mut-{tag}-*"]) as col:
+        for run in ("before", "after"):
+            if run == "after":
+                if form == "ndarray":
+                    vec[:] = new
+                else:
+                    vec[7] = float(new[7])
+            outs[run] = engine.generate([prompt], _params(4, dict(spec, id=f"mut-{tag}-{run}")))[0]
+        col.wait_ended([f"mut-{tag}-before", f"mut-{tag}-after"])
+    for run, content in (("before", old), ("after", new)):
+        out = outs[run]
+        full = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+        ref, _, _, _ = hf_trace(hf_model, full[:-1], steer_hook=_two_layer_hook(layers, _formula("add", content)))
+        _, _, hs = col.stacked(f"mut-{tag}-{run}", "hs")
+        assert rel_err(hs, ref[[LAYER]]).max() < TOL, run
+        if run == "after":
+            stale, _, _, _ = hf_trace(hf_model, full[:-1], steer_hook=_two_layer_hook(layers, _formula("add", old)))
+            assert rel_err(hs, stale[[LAYER]]).max() > 100 * TOL, "the second request was steered by the old vector"
+
+
+def test_every_form_steering_all_layers_is_bit_identical_and_equals_hf(engine, hf_model, broker_address):
+    """All 30 layers steered by one vector given as a list, an array, float32 bytes and a name: the steered rows
+    are bit-identical (the normalized spec carries the bytes once and the other 29 ops name them by digest), equal
+    to HF with the vector added after every layer, and StreamStart still lists each op with its whole vector."""
+    v = (_direction(23) * 0.5).astype(np.float32)
+    register_vector("test-all-layers", v)
+    forms = {"list": v.tolist(), "array": v, "f32": {"f32": v.tobytes()}, "named": {"name": "test-all-layers"}}
+    tag = uuid.uuid4().hex[:6]
+    watch = {"hidden_states": {"layers": [LAYER, 29], "positions": "all"}}
+    prompt = "A short story about a lighthouse keeper"
+    outs = {}
+    with collecting(broker_address, [f"all-{tag}-*"]) as col:
+        for name, vec in forms.items():  # one request per batch: equal batch shapes, so equal vectors give equal bits
+            spec = {"steer": [{"layer": i, "op": "add", "vector": vec} for i in range(30)], "capture": watch,
+                    "id": f"all-{tag}-{name}"}
+            outs[name] = engine.generate([prompt], _params(4, spec))[0]
+        col.wait_ended([f"all-{tag}-{n}" for n in forms])
+    stacks = {name: col.stacked(f"all-{tag}-{name}", "hs")[2] for name in forms}
+    assert all(np.array_equal(stacks["list"], stacks[name]) for name in forms)
+    out = outs["list"]
+    full = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
+    ref, _, _, _ = hf_trace(hf_model, full[:-1], steer_hook=lambda i, h: _formula("add", v)(h))
+    assert rel_err(stacks["list"], ref[[LAYER, 29]]).max() < TOL
+    for name in ("array", "f32"):
+        steering = col.events[f"all-{tag}-{name}"][0].stream.start.steering
+        assert [op["layer"] for op in steering] == list(range(30))
+        assert all(op["vector"].keys() == {"f32"} and op["vector"]["f32"] == v.tobytes() for op in steering)

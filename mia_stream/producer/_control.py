@@ -22,7 +22,7 @@ from typing import Callable
 from mia_stream import settings
 from mia_stream.errors import SettingError, SpecError
 from mia_stream.producer._steer_command import Outcome, apply_command
-from mia_stream.spec import ModelGeometry, parse_steer_ops
+from mia_stream.spec import ModelGeometry, parse_steer_ops, steer_wire
 
 
 _TOKEN_ENV = "MIA_STREAM_CONTROL_TOKEN"
@@ -80,13 +80,13 @@ class EngineControl:
         handed to ``on_ack`` instead of the broker (engine-core thread only)."""
         self._internal.append((cmd, on_ack))
 
-    def add_request(self, stream_id: str, engine_id: str, steer_wire, detect_wire=None) -> None:
-        """A streamed request entered the scheduler (``steer_wire``: its spec's steering ops, version 1). They are
+    def add_request(self, stream_id: str, engine_id: str, ops_wire, detect_wire=None) -> None:
+        """A streamed request entered the scheduler (``ops_wire``: its spec's steering ops, version 1). They are
         parsed only when a command reaches the request: the frontend checked them, and the workers parse the
         spec anyway (most requests never get a command)."""
         self.streams[stream_id] = engine_id
-        if steer_wire:
-            self.ops[engine_id] = (list(steer_wire), 1)
+        if ops_wire:
+            self.ops[engine_id] = (list(ops_wire), 1)
         if detect_wire:
             self.detectors.add_request(engine_id, stream_id, detect_wire)
 
@@ -131,7 +131,7 @@ class EngineControl:
                     self.aborts.add(eid)
                 elif out.changed:
                     self.ops[eid] = (out.ops, version)
-                    updates.append((eid, [o.to_wire(compact=True, digest=True) for o in out.ops], version))
+                    updates.append((eid, steer_wire(out.ops, compact=True, digest=True), version))
                     on_change(eid, version)
             ack = SteeringAck(
                 command_id=cmd.command_id, request_id=cmd.request_id, ok=err is None,

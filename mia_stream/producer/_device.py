@@ -13,11 +13,15 @@ import torch
 
 from mia_stream.producer._config import RuntimeConfig
 from mia_stream.schemas import OP_CODES
-from mia_stream.spec import ModelGeometry, SteerOp
+from mia_stream.spec import ModelGeometry, SteerOp, SteerOps
 
 
 class _SteeringTable:
-    """Device-resident steering slots, shared by every request with identical ops (ref-counted)."""
+    """Device-resident steering slots, shared by every request with identical ops (ref-counted).
+
+    A new slot's vector, op code, scale and threshold are staged on the host and written to the device by
+    ``flush`` (``begin_step``, before the step's routes): one upload per step for all the slots the step's new
+    requests placed, not four small ones per op (256 requests with distinct vectors placed 256 slots a step)."""
 
     def __init__(self, state: "DeviceState", slots: int):
         self.vectors, self.op_codes = state.vectors, state.op_codes
@@ -25,28 +29,60 @@ class _SteeringTable:
         self._by_key: dict[str, int] = {}
         self._refs = [0] * slots
         self._free = list(range(slots - 1, -1, -1))
+        self._pending: dict[int, SteerOp] = {}  # slot -> the op it now holds, not yet on the device
 
-    def acquire(self, op: SteerOp) -> int | None:
-        key = op.key()
+    def _place(self, op: SteerOp, key: str) -> int | None:
         slot = self._by_key.get(key)
         if slot is None:
             if not self._free:
                 return None
             slot = self._free.pop()
             self._by_key[key] = slot
-            # non-blocking: a blocking host-to-device copy would wait for the step in flight
-            self.vectors[slot].copy_(torch.from_numpy(op.array.copy()), non_blocking=True)
-            self.op_codes[slot] = OP_CODES[op.op]
-            self.scales[slot] = op.scale
-            self.thresholds[slot] = op.threshold
-        self._refs[slot] += 1
+            self._pending[slot] = op
         return slot
+
+    def acquire(self, op: SteerOp) -> int | None:
+        slot = self._place(op, op.key())
+        if slot is not None:
+            self._refs[slot] += 1
+        return slot
+
+    def acquire_all(self, ops: tuple) -> list:
+        """``acquire`` of each op (None: the table is full), with one dict lookup per op for ops already placed
+        (``SteerOps`` carry their keys: no key is computed per request)."""
+        keys = ops.table_keys if isinstance(ops, SteerOps) else [o.key() for o in ops]
+        slots = list(map(self._by_key.get, keys))
+        if None in slots:
+            for i, slot in enumerate(slots):
+                if slot is None:
+                    slots[i] = self._place(ops[i], keys[i])
+        refs = self._refs
+        for slot in slots:
+            if slot is not None:
+                refs[slot] += 1
+        return slots
 
     def release(self, op: SteerOp, slot: int) -> None:
         self._refs[slot] -= 1
         if self._refs[slot] == 0:
             self._by_key.pop(op.key(), None)
             self._free.append(slot)
+
+    def flush(self) -> None:
+        """Write the slots placed since the last flush to the device (non-blocking: a blocking host-to-device
+        copy would wait for the step in flight; those slots are free, so no step in flight reads them)."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, {}
+        device = self.vectors.device
+        idx = torch.tensor(list(pending), dtype=torch.long).to(device, non_blocking=True)
+        ops = list(pending.values())
+        vectors = torch.from_numpy(np.stack([o.array for o in ops]))
+        self.vectors.index_copy_(0, idx, vectors.to(device, non_blocking=True))
+        for table, values, dtype in ((self.op_codes, [OP_CODES[o.op] for o in ops], torch.int32),
+                                     (self.scales, [o.scale for o in ops], torch.float32),
+                                     (self.thresholds, [o.threshold for o in ops], torch.float32)):
+            table.index_copy_(0, idx, torch.tensor(values, dtype=dtype).to(device, non_blocking=True))
 
 
 class _ProbeTable:

@@ -30,8 +30,9 @@ class _Request:
     steer_ops: tuple = ()
     steer_version: int = 0
     pending_steer: tuple | None = None  # (ops, version) taking effect at the next step
-    slots_by_layer: dict = field(default_factory=dict)  # layer -> [(slot, positions-mode)]
-    steer_rows: tuple | None = None  # cached decode-step ops for (prompt, generated): see _steer_rows
+    steer_slots: list | tuple = ()  # the steering-table slot of each of steer_ops (None: the table was full)
+    slots_by_layer: dict = field(default_factory=dict)  # layer -> [(slot, op)]; shared between requests: read only
+    steer_rows: tuple | None = None  # decode-step ops for (prompt, generated), shared likewise: see _steer_layout
     frames_dropped: int = 0
     drops: dict = field(default_factory=dict)
     uncaptured: list = field(default_factory=list)

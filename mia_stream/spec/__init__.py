@@ -24,14 +24,15 @@ import hashlib
 import json
 import math
 import struct
-import threading
 from dataclasses import dataclass, field
+from itertools import chain, repeat
 from typing import Any, Callable
 
 import numpy as np
 
 from mia_stream.errors import CaptureSpecError, SteeringSpecError
 from mia_stream.schemas import STEER_OPS
+from mia_stream.spec import _parse_cache
 
 SPEC_KEY = "mia_stream"
 POSITIONS = ("all", "prompt", "generated", "last_prompt")
@@ -72,9 +73,8 @@ class SteerOp:
 
     @functools.cached_property
     def _key(self) -> str:
-        h = hashlib.blake2b(digest_size=12)
-        h.update(f"{self.layer}|{self.op}|{self.scale!r}|{self.threshold!r}|{self.positions}".encode())
-        h.update(self.vector)
+        h = hashlib.blake2b(digest_size=12)  # the vector by its digest: ops of a list that share it hash it once
+        h.update(f"{self.layer}|{self.op}|{self.scale!r}|{self.threshold!r}|{self.positions}|{self.digest}".encode())
         return h.hexdigest()
 
     def key(self) -> str:
@@ -84,7 +84,7 @@ class SteerOp:
     @functools.cached_property
     def digest(self) -> str:
         """The content digest of ``vector`` (BLAKE2b-128 of its float32 bytes, as ``vectors.vector_digest``),
-        computed once per parsed op: parsed ops are cached, so once per distinct op in a process."""
+        computed once per vector of a parsed list (``_parse_new_op`` sets it for the list's ops that share one)."""
         return hashlib.blake2b(self.vector, digest_size=16).hexdigest()
 
     def to_wire(self, compact: bool = False, digest: bool = False) -> dict:
@@ -104,6 +104,67 @@ class SteerOp:
             vector = {"f32": self.vector}
         return {"layer": self.layer, "op": self.op, "vector": vector, "scale": self.scale,
                 "threshold": self.threshold, "positions": self.positions}
+
+
+class SteerOps(tuple):
+    """A parsed steering list: a tuple of ``SteerOp``. ``parse_steer_ops`` hands out one such object per distinct
+    list in a process (the list cache), so what every request derives from its list is made once: the wire forms
+    (``wire``), the prefix-cache salt (``salt``), the ops' steering-table keys (``table_keys``). Immutable, like
+    its ops."""
+
+    def wire(self, compact: bool = True, digest: bool = False) -> list:
+        """``[op.to_wire(compact, digest) for op in self]``, built once: a new list on each call, its op dicts
+        shared (read them, never change them)."""
+        made = self.__dict__.setdefault("_wires", {})
+        ops = made.get((compact, digest))
+        if ops is None:
+            ops = made[(compact, digest)] = _wire_of(self, compact, digest)
+        return list(ops)
+
+    @functools.cached_property
+    def salt(self) -> str:
+        return _salt_of(self)
+
+    @functools.cached_property
+    def table_keys(self) -> tuple[str, ...]:
+        return tuple(o.key() for o in self)
+
+
+def steer_wire(ops: tuple, compact: bool = True, digest: bool = False) -> list:
+    """The wire form of a steering list (``SteerOp.to_wire`` of each), made once per ``SteerOps``."""
+    if isinstance(ops, SteerOps):
+        return ops.wire(compact, digest)
+    return _wire_of(ops, compact, digest)
+
+
+def _wire_of(ops, compact: bool, digest: bool) -> list:
+    """``SteerOp.to_wire`` of each op; in the normalized form (``compact`` and ``digest``) an inline vector's
+    bytes travel once per list: a later op with the same content names it as ``{"digest": D}`` (a request steering
+    32 layers with one array moved 512 KiB through vLLM's IPC and the engine core for an 8B model; now 16)."""
+    out = [o.to_wire(compact, digest) for o in ops]
+    if compact and digest:
+        carried = set()
+        for i, w in enumerate(out):
+            vec = w["vector"]
+            if "f32" in vec:
+                if vec["digest"] in carried:
+                    out[i] = dict(w, vector={"digest": vec["digest"]})
+                carried.add(vec["digest"])
+    return out
+
+
+def _salt_of(ops) -> str:
+    return "mia-steer-" + hashlib.blake2b("".join(o.key() for o in ops).encode(), digest_size=12).hexdigest()
+
+
+class SpecWire(dict):
+    """The normalized spec (``RequestSpec.to_wire``): plain data, never changed once made (one per request; its
+    op dicts are shared by every request with the same steering list). A deep copy is the object itself: vLLM
+    deep-copies every request's SamplingParams (``clone``), and copying the ~300 small objects of a 32-op list took
+    0.1-0.6 ms a request in the frontend; msgpack and pickle see a dict."""
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 @dataclass(frozen=True)
@@ -144,8 +205,7 @@ class RequestSpec:
         alike share cache entries, steered and unsteered KV never meet (None: unsteered)."""
         if not self.steer:
             return None
-        return "mia-steer-" + hashlib.blake2b("".join(o.key() for o in self.steer).encode(),
-                                               digest_size=12).hexdigest()
+        return self.steer.salt if isinstance(self.steer, SteerOps) else _salt_of(self.steer)
 
     def capture_wire(self) -> dict:
         out: dict[str, Any] = {}
@@ -161,8 +221,10 @@ class RequestSpec:
     def to_wire(self, compact: bool = True) -> dict:
         """The normalized spec as plain data (what the frontend puts back into extra_args; steering vectors by
         name and digest, or as float32 bytes with their digest, unless ``compact=False``)."""
-        return {"capture": self.capture_wire(), "steer": [o.to_wire(compact, digest=compact) for o in self.steer],
-                **({"detect": [d.to_wire() for d in self.detect]} if self.detect else {}), "tags": self.tags, "id": self.stream_id, "prefix_cache": self.prefix_cache, "_normalized": True}
+        return SpecWire({"capture": self.capture_wire(), "steer": steer_wire(self.steer, compact, digest=compact),
+                         **({"detect": [d.to_wire() for d in self.detect]} if self.detect else {}),
+                         "tags": self.tags, "id": self.stream_id, "prefix_cache": self.prefix_cache,
+                         "_normalized": True})
 
 
 def _fail(cls, path: str, msg: str):
@@ -262,10 +324,84 @@ def parse_spec(raw: Any, geo: ModelGeometry,
 
 def parse_steer_ops(ops: Any, geo: ModelGeometry,
                     resolve_vector: Callable[[str], np.ndarray] | None = None) -> tuple[SteerOp, ...]:
+    """The steering list ``ops``, checked, as a ``SteerOps``. A list whose every op is recognizable (see
+    ``_op_cache_key``) is found whole in the list cache when it was parsed before: the same object comes back,
+    with its wire forms and salt already made."""
     if not isinstance(ops, (list, tuple)):
         _fail(SteeringSpecError, "['steer']", f"must be a list of operations, got {type(ops).__name__}")
-    versions: dict[str, tuple | None] = {}  # one stat per vector name per spec, not one per op
-    return tuple(_parse_op(op, geo, resolve_vector, f"['steer'][{i}]", versions) for i, op in enumerate(ops))
+    memo: dict = {}  # one token per vector object, one stat per vector name, for the whole list
+    one = _op_cache_key(ops[0], geo, resolve_vector, memo) if len(ops) == 1 else None  # cheaper than _list_key
+    whole = (None if one is None else ("one", one)) if len(ops) == 1 else _list_key(ops, geo, resolve_vector, memo)
+    if whole is not None:
+        hit = _parse_cache.LISTS.get(whole)
+        if hit is not None:
+            _parse_cache.LISTS.hits += 1
+            _op_cache.hits += len(hit)
+            return hit
+        _parse_cache.LISTS.misses += 1
+    parsed = SteerOps(_parse_op(op, geo, resolve_vector, f"['steer'][{i}]",
+                                one if one is not None else _op_cache_key(op, geo, resolve_vector, memo), memo)
+                      for i, op in enumerate(ops))
+    if whole is not None:
+        tokens = (one[2],) if one is not None else whole[-1] if whole[-1][0] != "wire" else ()  # bytes they hold
+        _parse_cache.LISTS.put(whole, parsed, sum(len(o.vector) for o in parsed)
+                               + sum(_token_bytes(t) for t in {id(t): t for t in tokens}.values()))
+    return parsed
+
+
+_KEY_FIELDS = ("layer", "op", "scale", "threshold", "positions")
+
+
+def _list_key(ops: list | tuple, geo: ModelGeometry, resolve_vector, memo: dict) -> tuple | None:
+    """The list cache's key: what every op's ``_op_cache_key`` says, gathered field by field over the whole list
+    with C-level maps (~10 µs for 32 ops; op by op it was ~100 µs, most of a cached request's admission). None:
+    the list is parsed op by op (an op that is not a plain dict, an injected resolver, unusual field types)."""
+    if resolve_vector is not None or not ops or set(map(type, ops)) != {dict}:  # plain dicts: dict.get is theirs
+        return None
+    names = tuple(chain.from_iterable(ops))  # every op's keys, in order: a missing key is not a None value
+    fields = tuple(tuple(map(dict.get, ops, repeat(name))) for name in _KEY_FIELDS)
+    vectors = list(map(dict.get, ops, repeat("vector")))
+    if not _STEER_KEYS.issuperset(names):
+        return None
+    types = tuple(map(type, chain.from_iterable(fields)))  # typed: True == 1 == 1.0 must not share an entry
+    if not _KEY_TYPES.issuperset(types):
+        return None
+    signs = ()  # -0.0 == 0.0, but they scale differently: the signs of zero scales and thresholds, in order
+    if 0.0 in fields[2] or 0.0 in fields[3]:
+        signs = tuple(math.copysign(1.0, x) for x in chain(fields[2], fields[3]) if x == 0.0 and type(x) is float)
+    tokens = _wire_tokens(vectors)
+    if tokens is not None:
+        return (geo.num_layers, geo.hidden_size, names, types, fields, signs, tokens)
+    ids = list(map(id, vectors))
+    if ids.count(ids[0]) == len(ids):  # one vector object for every op (all layers steered alike)
+        token = _vector_token(vectors[0], geo.hidden_size, None, memo)
+        tokens = None if token is None else (token,) * len(ids)
+    else:
+        tokens = tuple(_vector_token(v, geo.hidden_size, None, memo) for v in vectors)
+    if tokens is None or None in tokens:
+        return None
+    return (geo.num_layers, geo.hidden_size, names, types, fields, signs, tokens)
+
+
+# (keys, (type of name, type of f32)) of {name, digest}, {f32, digest} and {digest} (bytes carried by an earlier op)
+_WIRE_FORMS = frozenset({(2, (str, type(None))), (2, (type(None), bytes)), (1, (type(None), type(None)))})
+
+
+def _wire_tokens(vectors: list) -> tuple | None:
+    """The vectors of a normalized list (what the engine core and the workers parse: every vector a fresh dict
+    from vLLM's IPC, named by its digest) identified at C speed: their names, digests and forms. None: not all are
+    ``{"name", "digest"}``, ``{"f32", "digest"}`` or ``{"digest"}``. A digest stands for the bytes the op cache
+    checked it against at the list's first parse in this process (as ``_vector_token``'s ``("f32", digest)``); a
+    ``{"digest"}`` names the bytes an earlier op of the list carries, and whether it has one is a matter of the
+    forms and digests alone, which the key holds."""
+    if set(map(type, vectors)) != {dict}:
+        return None
+    digests = tuple(map(dict.get, vectors, repeat("digest")))
+    names = tuple(map(dict.get, vectors, repeat("name")))
+    forms = tuple(zip(map(len, vectors), zip(map(type, names), map(type, map(dict.get, vectors, repeat("f32"))))))
+    if set(map(type, digests)) != {str} or not _WIRE_FORMS.issuperset(forms):
+        return None
+    return ("wire", names, digests, forms)
 
 
 def _list_bytes(vec: list | tuple) -> bytes | None:
@@ -291,115 +427,111 @@ def _float_list(vec: list | tuple, path: str) -> np.ndarray:
     return np.frombuffer(raw, dtype=np.float64)
 
 
-def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, versions: dict) -> SteerOp:
+def _parse_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, key: tuple | None, memo: dict) -> SteerOp:
     """One steering op, checked. Ops are parsed once and reused while their vector is unchanged, whatever form
     it is given in: a request steering all 32 layers of an 8B model repeats the same 32 ops as every other such
     request, and parsing them again (~2 ms a request) held back vLLM's admission of the next request."""
-    key = _op_cache_key(op, geo, resolve_vector, versions)
     if key is None:
         _op_cache.uncached += 1
-        return _parse_new_op(op, geo, resolve_vector, path)
-    parsed = _op_cache.entries.get(key)
+        return _parse_new_op(op, geo, resolve_vector, path, memo)
+    parsed = _op_cache.get(key)
     if parsed is not None:
         _op_cache.hits += 1
         return parsed
     _op_cache.misses += 1
-    parsed = _parse_new_op(op, geo, resolve_vector, path)
-    _op_cache.put(key, parsed)
+    parsed = _parse_new_op(op, geo, resolve_vector, path, memo)
+    _op_cache.put(key, parsed, len(parsed.vector) + _token_bytes(key[2]))
     return parsed
 
 
-class _OpCache:
-    """Parsed ops by what identifies them (``_op_cache_key``), oldest out first; bounded in entries and in the
-    bytes its keys and vectors hold (a served engine's clients choose the vectors). Counters for tests and
-    benchmarks: ``op_cache_info()``."""
-
-    MAX_ENTRIES = 4096
-    MAX_BYTES = 64 << 20
-
-    def __init__(self):
-        self.entries: dict[tuple, SteerOp] = {}
-        self.sizes: dict[tuple, int] = {}
-        self.bytes = 0
-        self.hits = self.misses = self.uncached = 0
-        self._lock = threading.Lock()  # misses only: an in-process engine parses in more than one thread
-
-    def put(self, key: tuple, op: SteerOp) -> None:
-        size = len(op.vector) + sum(len(x) for x in key[2] if isinstance(x, bytes))
-        with self._lock:
-            if key in self.entries:
-                return
-            while self.entries and (len(self.entries) >= self.MAX_ENTRIES or self.bytes + size > self.MAX_BYTES):
-                old = next(iter(self.entries))
-                del self.entries[old]
-                self.bytes -= self.sizes.pop(old)
-            self.entries[key] = op
-            self.sizes[key] = size
-            self.bytes += size
+def _token_bytes(token: tuple) -> int:
+    return len(token[2]) if token[0] == "raw" else 0  # the other tokens name content by digest or file version
 
 
-_op_cache = _OpCache()
+_op_cache = _parse_cache.OPS
 
 
 def op_cache_info() -> dict:
-    """This process's parsed-op cache: ``hits``, ``misses`` (parsed, then kept), ``uncached`` (ops not
-    recognizable cheaply: an injected resolver, unusual field types), ``entries`` and ``bytes``."""
-    c = _op_cache
-    return {"hits": c.hits, "misses": c.misses, "uncached": c.uncached, "entries": len(c.entries),
-            "bytes": c.bytes}
+    """This process's parsed-op cache: ``hits`` (ops found parsed, one by one or in a cached list), ``misses``
+    (parsed, then kept), ``uncached`` (ops not recognizable cheaply: an injected resolver, unusual field types),
+    ``entries`` and ``bytes``; ``lists`` and ``inline``: the same counters of the parsed-list cache and of the
+    inline vectors' tokens (``spec._parse_cache``)."""
+    return _parse_cache.info()
 
 
-def _vector_token(vec: Any, hidden_size: int, resolve_vector, versions: dict) -> tuple | None:
+_FIELD_TYPES = (int, float, str, type(None))
+_KEY_TYPES = frozenset(_FIELD_TYPES)
+
+
+def _vector_token(vec: Any, hidden_size: int, resolve_vector, memo: dict) -> tuple | None:
     """What identifies the vector of an op (with the model geometry and the op's other fields, the parsed op):
-    inline content by its bytes (hashed by the dict, ~3 µs for 16 KiB), a digest-carrying form by its digest
-    (no bytes touched: the engine side of every form), a name by its file's version. None: parse it anew."""
+    inline content by its bytes, a digest-carrying form by its digest (no bytes touched: the engine side of every
+    form), a name by its file's version. None: parse it anew. ``memo`` (one per steering list): one token per
+    vector object and one stat per name, however many ops share them (a request steering 32 layers with one
+    array converts and compares it once)."""
     kind = type(vec)
     if kind is dict:
         keys = vec.keys()
         if keys == {"f32"} and type(vec["f32"]) is bytes:
             return ("raw", "<f4", vec["f32"])  # bytes hash once per object, and compare by content
         if keys == {"f32", "digest"} and type(vec["f32"]) is bytes and type(vec["digest"]) is str:
+            memo[("digest", vec["digest"])] = vec["f32"]  # for later ops of the list that name it alone
             return ("f32", vec["digest"])  # its first parse checked the digest against the bytes
+        if keys == {"digest"} and type(vec["digest"]) is str:  # the bytes an earlier op of the list carries
+            return ("f32", vec["digest"]) if ("digest", vec["digest"]) in memo else None
         if keys == {"name", "digest"} and type(vec["name"]) is str and type(vec["digest"]) is str:
             return ("digest", vec["name"], vec["digest"])  # content-addressed: no file to check
         if keys == {"name"} and type(vec["name"]) is str and resolve_vector is None:
             name = vec["name"]
-            if name in versions:
-                version = versions[name]
+            if name in memo:
+                version = memo[name]
             else:
                 from mia_stream.spec.vectors import vector_version
 
-                version = versions[name] = vector_version(name)
+                version = memo[name] = vector_version(name)
             return None if version is None else ("name", name, version)
         return None
-    if kind is np.ndarray:
-        if vec.shape != (hidden_size,) or vec.dtype.kind not in "iuf":
-            return None
-        return ("raw", vec.dtype.str, vec.tobytes())  # an array may change between requests: its content is the key
-    if kind is list or kind is tuple:
-        raw = _list_bytes(vec) if len(vec) == hidden_size else None  # a wrong length: the parse says so
-        return None if raw is None else ("raw", "<f8", raw)
+    if kind is np.ndarray or kind is list or kind is tuple:
+        seen = memo.get(id(vec))
+        if seen is not None and seen[0] is vec:
+            return seen[1]
+        if kind is np.ndarray:  # an array may change between requests: its content of now is the key
+            if vec.shape != (hidden_size,) or vec.dtype.kind not in "iuf":
+                return None
+            dtype, raw = vec.dtype.str, vec.tobytes()
+        else:
+            raw = _list_bytes(vec) if len(vec) == hidden_size else None  # a wrong length: the parse says so
+            if raw is None:
+                return None
+            dtype = "<f8"
+        token = _parse_cache.INLINE.token(id(vec), dtype, raw)
+        memo[id(vec)] = (vec, token)  # the object is alive (in the caller's list) while this list is parsed
+        return token
     return None
 
 
-def _op_cache_key(op: Any, geo: ModelGeometry, resolve_vector, versions: dict) -> tuple | None:
+def _op_cache_key(op: Any, geo: ModelGeometry, resolve_vector, memo: dict) -> tuple | None:
     """A key that identifies the parsed op, or None when the op cannot be recognized cheaply (an injected
     resolver, unusual field types: those are parsed every time)."""
     if type(op) is not dict or not op.keys() <= _STEER_KEYS:
         return None
-    token = _vector_token(op.get("vector"), geo.hidden_size, resolve_vector, versions)
+    token = _vector_token(op.get("vector"), geo.hidden_size, resolve_vector, memo)
     if token is None:
         return None
     fields = []
     for name in ("layer", "op", "scale", "threshold", "positions"):
         value = op.get(name)
-        if type(value) not in (int, float, str, type(None)):
+        kind = type(value)
+        if kind not in _FIELD_TYPES:
             return None
-        fields.append((type(value), value))  # typed: True == 1 == 1.0 must not share an entry
+        if kind is float and value == 0.0:  # -0.0 == 0.0, but they scale differently
+            fields.append((kind, value, math.copysign(1.0, value)))
+        else:
+            fields.append((kind, value))  # typed: True == 1 == 1.0 must not share an entry
     return (geo.num_layers, geo.hidden_size, token, *fields)
 
 
-def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> SteerOp:
+def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str, memo: dict) -> SteerOp:
     op = _keys(op, _STEER_KEYS, path, SteeringSpecError)
     layer = op.get("layer")
     if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < geo.num_layers:
@@ -409,7 +541,49 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> Ste
     if kind not in STEER_OPS:
         _fail(SteeringSpecError, path + "['op']", f"must be one of {list(STEER_OPS)}, got {kind!r}")
     vec = op.get("vector")
+    source = _vector_source(vec)
+    made = memo.get(("vector", source, kind != "add")) if source is not None else None
+    if made is None:
+        vector, ref, digest = _vector_bytes(vec, kind, geo, resolve_vector, path, memo)
+        made = (vector, ref, digest or hashlib.blake2b(vector, digest_size=16).hexdigest())
+        if source is not None:
+            memo[("vector", source, kind != "add")] = made
+            if source[0] == "bytes" and type(vec.get("digest")) is str:  # checked: later {"digest"} ops reuse it
+                memo[("vector", ("digest", vec["digest"]), kind != "add")] = made
+    vector, ref, digest = made
+    scale, threshold = op.get("scale", 1.0), op.get("threshold", 0.0)
+    for name, value in (("scale", scale), ("threshold", threshold)):
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+            _fail(SteeringSpecError, path + f"['{name}']", f"must be a finite number, got {value!r}")
+    positions = _positions(op.get("positions", "all"), path + "['positions']", STEER_POSITIONS, SteeringSpecError)
+    parsed = SteerOp(layer, kind, vector, float(scale), float(threshold), positions, ref)
+    parsed.__dict__["digest"] = digest  # its cached_property: one hash per vector of the list, not per op
+    return parsed
+
+
+def _vector_source(vec: Any) -> tuple | None:
+    """What a vector's conversion depends on, within one list's parse (the objects are alive in the caller's list
+    until it returns): the object itself for an inline vector, the bytes object of an ``f32`` form, the digest of a
+    ``{"digest"}`` form (the bytes it names), the name and digest of a named one. None: convert it for each op."""
+    kind = type(vec)
+    if kind is list or kind is tuple or kind is np.ndarray:
+        return ("object", id(vec))
+    if kind is dict:
+        if "f32" in vec:
+            return ("bytes", id(vec["f32"]))
+        if vec.keys() == {"digest"}:
+            return ("digest", vec["digest"]) if type(vec["digest"]) is str else None
+        if "name" in vec and type(vec["name"]) is str and type(vec.get("digest", "")) is str:
+            return ("name", vec["name"], vec.get("digest"))
+    return None
+
+
+def _vector_bytes(vec: Any, kind: str, geo: ModelGeometry, resolve_vector, path: str,
+                  memo: dict) -> tuple[bytes, tuple | None, str | None]:
+    """An op's vector, checked, as float32 bytes (unit-normalized for cap/ablate), its (name, digest) when it is a
+    registered one, and the digest of those bytes when it is known already (None: hash them)."""
     ref = None
+    given = None  # (float32 bytes, their checked digest or None) of a vector given as float32 bytes
     if isinstance(vec, dict) and set(vec) in ({"f32"}, {"f32", "digest"}):  # float32 little-endian bytes
         if not isinstance(vec["f32"], (bytes, bytearray, memoryview)) or len(vec["f32"]) != 4 * geo.hidden_size:
             _fail(SteeringSpecError, path + "['vector']",
@@ -419,6 +593,16 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> Ste
         # the op by the digest alone), so no digest can stand for other bytes
         if "digest" in vec and vec["digest"] != hashlib.blake2b(raw, digest_size=16).hexdigest():
             _fail(SteeringSpecError, path + "['vector']['digest']", "is not the digest of the vector's f32 bytes")
+        given = (raw, vec.get("digest"))
+        arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+    elif isinstance(vec, dict) and set(vec) == {"digest"}:  # the normalized form: an earlier op carries the bytes
+        raw = memo.get(("digest", vec["digest"])) if isinstance(vec["digest"], str) else None
+        if raw is None:
+            _fail(SteeringSpecError, path + "['vector']", "{'digest': D} names no vector an earlier op of the list "
+                  "carries as {'f32': bytes, 'digest': D}")
+        if len(raw) != 4 * geo.hidden_size or vec["digest"] != hashlib.blake2b(raw, digest_size=16).hexdigest():
+            _fail(SteeringSpecError, path + "['vector']['digest']", "is not the digest of the vector's f32 bytes")
+        given = (raw, vec["digest"])
         arr = np.frombuffer(raw, dtype="<f4").astype(np.float64)
     elif isinstance(vec, dict):
         if set(vec) not in ({"name"}, {"name", "digest"}) or not all(isinstance(x, str) for x in vec.values()):
@@ -444,7 +628,11 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> Ste
         except ValueError as e:
             _fail(SteeringSpecError, path + "['vector']", str(e))
     elif isinstance(vec, (list, tuple)):
-        arr = _float_list(vec, path)
+        seen = memo.get(id(vec))  # its token holds the float64 bytes already (_vector_token)
+        if seen is not None and seen[0] is vec and seen[1] is not None and seen[1][1] == "<f8":
+            arr = np.frombuffer(seen[1][2], dtype=np.float64)
+        else:
+            arr = _float_list(vec, path)
     elif isinstance(vec, np.ndarray):
         if vec.dtype.kind not in "iuf":  # bool or non-numeric arrays
             _fail(SteeringSpecError, path + "['vector']", "must be a list of numbers")
@@ -458,15 +646,11 @@ def _parse_new_op(op: Any, geo: ModelGeometry, resolve_vector, path: str) -> Ste
               f"has length {arr.size}; the model's hidden size is {geo.hidden_size}")
     if not np.all(np.isfinite(arr)):
         _fail(SteeringSpecError, path + "['vector']", "contains NaN or inf")
-    scale, threshold = op.get("scale", 1.0), op.get("threshold", 0.0)
-    for name, value in (("scale", scale), ("threshold", threshold)):
-        if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
-            _fail(SteeringSpecError, path + f"['{name}']", f"must be a finite number, got {value!r}")
+    if kind == "add" and given is not None:  # float32 -> float64 -> float32 is exact: the bytes as given
+        return given[0], ref, given[1]
     if kind != "add":
         norm = float(np.linalg.norm(arr))
         if norm == 0.0:
             _fail(SteeringSpecError, path + "['vector']", f"a '{kind}' direction must be non-zero")
         arr = arr / norm
-    positions = _positions(op.get("positions", "all"), path + "['positions']", STEER_POSITIONS, SteeringSpecError)
-    return SteerOp(layer, kind, arr.astype("<f4").tobytes(), float(scale),
-                   float(threshold), positions, ref)
+    return arr.astype("<f4").tobytes(), ref, None
