@@ -155,6 +155,11 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("MIA_STREAM_SHM_BYTES", "size", "bus",
             "Size of a publisher's shared-memory tensor ring in /dev/shm (only to a broker on this host); 0: "
             "tensors go inline through the broker.", default=256 * MiB, minimum=0),
+    Setting("MIA_STREAM_SHM_ZERO_COPY", "flag", "bus",
+            "A consumer reads producers' shared-memory rings in place: its tensors are read-only views of the "
+            "mapping, valid until the event is released (copy what you keep: `event.keep()`); an overwrite "
+            "while in use is a `shm_overrun_in_use` gap. 0: each tensor is copied out of the ring, as before.",
+            default=True),
     Setting("MIA_STREAM_SHM_AHEAD_BYTES", "size", "bus",
             "How far a publisher's ring may run ahead of what the broker has received before tensor frames are "
             "dropped at the source (`shm_ahead_of_broker`); 0: no bound.",
