@@ -121,6 +121,11 @@ SETTINGS: dict[str, Setting] = _table(
             "Host memory per worker that captured rows wait in until the drain sidecar has published them "
             "(on CUDA pinned from the start). A step that finds it full drops its frames (`host_ring_full`).",
             default=512 * MiB, unit=MiB, minimum=MiB),
+    Setting("MIA_STREAM_HOST_RING_SHM", "flag", "engine",
+            "The host ring is a named /dev/shm ring consumers read in place: a step's rows that lie in it as one "
+            "slice are published by reference, not copied again (issue 29). 0 (or no room in /dev/shm): an "
+            "anonymous memfd whose rows the publisher copies into its own ring, as before.",
+            default=True),
     Setting("MIA_STREAM_STEER_SLOTS", "int", "engine",
             "Distinct steering ops the engine holds at once (requests with identical ops share one).",
             default=512, minimum=1),

@@ -19,6 +19,7 @@ from mia_stream.bus.publisher import FramePublisher
 from mia_stream.bus.shm_ring import shm_available
 from mia_stream.consumers import open_batches, open_stream
 from mia_stream.schemas import StreamEnd, StreamStart, Tensor, TensorFrame
+from mia_stream.schemas._oob import RING_NAME
 
 pytestmark = pytest.mark.skipif(not shm_available(), reason="needs a writable /dev/shm")
 
@@ -78,6 +79,7 @@ class _Collector:
         return self.stream.client
 
     def close(self):
+        self.rings = list(self.client._shm._rings)  # the rings it read from, before they are unmapped
         self.stream.close()
 
 
@@ -123,6 +125,14 @@ def test_zero_copy_views_give_the_copy_paths_bytes_for_a_real_engine_stream(engi
     assert zb.client.ring_bytes["copied"] == 0 and zb.client.ring_bytes["viewed"] > 0
     assert cp.client.ring_bytes["viewed"] == 0 and cp.client.ring_bytes["copied"] > 0
     assert zc.client.ring_bytes["viewed"] == cp.client.ring_bytes["copied"]
+    # the rows came by reference into the engine worker's host ring, not through the drain sidecar's own ring
+    owners = {_cmdline(int(RING_NAME.fullmatch(name).group(1))) for name in zc.rings}
+    assert owners and not any("mia_stream.producer._sidecar" in c for c in owners), owners
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode(errors="replace")
 
 
 def _frame(pub, rid: str, seq: int, nbytes: int) -> TensorFrame:
@@ -227,3 +237,81 @@ def test_the_copy_path_is_unaffected_by_a_later_overwrite():
                 pub.close()
         finally:
             kill(broker)
+
+
+def test_host_ring_rows_go_by_reference_and_the_engine_drops_rather_than_overwrite_them(tmp_path):
+    """The producer's host ring is a /dev/shm ring: decode steps of requests captured alike go to the broker as
+    references into it, and the publisher's own ring receives no byte (no copy after the engine's copy). While
+    the broker does not read, references are in flight, so the engine may not reuse their chunks: with a ring of
+    six steps' chunks it drops later steps at the source (``host_ring_full``: counted, each drop named by a gap)
+    and never waits (each step returns at once). What arrives is every step's own rows, and once the broker
+    reads again the engine captures every step again."""
+    import tempfile
+
+    from mia_stream.spec import ModelGeometry
+    from stub_broker import StubBroker
+    from test_drain import Engine, check_rows, ended, per_request, runtimes, seqs_exact
+
+    geo = ModelGeometry(num_layers=2, hidden_size=4096, num_heads=2, num_kv_heads=2, head_dim=4)
+    d = tempfile.mkdtemp(prefix="mia-", dir="/tmp")
+    broker = StubBroker(d, shm=True)
+    pub = FramePublisher(d, producer_id="hostref", shm_bytes=64 << 20)
+    n = 4
+    try:
+        wait_for(lambda: pub.broker_shm_received, timeout=10)
+        rt, = runtimes([pub], cfg={"capture_qk": False, "host_ring_bytes": 6 * n * geo.hidden_size * 4}, geo=geo)
+        ring = rt._ring
+        assert ring.name and (ring.size - 4096) < 2 * 6 * n * geo.hidden_size * 4
+        engine = Engine([rt], geo=geo)
+        spec = {"capture": {"hidden_states": {"layers": [1], "positions": "all"}}}
+        for i in range(n):
+            engine.add(f"v{i}", spec, 1)
+        k = 0
+        step_s = []
+
+        def run(steps):
+            nonlocal k
+            for _ in range(steps):
+                t0 = time.monotonic()
+                engine.step([(f"v{i}", k, 1) for i in range(n)], sample=False)
+                step_s.append(time.monotonic() - t0)
+                assert rt.wait_drained(10)
+                k += 1
+
+        run(5)
+        wait_for(lambda: len(broker.messages) >= 5 + n, timeout=10)  # received: the ring is free again
+        broker.pause()
+        run(20)  # six chunks fit; the rest find the ring held by references in flight
+        paused_drops = rt.stats["dropped_frames"]
+        broker.resume()
+        wait_for(lambda: int(ring._received[0]) >= ring._read(5), timeout=10)  # the broker caught up
+        run(5)
+        for i in range(n):
+            rt.finish_request(f"v{i}", "length", k + 1)
+        assert rt.wait_drained(10)
+        msgs = broker.wait_for(lambda got: ended(got) == n, timeout=20)
+        stats = rt.stats
+        rt.close()
+    finally:
+        pub.close()
+        broker.close()
+    assert not broker.malformed
+    # every request lost the steps after the ring filled (six chunks, and what the broker read as it paused) ...
+    assert paused_drops % n == 0 and paused_drops >= n * (20 - 10)
+    assert stats["dropped_frames"] == paused_drops  # ... and none before the pause or after it
+    assert max(step_s[5:25]) < 0.5  # a full ring never made the engine wait (the first step warms up)
+    assert stats["ref_messages"] >= 5 + 6 + 5 and stats["ref_resets"] == 0
+    assert pub.counters["host_ring_refs"] == stats["ref_messages"]
+    assert pub.shm_ring.bytes == 0  # nothing was copied into the publisher's own ring
+    streams = per_request(msgs)
+    for i in range(n):
+        m = streams[f"s-v{i}"]
+        seqs_exact(m)
+        gaps = [g for _, kind, g, _ in m if kind == "gap"]
+        assert {g.reason for g in gaps} == {"host_ring_full"}
+        frames = [f for _, kind, f, _ in m if kind == "frame"]
+        positions = [f.positions[0] for f in frames]
+        assert positions[:5] == list(range(5)) and positions[-5:] == list(range(k - 5, k))
+        assert len(frames) + stats["dropped_frames"] // n == k
+        for f in frames:
+            check_rows(f, engine.index[f"v{i}"], geo=geo)

@@ -77,6 +77,45 @@ def shm_reachable(endpoint: str) -> bool:
     return endpoint.startswith("ipc://") and shm_available()
 
 
+def create_ring_file(size: int, directory: str = SHM_DIR) -> tuple[int, str, bytes]:
+    """A new ring file of ``size`` data bytes in ``directory`` with its header written (magic, size, pid, the
+    owner digest of a fresh secret): ``(descriptor, name, secret)``. Its pages are allocated now: a store into a
+    page a full tmpfs cannot back would be a SIGBUS; here it is an OSError (ENOSPC). A writer that is not a
+    ``ShmRingWriter`` (the producer's host ring, which its engine fills by DMA) keeps the header protocol by
+    storing ``reserved`` (``RESERVED_AT``) before it writes a region, and reads ``received`` (``RECEIVED_AT``)."""
+    sweep_stale_rings(directory)
+    name = f"mia-stream-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    secret = secrets.token_bytes(16)  # never written anywhere readers can see: only its digest is
+    try:
+        os.posix_fallocate(fd, 0, _HEADER + size)
+        head = bytearray(_OWNER_AT + _OWNER_LEN)
+        head[:8] = _MAGIC
+        _U64.pack_into(head, 8, size)
+        _U64.pack_into(head, 24, os.getpid())
+        head[_OWNER_AT:] = hashlib.sha256(secret).digest()
+        os.pwrite(fd, bytes(head), 0)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    return fd, name, secret
+
+
+RESERVED_AT, RECEIVED_AT, HANDED_OVER_AT, DATA_AT = _RESERVED_AT, _RECEIVED_AT, _HANDED_OVER_AT, _HEADER
+
+
+def ownership_proof(name: str, secret: bytes) -> dict:
+    """What a ring's writer presents to its broker (heartbeat stats key ``SHM_RING_PROOF_KEY``)."""
+    return {"ring": name, "secret": secret.hex()}
+
+
+def unlink_ring(name: str, directory: str = SHM_DIR) -> None:
+    if is_ring_name(name):
+        _unlink(os.path.join(directory, name))
+
+
 class ShmRingWriter:
     """The producer's ring. ``put(buffer)`` -> its position, or None for a buffer that stays inline."""
 
@@ -84,25 +123,16 @@ class ShmRingWriter:
         self.size = int(size)
         self.min_bytes = int(min_bytes)
         self.max_bytes = self.size // 4  # a buffer this large would evict most of what is in flight
-        sweep_stale_rings(directory)
-        self.name = f"mia-stream-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        # OSError (e.g. ENOSPC: a full /dev/shm) reaches the caller, which then sends inline
+        fd, self.name, self._secret = create_ring_file(self.size, directory)
         self.path = os.path.join(directory, self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            # Allocated now, not on first touch: a store into a page a full tmpfs cannot back is a SIGBUS,
-            # which would kill the engine; here it is an OSError (ENOSPC) and the caller sends inline.
-            os.posix_fallocate(fd, 0, _HEADER + self.size)
             self._mm = mmap.mmap(fd, _HEADER + self.size, flags=_MAP_FLAGS)
         except BaseException:
-            os.close(fd)
             _unlink(self.path)
             raise
-        os.close(fd)
-        self._mm[:8] = _MAGIC
-        _U64.pack_into(self._mm, 8, self.size)
-        _U64.pack_into(self._mm, 24, os.getpid())
-        self._secret = secrets.token_bytes(16)  # never written anywhere readers can see: only its digest is
-        self._mm[_OWNER_AT:_OWNER_AT + _OWNER_LEN] = hashlib.sha256(self._secret).digest()
+        finally:
+            os.close(fd)
         self._view = memoryview(self._mm)
         self._reserved = _counter(self._mm)
         self._received = _counter(self._mm, _RECEIVED_AT)
@@ -135,7 +165,7 @@ class ShmRingWriter:
     def ownership_proof(self) -> dict:
         """What this ring's writer presents to its broker (heartbeat stats key ``SHM_RING_PROOF_KEY``) so that
         the broker accepts this ring's references from it and from no other peer."""
-        return {"ring": self.name, "secret": self._secret.hex()}
+        return ownership_proof(self.name, self._secret)
 
     @property
     def received(self) -> int:
