@@ -315,3 +315,58 @@ def test_host_ring_rows_go_by_reference_and_the_engine_drops_rather_than_overwri
         assert len(frames) + stats["dropped_frames"] // n == k
         for f in frames:
             check_rows(f, engine.index[f"v{i}"], geo=geo)
+
+
+def test_only_the_producer_that_proved_its_host_ring_may_reference_it():
+    """A producer's host ring (a /dev/shm ring its drain's publisher proves with ``add_ring_proof``) is referenced
+    by that publisher and read by a consumer; a second peer (its own process) that references the same host ring,
+    with a made-up proof, is refused (``shm_ring_not_owned``) and moves nothing of the ring's ``received``."""
+    import json
+    import subprocess
+    import sys
+
+    from bus_helpers import processes, stats
+    from mia_stream.bus.shm_ring import ownership_proof
+    from mia_stream.producer._host_ring import HostRing
+    from test_bus_refusals import _FORGER, TESTS
+
+    nbytes = 64 << 10
+    ring = HostRing.create(1 << 20, shared=True)
+    assert ring.name
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(f"ipc://{d}"))
+        with open_stream(f"ipc://{d}", patterns=("host-*",), timeout=20, consumer_id="host-reader") as events:
+            wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
+            pub = FramePublisher(f"ipc://{d}", producer_id="host-owner", shm_bytes=1 << 20)
+            pub.add_ring_proof(ownership_proof(ring.name, ring.secret))
+            try:
+                wait_for(lambda: pub.broker_shm_received, timeout=10)
+                wait_for(lambda: stats(d)["totals"].get("shm_rings_proven", 0) >= 2, timeout=10)
+                pub.publish(StreamStart("host-0", pub.producer_id, pub.epoch, pub.next_seq("host-0")))
+                offset, mark = ring.alloc(nbytes)  # what the engine's DMA would fill
+                rows = ring.view(offset, nbytes).view(np.float32).reshape(1, 1, -1)
+                rows[:] = 7.0
+                refs = ring.references(mark)
+                assert pub.publish(TensorFrame("host-0", pub.producer_id, pub.epoch, pub.next_seq("host-0"), 0,
+                                               positions=[0], tensors=[Tensor.from_array("hs", rows, layers=(0,))]),
+                                   host_ring=refs)
+                assert refs.end == mark and refs.bytes == nbytes  # by reference: nothing copied
+                wait_for(lambda: int(ring._received[0]) == mark, timeout=10)
+                got = next(ev for ev in events if ev.kind == "frame")
+                assert (got.frame.tensors["hs"] == 7.0).all()
+                offset2, mark2 = ring.alloc(nbytes)  # written, not sent: a forger's target
+                forger = subprocess.run([sys.executable, "-c", _FORGER, d, TESTS, ring.name,
+                                         str(ring.position(offset2, mark2)), str(nbytes)],
+                                        capture_output=True, text=True, timeout=60)
+                assert forger.returncode == 0, forger.stderr
+                replies = json.loads(forger.stdout)
+                time.sleep(0.5)
+                assert int(ring._received[0]) == mark  # the forged reference moved nothing
+                totals = stats(d)["totals"]
+            finally:
+                pub.close()
+    ring.unlink()
+    ring.close()
+    assert pub.counters["host_ring_refs"] == 1 and pub.shm_ring.bytes == 0
+    assert totals["shm_ring_not_owned"] == 1 and totals["shm_ring_proof_refused"] == 1
+    assert [r[1] for r in replies if r[0] == "error"] == ["shm_ring_not_owned", "shm_ring_not_owned"]
