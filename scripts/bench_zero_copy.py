@@ -11,8 +11,9 @@ views of the ring) and copy (``zero_copy=False``: each tensor copied out of the 
 A-B-A order (``--rounds`` consumers: zc, copy, zc, ...). A round generates ``--n`` requests capturing hidden
 states of ``--layers`` at every position, again until it has run ``--min-run-s``.
 
-Per round, from the consumer: step batches read, its CPU seconds per step batch (``time.process_time`` over
-the round, so waiting costs nothing), ring bytes copied and viewed per step batch, the latency from a batch's
+Per round, from the consumer, from its ``--skip``-th step batch on (past the prompt steps and its first mapping
+of the ring, one-offs): step batches read, its CPU milliseconds per step batch (``time.process_time`` until the
+last one, so waiting costs little), ring bytes copied and viewed per step batch, the latency from a batch's
 ``time_ns`` (its rows reached the host) to the consumer, p50 / p99, and gaps. ``--pyspy``: the consumer of
 each round is sampled too (share of its samples in ``ShmRingReader.read``/``gather``/``view``). Prints one
 JSON line per round and a summary (median and range per mode).
@@ -43,18 +44,25 @@ def consume(a: argparse.Namespace) -> int:
 
     zero_copy = a.zero_copy == "1"
     lat, steps, gaps, rows = [], 0, 0, 0
-    cpu0 = wall0 = None
+    cpu0 = wall0 = cpu1 = wall1 = None
+    first: dict = {}
     with open_batches(a.address, timeout=None, zero_copy=zero_copy, consumer_id=f"bench-{a.zero_copy}") as events:
         print("ready", flush=True)
+        cpu_ready = time.process_time()
         src = events._source
         client = src.client
         copied0 = viewed0 = 0
         for ev in src.events(timeout=a.idle):
             if ev.kind == "batch" and ev.batch.KIND == "step_batch":
                 now = time.time_ns()
-                if cpu0 is None:
+                if steps == a.skip:  # from here: past the prompt steps and the ring's first mapping (one-offs)
                     cpu0, wall0 = time.process_time(), time.monotonic()
+                    first = {"first_cpu_ms": round((cpu0 - cpu_ready) * 1e3, 1),
+                             "first_copied_mib": round(client.ring_bytes["copied"] / 2**20, 1),
+                             "first_viewed_mib": round(client.ring_bytes["viewed"] / 2**20, 1)}
                     copied0, viewed0 = client.ring_bytes["copied"], client.ring_bytes["viewed"]
+                    steps, rows, lat = 0, 0, []
+                    a.skip = -1
                 total = 0.0
                 for g in ev.batch.groups:
                     if g.has("hs"):
@@ -63,19 +71,19 @@ def consume(a: argparse.Namespace) -> int:
                         rows += t.shape[1]
                 steps += 1
                 lat.append((now - ev.batch.time_ns) / 1e6)
+                cpu1, wall1 = time.process_time(), time.monotonic()
             elif ev.kind == "gap":
                 gaps += 1
-        cpu1, wall1 = time.process_time(), time.monotonic()
         rb = client.ring_bytes
         counters = dict(client.counters)
     out = {"zero_copy": zero_copy, "steps": steps, "rows": rows, "gaps": gaps,
            "cpu_ms_per_step": round((cpu1 - cpu0) * 1e3 / max(1, steps), 3) if cpu0 is not None else None,
-           "wall_s": round(wall1 - wall0 - a.idle, 2) if wall0 is not None else None,
+           "wall_s": round(wall1 - wall0, 2) if wall0 is not None else None,
            "copied_mib_per_step": round((rb["copied"] - copied0) / 2**20 / max(1, steps), 3),
            "viewed_mib_per_step": round((rb["viewed"] - viewed0) / 2**20 / max(1, steps), 3),
            "latency_ms_p50": round(float(np.percentile(lat, 50)), 2) if lat else None,
            "latency_ms_p99": round(float(np.percentile(lat, 99)), 2) if lat else None,
-           "overruns": {k: v for k, v in counters.items() if k.startswith("shm_")}}
+           "overruns": {k: v for k, v in counters.items() if k.startswith("shm_")}, **first}
     print(json.dumps(out), flush=True)
     return 0
 
@@ -86,6 +94,7 @@ def main() -> int:
     ap.add_argument("--address")
     ap.add_argument("--zero-copy", default="1")
     ap.add_argument("--idle", type=float, default=4.0, help="a consumer ends after this long without events")
+    ap.add_argument("--skip", type=int, default=4, help="step batches a consumer reads before it measures")
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--prompt-len", type=int, default=64)
@@ -112,7 +121,7 @@ def main() -> int:
 
         from mia_stream.model import default_model_dir
 
-        llm = LLM(default_model_dir(), dtype="float32", max_model_len=a.max_len, seed=0, enable_prefix_caching=False)
+        llm = LLM(str(default_model_dir()), dtype="float32", max_model_len=a.max_len, seed=0, enable_prefix_caching=False)
         layers = "all" if a.layers == "all" else [int(x) for x in a.layers.split(",")]
         prompt = list(range(100, 100 + a.prompt_len))
         for r in range(a.rounds):
@@ -159,7 +168,7 @@ def main() -> int:
                 key: {"median": statistics.median(r[key] for r in rows), "min": min(r[key] for r in rows),
                       "max": max(r[key] for r in rows)}
                 for key in ("cpu_ms_per_step", "copied_mib_per_step", "viewed_mib_per_step", "latency_ms_p50",
-                            "latency_ms_p99", "steps")}
+                            "latency_ms_p99", "steps", "first_cpu_ms", "first_copied_mib")}
     print(json.dumps({"summary": summary}), flush=True)
     return 0
 

@@ -228,7 +228,7 @@ class BrokerClient:
         weight = None  # what the broker counted against the window for this message, when not its wire bytes
         try:
             if _references_shm(frames):
-                # decoded straight from the producer's ring: one header unpack and one copy of each tensor
+                # decoded straight from the producer's ring: one header unpack, and each tensor a view (zero_copy) or a copy
                 shm = self._shm
                 before = shm.bytes_read
                 shm.take_lease()  # what a failed decode left

@@ -2,8 +2,10 @@
 
 A producer on the broker's host writes each large tensor buffer into its own ring, a file in ``/dev/shm``
 (mode 0600), and the message carries the buffer's position instead of its bytes. The broker forwards only
-the small message; a consumer on the same host copies the bytes out of the ring. That takes the broker's
-copy in and copy out off every large frame (the bus did 4 copies per frame where one pyzmq hop does 2).
+the small message; a consumer on the same host reads the bytes from the ring (a view, or a copy). That takes
+the broker's copy in and copy out off every large frame (the bus did 4 copies per frame where one pyzmq hop
+does 2). The producer's engine fills its host ring (producer/_host_ring.py) by DMA with this layout itself
+(``create_ring_file``), so its rows reach consumers with no copy on the host.
 
 The ring never blocks its writer: it overwrites its oldest bytes. So that what it overwrites is not still on
 its way to the broker, the broker stores in the header how far it has received (``received``), and the
