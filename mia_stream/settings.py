@@ -121,6 +121,11 @@ SETTINGS: dict[str, Setting] = _table(
             "Host memory per worker that captured rows wait in until the drain sidecar has published them "
             "(on CUDA pinned from the start). A step that finds it full drops its frames (`host_ring_full`).",
             default=512 * MiB, unit=MiB, minimum=MiB),
+    Setting("MIA_STREAM_HOST_RING_SHM", "flag", "engine",
+            "The host ring is a named /dev/shm ring consumers read in place: a step's rows that lie in it as one "
+            "slice are published by reference, not copied again (issue 29). 0 (or no room in /dev/shm): an "
+            "anonymous memfd whose rows the publisher copies into its own ring, as before.",
+            default=True),
     Setting("MIA_STREAM_STEER_SLOTS", "int", "engine",
             "Distinct steering ops the engine holds at once (requests with identical ops share one).",
             default=512, minimum=1),
@@ -155,6 +160,11 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("MIA_STREAM_SHM_BYTES", "size", "bus",
             "Size of a publisher's shared-memory tensor ring in /dev/shm (only to a broker on this host); 0: "
             "tensors go inline through the broker.", default=256 * MiB, minimum=0),
+    Setting("MIA_STREAM_SHM_ZERO_COPY", "flag", "bus",
+            "A consumer reads producers' shared-memory rings in place: its tensors are read-only views of the "
+            "mapping, valid until the event is released (copy what you keep: `event.keep()`); an overwrite "
+            "while in use is a `shm_overrun_in_use` gap. 0: each tensor is copied out of the ring, as before.",
+            default=True),
     Setting("MIA_STREAM_SHM_AHEAD_BYTES", "size", "bus",
             "How far a publisher's ring may run ahead of what the broker has received before tensor frames are "
             "dropped at the source (`shm_ahead_of_broker`); 0: no bound.",

@@ -200,13 +200,15 @@ def test_the_ring_source_bound_drops_step_batches_and_names_each_request(run_dir
 
 
 @pytest.mark.parametrize("shm", [False, True], ids=["inline", "shm-ring"])
-def test_ring_views_are_copied_once_and_never_left_referenced(run_dir, shm):
+def test_ring_views_are_copied_once_and_never_left_referenced(run_dir, shm, monkeypatch):
     """A decode step of requests captured alike is published as a view of the host ring (no copy in the
     drain). The host ring is reused as soon as the step is published, while the stub broker does not read:
     what arrives later must still be each step's own rows (a message still referencing the ring would carry
-    a later step's)."""
+    a later step's). The host ring here is a memfd, whose rows the publisher copies (its references into a
+    /dev/shm host ring: tests/test_shm_zero_copy.py)."""
     if shm and not shm_available():
         pytest.skip("needs a writable /dev/shm")
+    monkeypatch.setenv("MIA_STREAM_HOST_RING_SHM", "0")
     geo = ModelGeometry(num_layers=2, hidden_size=4096 if shm else 8, num_heads=2, num_kv_heads=2, head_dim=4)
     broker = StubBroker(run_dir, shm=shm)
     pub = FramePublisher(run_dir, producer_id="pubc-views", shm_bytes=(64 << 20) if shm else 0)

@@ -12,7 +12,8 @@ only through ``schemas._oob``.
 """
 
 from mia_stream.bus.session import BrokerSession, Capabilities
-from mia_stream.bus.shm_ring import ShmRingReader, ShmRingWriter, shm_available, shm_reachable, sweep_stale_rings
+from mia_stream.bus.shm_ring import (RingLease, ShmRingReader, ShmRingWriter, ring_lease, shm_available, shm_reachable,
+                                     sweep_stale_rings)
 
-__all__ = ["BrokerSession", "Capabilities", "ShmRingReader", "ShmRingWriter", "shm_available", "shm_reachable",
-           "sweep_stale_rings"]
+__all__ = ["BrokerSession", "Capabilities", "RingLease", "ShmRingReader", "ShmRingWriter", "ring_lease", "shm_available",
+           "shm_reachable", "sweep_stale_rings"]

@@ -19,7 +19,7 @@ from typing import Any
 
 import zmq
 
-from mia_stream import metrics
+from mia_stream import metrics, settings
 from mia_stream.bus import transport as _transport
 from mia_stream.errors import BrokerTimeoutError, MalformedFrameError, SharedBufferError, SpecError, WireError
 from mia_stream.schemas import (DEFAULT_MAX_MESSAGE_BYTES, Credit, ErrorNotice, GapBatch, GapNotice, Heartbeat,
@@ -53,8 +53,10 @@ class BrokerClient:
     def __init__(self, address: str | None = None, *, consumer_id: str | None = None, keys: Any = None,
                  window_bytes: int | None = None, heartbeat_s: float = _transport.HEARTBEAT_S,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, context: zmq.Context | None = None,
-                 shm: bool | None = None, select: dict | None = None):
-        """``select`` (schema 2.2): the layers, positions and tensors of each step batch this consumer wants
+                 shm: bool | None = None, select: dict | None = None, zero_copy: bool | None = None):
+        """``zero_copy`` (default: setting ``MIA_STREAM_SHM_ZERO_COPY``, on): tensors read from a producer's
+        ring are read-only views of it, not copies; each such message carries a ``RingLease``
+        (``ring_lease(msg)``) that says whether the ring still holds its bytes. ``select`` (schema 2.2): the layers, positions and tensors of each step batch this consumer wants
         (``{"layers": [15], "positions": "generated", "tensors": ["hs"]}``; spec 3.9), applied by the broker
         without copying tensor bytes; None = everything."""
         try:
@@ -79,7 +81,10 @@ class BrokerClient:
         # the rest of the last batch received; not part of the stash, which send_steering swaps out
         self._unbatched: collections.deque[tuple[list, Message]] = collections.deque()
         self._next_heartbeat = 0.0
-        self._shm = ShmRingReader()  # producers' rings (large tensors skip the broker on one host)
+        if zero_copy is None:
+            zero_copy = settings.get_flag("MIA_STREAM_SHM_ZERO_COPY")
+        # producers' rings (large tensors skip the broker on one host)
+        self._shm = ShmRingReader(zero_copy=bool(zero_copy))
         # None: read producers' rings when on the broker's host (ipc); False: the broker sends every byte
         self._reads_shm = shm_reachable(self.endpoint) if shm is None else bool(shm)
         if window_bytes is None:
@@ -115,8 +120,9 @@ class BrokerClient:
         """The next message (raw frames, decoded) or None after ``timeout`` seconds (None = wait forever).
 
         The raw frames are as received: tensors that came through a producer's shared-memory ring are
-        referenced there, not inline (the decoded message holds a copy of their bytes; to keep raw frames
-        for later, pass them through ``inline_shm`` at once, as the recorder does).
+        referenced there, not inline (the decoded message holds a copy of their bytes, or with ``zero_copy``
+        read-only views of the ring, valid while ``ring_lease(msg).intact()``; to keep raw frames for later, pass
+        them through ``inline_shm`` at once, as the recorder does).
 
         Broker heartbeats are handled here and not returned; undecodable messages are counted and skipped.
         """
@@ -222,9 +228,10 @@ class BrokerClient:
         weight = None  # what the broker counted against the window for this message, when not its wire bytes
         try:
             if _references_shm(frames):
-                # decoded straight from the producer's ring: one header unpack and one copy of each tensor
+                # decoded straight from the producer's ring: one header unpack, and each tensor a view (zero_copy) or a copy
                 shm = self._shm
                 before = shm.bytes_read
+                shm.take_lease()  # what a failed decode left
                 try:
                     msg = decode(frames, max_message_bytes=self.max_message_bytes, shm=shm)
                 except SharedBufferError as e:  # the ring no longer holds them: a gap in their place
@@ -233,6 +240,9 @@ class BrokerClient:
                     weight = self._ring_weight(frames)
                     raise
                 weight = _nbytes(frames) + shm.bytes_read - before
+                lease = shm.take_lease()
+                if lease is not None:  # its tensors view the ring: whoever hands them out checks the lease
+                    msg._ring_lease = lease
             else:
                 msg = decode(frames, max_message_bytes=self.max_message_bytes)
         except WireError as e:
@@ -260,6 +270,15 @@ class BrokerClient:
                 return _nbytes(frames)
         extent = shm_extent(header)
         return _nbytes(frames) + (extent[2] if extent else 0)
+
+    @property
+    def zero_copy(self) -> bool:
+        return self._shm.zero_copy
+
+    @property
+    def ring_bytes(self) -> dict:
+        """Ring bytes this client took: ``copied`` out of rings and handed out as ``viewed`` (zero-copy)."""
+        return {"copied": self._shm.bytes_copied, "viewed": self._shm.bytes_viewed}
 
     def _ring_loss(self, frames: list, error: SharedBufferError) -> list[tuple[list, GapNotice | GapBatch]]:
         """Credit a message whose ring-held bytes are gone (its weight, once); the gaps that take its place, as

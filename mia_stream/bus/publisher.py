@@ -145,6 +145,8 @@ class FramePublisher:
         self._on_steering = on_steering
         self._encode_opts = {"compression": compression, "checksum": checksum}
         self.shm_ring = self._open_ring(shm_bytes, shm_min_bytes)
+        self._extra_proofs: list[dict] = []  # rings besides shm_ring this publisher references (add_ring_proof)
+        self._heartbeats = 0
         self._ring_lock = threading.Lock()
         self._ring_taken = threading.Event()  # the broker took the ring this publisher offered at close
         # ring bytes queued past what the broker has received before tensor frames are dropped (0: no bound)
@@ -213,12 +215,24 @@ class FramePublisher:
         return out
 
     copies_borrowed = True  # publish(..., borrowed=) is understood (the drain relies on it)
+    takes_host_ring = True  # publish(..., host_ring=) too
 
-    def publish(self, msg: Message, *, borrowed: Any = None) -> bool:
+    def add_ring_proof(self, proof: dict) -> None:
+        """Prove to the broker that this publisher owns another ring (``{"ring": name, "secret": hex}``: the
+        producer's host ring, whose references ``publish(..., host_ring=)`` sends); heartbeats take turns
+        with this publisher's own ring's proof (the broker holds a reference up to 2 s for its proof)."""
+        self._extra_proofs.append(proof)
+
+    def publish(self, msg: Message, *, borrowed: Any = None, host_ring: Any = None) -> bool:
         """Queue ``msg`` for the broker; never blocks. False if it was dropped (counted, and announced).
 
         ``borrowed``: a buffer (e.g. a numpy array) the message's tensors may view and that the caller reuses
-        after this returns; what of it stays inline is copied first (see the module docstring)."""
+        after this returns; what of it stays inline is copied first (see the module docstring).
+        ``host_ring``: a BufferSink over a ring the caller owns and proved (``add_ring_proof``) in which the
+        message's large tensors already lie (the producer's host ring, issue 29): they are sent as references
+        into it, no copy, when every one of them lies there (``host_ring.missed`` false) and the broker keeps
+        the rings' ``received`` field; otherwise the message takes the usual way. ``host_ring.end`` is then
+        nonzero exactly when references were queued."""
         kind = msg.KIND
         if kind in _STREAM_KINDS:
             rids, seqs = (msg.request_id,), (msg.seq,)
@@ -239,21 +253,32 @@ class FramePublisher:
         ring = self.shm_ring
         ring_end = 0
         ahead = False
-        if ring is not None and kind in _BULK_KINDS and self.broker_shm:
-            ahead = self._ring_too_far_ahead(ring)
-            if ahead:  # dropped below, before any byte is copied into the ring
-                frames, n = None, 0
+        frames = None
+        if host_ring is not None:
+            host_ring.begin()
+            if kind in _BULK_KINDS and self.broker_shm_received:
+                frames = encode(msg, **self._encode_opts, shm=host_ring)
+                if host_ring.missed or not host_ring.bytes:  # not all in it: the usual way, nothing named
+                    frames = None
+                    host_ring.begin()
+                else:  # the referenced bytes count against the budgets as if they were sent inline
+                    n = _transport.frames_nbytes(frames) + host_ring.bytes
+        if frames is None:
+            if ring is not None and kind in _BULK_KINDS and self.broker_shm:
+                ahead = self._ring_too_far_ahead(ring)
+                if ahead:  # dropped below, before any byte is copied into the ring
+                    n = 0
+                else:
+                    with self._ring_lock:
+                        before = ring.bytes
+                        frames = encode(msg, **self._encode_opts, shm=ring)
+                        # what the ring holds counts against the budgets as if it were sent inline
+                        n = _transport.frames_nbytes(frames) + ring.bytes - before
+                        if ring.bytes != before:
+                            ring_end = ring.written
             else:
-                with self._ring_lock:
-                    before = ring.bytes
-                    frames = encode(msg, **self._encode_opts, shm=ring)
-                    # what the ring holds counts against the budgets as if it were sent inline
-                    n = _transport.frames_nbytes(frames) + ring.bytes - before
-                    if ring.bytes != before:
-                        ring_end = ring.written
-        else:
-            frames = encode(msg, **self._encode_opts)
-            n = _transport.frames_nbytes(frames)
+                frames = encode(msg, **self._encode_opts)
+                n = _transport.frames_nbytes(frames)
         if borrowed is not None and frames is not None and len(frames) > 2:
             _own_borrowed(frames, borrowed)
         with self._lock:
@@ -270,6 +295,8 @@ class FramePublisher:
                                                        else self.queue_bytes + self.control_reserve):
                 reason = "queue_full"
             if reason is not None:
+                if host_ring is not None:
+                    host_ring.begin()  # nothing of it was queued
                 return self._drop(rids, seqs, reason)
             # streams that lost seqs before this message say so first (a columnar message names many: the
             # set of streams with unannounced drops is empty in the common case)
@@ -277,6 +304,8 @@ class FramePublisher:
                 pending = self._pending
                 self._announce_gaps([rid for rid in rids if rid in pending])
             self._append(frames, n, end_of=st if kind == "end" else None)
+            if host_ring is not None and host_ring.end:
+                self.counters["host_ring_refs"] += 1
             if ring_end:
                 self._ring_sent_end = ring_end
             if kind == "end" and st is not None:
@@ -624,8 +653,11 @@ class FramePublisher:
 
     def _send_heartbeat(self, sock: zmq.Socket) -> None:
         stats = self.stats()
-        if self.shm_ring is not None:  # the broker takes this ring's references only from its proven owner
-            stats.update(Capabilities(ring_proof=self.shm_ring.ownership_proof()).to_stats())
+        # the broker takes a ring's references only from its proven owner: one proof a heartbeat, in turn
+        proofs = ([self.shm_ring.ownership_proof()] if self.shm_ring is not None else []) + self._extra_proofs
+        if proofs:
+            self._heartbeats += 1
+            stats.update(Capabilities(ring_proof=proofs[self._heartbeats % len(proofs)]).to_stats())
         hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(), stats)
         try:
             sock.send_multipart(encode(hb), zmq.NOBLOCK)

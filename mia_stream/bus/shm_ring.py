@@ -2,8 +2,10 @@
 
 A producer on the broker's host writes each large tensor buffer into its own ring, a file in ``/dev/shm``
 (mode 0600), and the message carries the buffer's position instead of its bytes. The broker forwards only
-the small message; a consumer on the same host copies the bytes out of the ring. That takes the broker's
-copy in and copy out off every large frame (the bus did 4 copies per frame where one pyzmq hop does 2).
+the small message; a consumer on the same host reads the bytes from the ring (a view, or a copy). That takes
+the broker's copy in and copy out off every large frame (the bus did 4 copies per frame where one pyzmq hop
+does 2). The producer's engine fills its host ring (producer/_host_ring.py) by DMA with this layout itself
+(``create_ring_file``), so its rows reach consumers with no copy on the host.
 
 The ring never blocks its writer: it overwrites its oldest bytes. So that what it overwrites is not still on
 its way to the broker, the broker stores in the header how far it has received (``received``), and the
@@ -13,6 +15,13 @@ producer drops a frame at its source, counted and announced, rather than run mor
 otherwise the bytes may be torn and the read fails with ``ShmOverrunError``, which consumers report as a
 gap. Positions are absolute byte counts (u64), so a stale position is always recognised. The check relies
 on stores becoming visible in program order (x86-64 TSO): the writer stores ``reserved`` before it copies.
+
+Zero-copy readers (``ShmRingReader(zero_copy=True)``, what ``BrokerClient`` makes by default: setting
+``MIA_STREAM_SHM_ZERO_COPY``) get ``view``: a read-only numpy view of the mapping instead of a copy, checked
+like ``read`` when it is made, and a ``RingLease`` (``take_lease``) of the message's extent that says later
+whether the writer has reserved past it since (``intact``): the consumer SDK checks it when it hands an event
+out and again when the event is released (docs/wire-format.md 9.4). Buffers start 64-byte aligned, so such
+views are aligned for every wire dtype.
 
 A ring belongs to the producer that made it. Its header holds ``owner``, the SHA-256 of a random secret only
 the writer knows; the writer presents the secret to its broker (``ownership_proof``, in its heartbeats), and
@@ -47,6 +56,7 @@ from mia_stream.schemas._oob import RING_NAME, is_ring_name
 SHM_DIR = "/dev/shm"
 DEFAULT_RING_BYTES = 256 << 20
 DEFAULT_MIN_BYTES = 16 << 10  # smaller buffers stay inline (16 KiB frames: ring vs inline in docs/benchmarks.md)
+_ALIGN = 64  # buffer start: a consumer's zero-copy view of a float32 (or int8 then float32) tensor stays aligned
 _MAGIC = b"MIASHM01"
 _HEADER = 4096
 _RESERVED_AT = 16
@@ -69,6 +79,45 @@ def shm_reachable(endpoint: str) -> bool:
     return endpoint.startswith("ipc://") and shm_available()
 
 
+def create_ring_file(size: int, directory: str = SHM_DIR) -> tuple[int, str, bytes]:
+    """A new ring file of ``size`` data bytes in ``directory`` with its header written (magic, size, pid, the
+    owner digest of a fresh secret): ``(descriptor, name, secret)``. Its pages are allocated now: a store into a
+    page a full tmpfs cannot back would be a SIGBUS; here it is an OSError (ENOSPC). A writer that is not a
+    ``ShmRingWriter`` (the producer's host ring, which its engine fills by DMA) keeps the header protocol by
+    storing ``reserved`` (``RESERVED_AT``) before it writes a region, and reads ``received`` (``RECEIVED_AT``)."""
+    sweep_stale_rings(directory)
+    name = f"mia-stream-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    path = os.path.join(directory, name)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    secret = secrets.token_bytes(16)  # never written anywhere readers can see: only its digest is
+    try:
+        os.posix_fallocate(fd, 0, _HEADER + size)
+        head = bytearray(_OWNER_AT + _OWNER_LEN)
+        head[:8] = _MAGIC
+        _U64.pack_into(head, 8, size)
+        _U64.pack_into(head, 24, os.getpid())
+        head[_OWNER_AT:] = hashlib.sha256(secret).digest()
+        os.pwrite(fd, bytes(head), 0)
+    except BaseException:
+        os.close(fd)
+        _unlink(path)
+        raise
+    return fd, name, secret
+
+
+RESERVED_AT, RECEIVED_AT, HANDED_OVER_AT, DATA_AT = _RESERVED_AT, _RECEIVED_AT, _HANDED_OVER_AT, _HEADER
+
+
+def ownership_proof(name: str, secret: bytes) -> dict:
+    """What a ring's writer presents to its broker (heartbeat stats key ``SHM_RING_PROOF_KEY``)."""
+    return {"ring": name, "secret": secret.hex()}
+
+
+def unlink_ring(name: str, directory: str = SHM_DIR) -> None:
+    if is_ring_name(name):
+        _unlink(os.path.join(directory, name))
+
+
 class ShmRingWriter:
     """The producer's ring. ``put(buffer)`` -> its position, or None for a buffer that stays inline."""
 
@@ -76,25 +125,16 @@ class ShmRingWriter:
         self.size = int(size)
         self.min_bytes = int(min_bytes)
         self.max_bytes = self.size // 4  # a buffer this large would evict most of what is in flight
-        sweep_stale_rings(directory)
-        self.name = f"mia-stream-ring-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        # OSError (e.g. ENOSPC: a full /dev/shm) reaches the caller, which then sends inline
+        fd, self.name, self._secret = create_ring_file(self.size, directory)
         self.path = os.path.join(directory, self.name)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            # Allocated now, not on first touch: a store into a page a full tmpfs cannot back is a SIGBUS,
-            # which would kill the engine; here it is an OSError (ENOSPC) and the caller sends inline.
-            os.posix_fallocate(fd, 0, _HEADER + self.size)
             self._mm = mmap.mmap(fd, _HEADER + self.size, flags=_MAP_FLAGS)
         except BaseException:
-            os.close(fd)
             _unlink(self.path)
             raise
-        os.close(fd)
-        self._mm[:8] = _MAGIC
-        _U64.pack_into(self._mm, 8, self.size)
-        _U64.pack_into(self._mm, 24, os.getpid())
-        self._secret = secrets.token_bytes(16)  # never written anywhere readers can see: only its digest is
-        self._mm[_OWNER_AT:_OWNER_AT + _OWNER_LEN] = hashlib.sha256(self._secret).digest()
+        finally:
+            os.close(fd)
         self._view = memoryview(self._mm)
         self._reserved = _counter(self._mm)
         self._received = _counter(self._mm, _RECEIVED_AT)
@@ -112,7 +152,7 @@ class ShmRingWriter:
         if n < self.min_bytes or n > self.max_bytes or self._view is None:
             return None
         size = self.size
-        pos = self.written
+        pos = -(-self.written // _ALIGN) * _ALIGN
         offset = pos % size
         if offset + n > size:  # never wrap a buffer: start the next lap
             pos += size - offset
@@ -127,7 +167,7 @@ class ShmRingWriter:
     def ownership_proof(self) -> dict:
         """What this ring's writer presents to its broker (heartbeat stats key ``SHM_RING_PROOF_KEY``) so that
         the broker accepts this ring's references from it and from no other peer."""
-        return {"ring": self.name, "secret": self._secret.hex()}
+        return ownership_proof(self.name, self._secret)
 
     @property
     def received(self) -> int:
@@ -177,22 +217,95 @@ class _MappedRing:
         self.gone_since = 0.0  # when its file was first seen removed (its producer closed or died)
 
     def close(self) -> None:
+        reserved, received = self.reserved, self.received
         self.reserved = self.received = None  # the arrays hold the mapping's buffer: released first, or
-        self.mm.close()  # close() refuses
+        try:
+            self.mm.close()  # close() refuses
+        except BufferError:  # zero-copy views a consumer still holds: it stays mapped until they are gone
+            self.reserved, self.received = reserved, received
+
+
+class RingLease:
+    """The extent ``[lo, hi)`` of ring ``name`` that a message's zero-copy views cover: ``intact()`` says whether
+    the writer has not reserved past ``lo`` + the ring's size since, i.e. whether the views still hold the bytes
+    the message referenced (the writer stores ``reserved`` before it copies, so a view is trusted only as long
+    as this holds)."""
+
+    __slots__ = ("ring", "name", "lo", "hi")
+
+    def __init__(self, ring: _MappedRing, name: str, lo: int, hi: int):
+        self.ring, self.name, self.lo, self.hi = ring, name, lo, hi
+
+    def intact(self) -> bool:
+        reserved = self.ring.reserved
+        return reserved is None or int(reserved[0]) <= self.lo + self.ring.size
+
+    def lag(self) -> float:
+        """How far the writer is past ``lo``, in ring sizes (> 1: overwritten)."""
+        reserved = self.ring.reserved
+        return 0.0 if reserved is None else (int(reserved[0]) - self.lo) / self.ring.size
+
+
+def ring_lease(msg: object) -> RingLease | None:
+    """The lease of a message a zero-copy reader decoded (its tensors view a ring), else None."""
+    return getattr(msg, "_ring_lease", None)
 
 
 class ShmRingReader:
     """A consumer's (or the broker's) view of producers' rings, opened by name on first use and kept open.
 
-    ``writable=True`` (the broker) maps them read-write, for ``note_received`` only."""
+    ``writable=True`` (the broker) maps them read-write, for ``note_received`` only. ``zero_copy=True``: the
+    codec takes uncompressed payloads as ``view``s (read-only numpy views of the mapping) instead of ``read``
+    copies; ``take_lease`` then gives the extent they cover, to check later (``RingLease.intact``)."""
 
-    def __init__(self, directory: str = SHM_DIR, max_rings: int = 256, writable: bool = False):
+    def __init__(self, directory: str = SHM_DIR, max_rings: int = 256, writable: bool = False,
+                 zero_copy: bool = False):
         self.directory = directory
         self.writable = writable
+        self.zero_copy = zero_copy
         self.max_rings = max_rings
         self._rings: dict[str, _MappedRing] = {}
-        self.bytes_read = 0  # what read() returned, in all (a caller's per-message figure is a difference)
-        self.bytes_copied = 0  # ... plus copies discarded because the writer overtook them during the copy
+        self.bytes_read = 0  # what read(), gather() and view() returned, in all (a caller's per-message figure is a difference)
+        self.bytes_copied = 0  # ... of which copied (views are not), plus copies discarded because the writer overtook them
+        self.bytes_viewed = 0  # ... of which handed out as views
+        self._lease: list | None = None  # [ring, name, lo, hi] of the views since the last take_lease()
+
+    def view(self, name: str, pos: int, nbytes: int) -> np.ndarray:
+        """A read-only uint8 view of ``nbytes`` at ``pos`` of ring ``name`` (no copy), checked like ``read`` when it
+        is made; the bytes stay trustworthy only while ``take_lease()``'s lease is ``intact()``."""
+        ring = self._rings.get(name)
+        if ring is None:
+            ring = self._open(name)
+        size = ring.size
+        offset = pos % size
+        if pos < 0 or nbytes < 0:
+            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes}: negative position or size")
+        if offset + nbytes > size:
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
+        reserved = int(ring.reserved[0])
+        if reserved < pos + nbytes:
+            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
+                                      f"holds ({reserved})")
+        if reserved > pos + size:
+            raise ShmOverrunError(f"ring {name!r} was overwritten before this reader got to {nbytes} bytes at {pos}")
+        out = np.frombuffer(ring.mm, np.uint8, count=nbytes, offset=_HEADER + offset)
+        if self.writable:  # only a read-only mapping gives read-only views by itself
+            out.flags.writeable = False
+        lease = self._lease
+        if lease is None:
+            self._lease = [ring, name, pos, pos + nbytes]
+        elif lease[0] is ring:
+            lease[2], lease[3] = min(lease[2], pos), max(lease[3], pos + nbytes)
+        else:  # a message's buffers are in one ring (spec 9): another is malformed
+            raise MalformedFrameError(f"one message references rings {lease[1]!r} and {name!r}")
+        self.bytes_read += nbytes
+        self.bytes_viewed += nbytes
+        return out
+
+    def take_lease(self) -> RingLease | None:
+        """The extent of the views handed out since the last call (None: none), and start over."""
+        lease, self._lease = self._lease, None
+        return None if lease is None else RingLease(*lease)
 
     def read(self, name: str, pos: int, nbytes: int) -> bytes:
         """A copy of ``nbytes`` at ``pos`` of ring ``name``, checked not to have been overwritten."""

@@ -38,6 +38,7 @@ from mia_stream.consumers._events import (EVENT_CLASSES, EVENT_KINDS, AnalysisEv
 from mia_stream.consumers._frames import StepFrame
 from mia_stream.consumers._tp_merge import merge_shards
 from mia_stream.consumers._batch_ops import subset_batch
+from mia_stream.consumers._ring_views import OVERRUN_BEFORE_HANDOUT, OVERRUN_IN_USE, intact, leases_of, overrun_gaps
 from mia_stream.bus.client import BrokerClient
 from mia_stream.bridge import REORDER_OPTIONS, NatsClient, is_nats_url
 from mia_stream.errors import MiaStreamError, SteeringCommandError, StreamError
@@ -73,7 +74,7 @@ class _Source:
 
     def __init__(self, source: Any, patterns=("*",), from_start: bool = False, *, consumer_id: str | None = None,
                  keys: Any = None, window_bytes: int | None = None, shm: bool | None = None, batches: bool = False,
-                 select: dict | None = None, **nats_options: Any):
+                 select: dict | None = None, zero_copy: bool | None = None, **nats_options: Any):
         self.source, self.patterns, self.from_start = source, tuple(patterns), from_start
         self.assembler = StreamAssembler(batches=batches, **(REORDER_OPTIONS if is_nats_url(source) else {}))
         self.client: BrokerClient | NatsClient | None = None
@@ -87,7 +88,7 @@ class _Source:
                 logger.warning("no broker at %s yet: waiting for one to start there (a recording must be an "
                                "existing .mcap file or directory)", source)
             self.client = BrokerClient(source, consumer_id=consumer_id, keys=keys, window_bytes=window_bytes,
-                                       shm=shm, select=select)
+                                       shm=shm, select=select, zero_copy=zero_copy)
             self.client.subscribe(self.patterns, from_start)
         elif select:
             raise StreamError("select= narrows a live broker's step batches; a recording is read whole")
@@ -114,9 +115,34 @@ class _Source:
                 events += asm.flush(now)
             if events:
                 last = now
-                yield from events
+                if client.zero_copy:
+                    yield from self._checked(events)
+                else:
+                    yield from events
             elif timeout is not None and now - last >= timeout:
                 return
+
+    def _checked(self, events: list) -> Iterator[Event]:
+        """``events``, each of whose tensors view a ring checked when handed out and when released (the consumer
+        asks for the next event: its callback returned); an overwrite is a counted gap (``_ring_views``)."""
+        counters = self.client.counters
+        for ev in events:
+            leases = leases_of(ev)
+            if not leases:
+                yield ev
+                continue
+            if not intact(leases):  # overwritten while the assembler held it: never handed out
+                gaps = overrun_gaps(ev, OVERRUN_BEFORE_HANDOUT, self.assembler)
+                counters[OVERRUN_BEFORE_HANDOUT] += 1
+                counters["ring_loss_gaps"] += len(gaps)
+                yield from gaps
+                continue
+            yield ev
+            if not intact(leases):  # overwritten while the consumer used it
+                gaps = overrun_gaps(ev, OVERRUN_IN_USE, self.assembler)
+                counters[OVERRUN_IN_USE] += 1
+                counters["ring_loss_gaps"] += len(gaps)
+                yield from gaps
 
     def close(self) -> None:
         if self.client is not None:
@@ -163,7 +189,14 @@ def open_stream(source: Any = None, patterns=("*",), from_start: bool = False,
     Live sources are subscribed when this returns (not at the first ``next``). ``from_start``: live
     only, replay each matching live request from its start (what the broker still buffers; evicted frames
     arrive as a gap). ``timeout``: live only, stop after that long without events (None = never).
-    ``options``: ``consumer_id``, ``keys`` (CURVE), ``window_bytes``. Close it (or use ``with``) when done.
+    ``options``: ``consumer_id``, ``keys`` (CURVE), ``window_bytes``, ``zero_copy``. Close it (or use ``with``)
+    when done.
+
+    Zero copy (a live broker on this host; ``zero_copy=False`` or ``MIA_STREAM_SHM_ZERO_COPY=0`` turns it off):
+    an event's tensors may be read-only views of the producer's shared-memory ring, valid until the event is
+    released (the next ``next()``, or the callback's return under ``run_consumer``). An overwrite found then is a
+    "gap" event of reason ``shm_overrun_in_use`` for the seqs the event carried. Keep an event past its release
+    only as ``event.keep()`` (its tensors copied).
     """
     return EventStream(_Source(source, patterns, from_start, **options), timeout)
 

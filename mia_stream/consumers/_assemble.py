@@ -368,6 +368,17 @@ class StreamAssembler(_BatchMode):
         self.counters["gap_seqs"] += seqs
         return [GapEvent(rs, gap)]
 
+    def note_gap(self, key: tuple, gap: GapNotice) -> RequestStream:
+        """Record a loss the source found after the assembler delivered the seqs (a zero-copy view overwritten:
+        ``_ring_views``) in its request's stream; that stream, for the "gap" event."""
+        r = self._ranks.get(key)
+        rs = r.stream if r is not None else self._stream_for(key[0])
+        seqs = gap.count
+        rs._add_gap(gap, seqs)
+        self.counters["gap_seqs"] += seqs
+        self.counters[f"gap_{gap.reason}"] += seqs
+        return rs
+
     def _stream_for(self, rid: str) -> RequestStream:
         """The request's stream (live, or recently ended) for an analysis event; a bare one if unknown."""
         rs = self._requests.get(rid) or self._recent.get(rid)

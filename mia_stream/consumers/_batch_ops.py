@@ -8,6 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
+from mia_stream.consumers._frames import owned, with_lease_of
 from mia_stream.schemas import AnalysisBatch, RowGroup, StepBatch, Tensor, TensorFrame, TokenBatch, TokenFrame
 
 
@@ -15,8 +16,19 @@ def frame_batch(m: TensorFrame) -> StepBatch:
     """A per-request TensorFrame as the StepBatch naming only its request (same tensors, no copy)."""
     n = len(m.positions)
     group = RowGroup([0], [n], m.positions, list(m.tensors), m.token_ids if len(m.token_ids) == n else None, m.part)
-    return StepBatch(m.producer_id, m.epoch, m.step, [m.request_id], [m.seq], [group], [m.steering_version],
-                     m.time_ns)
+    return with_lease_of(m, StepBatch(m.producer_id, m.epoch, m.step, [m.request_id], [m.seq], [group],
+                                      [m.steering_version], m.time_ns))
+
+
+def owned_batch(b):
+    """``b`` with its tensors copied (a StepBatch; other batches own their arrays): valid after its event is
+    released (zero-copy tensors view a producer's ring)."""
+    if not isinstance(b, StepBatch):
+        return b
+    groups = [RowGroup(g.requests, g.rows, g.positions, [owned(t) for t in g.tensors], g.token_ids, g.part)
+              for g in b.groups]
+    return StepBatch(b.producer_id, b.epoch, b.step, list(b.request_ids), b.seqs.copy(), groups,
+                     b.steering_versions, b.time_ns)
 
 
 def tokens_batch(m: TokenFrame) -> TokenBatch:

@@ -82,6 +82,11 @@ class Event:
     def start(self) -> StreamStart | None:
         return self.stream.start
 
+    def keep(self) -> "Event":
+        """This event, safe to keep past its release: frame and batch events copy their tensors (they may view a
+        producer's shared-memory ring, docs/wire-format.md 9.4); the others own what they hold."""
+        return self
+
 
 @dataclass(slots=True)
 class StartEvent(Event):
@@ -98,6 +103,10 @@ class FrameEvent(Event):
     kind = "frame"
     stream: RequestStream
     frame: StepFrame
+
+    def keep(self) -> "FrameEvent":
+        """This event with its tensors copied, to keep past its release (zero-copy: ``_ring_views``)."""
+        return FrameEvent(self.stream, self.frame.copy())
 
 
 @dataclass(slots=True)
@@ -144,6 +153,12 @@ class BatchEvent(Event):
 
     kind = "batch"
     batch: StepBatch | TokenBatch | AnalysisBatch
+
+    def keep(self) -> "BatchEvent":
+        """This event with its tensors copied, to keep past its release (zero-copy: ``_ring_views``)."""
+        from mia_stream.consumers._batch_ops import owned_batch  # _batch_ops builds batches; events only carry them
+
+        return BatchEvent(owned_batch(self.batch))
 
 
 EVENT_CLASSES: dict[str, type[Event]] = {c.kind: c for c in (StartEvent, FrameEvent, TokensEvent, GapEvent,

@@ -26,7 +26,9 @@ class StepFrame:
 
     From a ``StepBatch`` the frame is a view of the request's segment: ``positions``, ``token_ids``,
     ``raw_tensors``, ``layers`` and ``rank_frames`` are made on first use (zero-copy slices of the batch).
-    A view keeps the whole step's buffers alive: copy (``np.array(frame.tensors["hs"])``) what you keep."""
+    A view keeps the whole step's buffers alive: copy (``np.array(frame.tensors["hs"])``) what you keep. Live on
+    the broker's host the buffers are views of the producer's shared-memory ring, valid until the event is
+    released: keep ``frame.copy()`` (or ``event.keep()``), never the frame itself."""
 
     request_id: str
     step: int
@@ -43,6 +45,13 @@ class StepFrame:
     def tensors(self) -> dict[str, np.ndarray]:
         """name -> array: hs ``[L,T,H]``, q ``[L,T,heads,D]``, k ``[L,T,kv_heads,D]`` (computed on first use)."""
         return {name: t.numpy() if t.scale is None else t.dequantize() for name, t in self.raw_tensors.items()}
+
+    def copy(self) -> "StepFrame":
+        """This frame with its tensors copied: valid after its event is released (zero-copy tensors view a
+        shared-memory ring the producer reuses; docs/wire-format.md 9.4)."""
+        raw = {name: owned(t) for name, t in self.raw_tensors.items()}
+        return StepFrame(self.request_id, self.step, list(self.positions), list(self.token_ids), self.steering_version,
+                         raw, dict(self.layers), self.time_ns, [], self.part)
 
     def __getattr__(self, name: str) -> Any:
         # Only reached for an attribute not yet set: the lazy fields of a frame cut from a StepBatch segment.
@@ -112,9 +121,25 @@ class _Segment:
         b, v, j = self.batch, self.view, self.j
         a, e = v.offsets[j], v.offsets[j + 1]
         g = v.group
-        return TensorFrame(b.request_ids[self.i], b.producer_id, b.epoch, int(b.seqs[self.i]), b.step,
-                           g.positions[a:e].tolist(), g.token_ids[a:e].tolist(), v.tensors(j), self.version,
-                           b.time_ns, g.part)
+        tf = TensorFrame(b.request_ids[self.i], b.producer_id, b.epoch, int(b.seqs[self.i]), b.step,
+                         g.positions[a:e].tolist(), g.token_ids[a:e].tolist(), v.tensors(j), self.version,
+                         b.time_ns, g.part)
+        return with_lease_of(b, tf)
+
+
+def with_lease_of(source: Any, out: Any) -> Any:
+    """``out`` (whose tensors view ``source``'s) with ``source``'s ring lease, if any (zero-copy: ``_ring_views``)."""
+    lease = getattr(source, "_ring_lease", None)
+    if lease is not None:
+        out._ring_lease = lease
+    return out
+
+
+def owned(t: Tensor) -> Tensor:
+    """``t`` with its bytes (and scale) copied: what a consumer keeps past an event's release."""
+    data = np.array(t.raw(), copy=True)
+    scale = None if t.scale is None else np.array(t.scale, copy=True)
+    return Tensor(t.name, t.dtype, data.shape, data, t.layers, t.shard, scale, dict(t.meta))
 
 
 class _Share:

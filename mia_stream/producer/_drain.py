@@ -26,10 +26,13 @@ segment after the other. Part 0 is a request's hidden states, with its Q/K when 
 carries no tensor for it: the consumers merge a step over ranks.
 
 **Copies.** A group whose rows follow each other in the host ring and whose layers are the step's layers (a
-decode step of requests captured alike) gets its tensor as a slice of the ring, no copy; the publisher then
-copies it once, into its shared-memory ring by ``encode``, or into one buffer if it stays inline (the ring
-chunk is reused once released). Other groups are gathered into a buffer of their own (one copy). The chunk is
-released when the step's message was handed to the publisher.
+decode step of requests captured alike) gets its tensor as a slice of the ring, no copy. When the host ring is
+a /dev/shm ring (``HostRing.name``, the default) and every large tensor of the message is such a slice, the
+message names them by position in the host ring (``HostRing.references``): no copy after the DMA, and the
+chunk stays until the broker has received the message (issue 29). Otherwise the publisher copies them once,
+into its own shared-memory ring by ``encode``, or into one buffer if they stay inline (the ring chunk is reused
+once released). Other groups are gathered into a buffer of their own (one copy). The chunk is released when
+the step's message was handed to the publisher.
 
 **Async scheduling** (``hold_last_step``): the engine may compute a request one step past its stop token. The
 drain then holds the newest step's messages (step batch, token batch, engine gap notices) until an item of
@@ -52,6 +55,7 @@ from typing import Any
 import numpy as np
 
 from mia_stream import settings
+from mia_stream.bus.shm_ring import ownership_proof
 from mia_stream.producer._items import Config, End, Gap, Segments, Start, StepItem, Tokens
 from mia_stream.producer._quantized_rows import by_format, quantized_hosts, request_formats, row_scale
 from mia_stream.schemas import (WIRE_DTYPES, GapNotice, RowGroup, Shard, StepBatch, StreamEnd, Tensor,
@@ -156,6 +160,11 @@ class StepDrain:
         # a FramePublisher copies what stays inline of a message's ring views (publish(..., borrowed=));
         # for any other publisher the drain copies them before publishing
         self._publisher_copies = bool(getattr(publisher, "copies_borrowed", False))
+        # the host ring is a /dev/shm ring (issue 29): a publisher that proves it owns it sends rows that lie in it
+        # as references into it (no copy after the DMA); else they are copied into the publisher's own ring
+        self._host_refs = bool(getattr(ring, "name", "")) and bool(getattr(publisher, "takes_host_ring", False))
+        if self._host_refs:
+            publisher.add_ring_proof(ownership_proof(ring.name, ring.secret))
         next_seqs = getattr(publisher, "next_seqs", None)
         self._next_seqs = next_seqs if next_seqs is not None else (lambda ids: [publisher.next_seq(r) for r in ids])
         self._handlers = {Config: self._on_config, Start: self._on_start, StepItem: self._on_step,
@@ -163,6 +172,8 @@ class StepDrain:
 
     def handle(self, item) -> None:
         handler = self._handlers.get(type(item))
+        if self._host_refs:
+            self.ring.check_references()
         try:
             if handler is None:
                 raise TypeError(f"not a drain item: {type(item).__name__}")
@@ -389,20 +400,26 @@ class StepDrain:
                 t.data = np.array(t.data, copy=True)
             views = []
         borrowed = bool(views)
+        refs = self.ring.references(plan.mark) if borrowed and self._host_refs else None
         if self.step_batches:
             batch.seqs = np.asarray(self._next_seqs(batch.request_ids), _I64)
-            self._publish(batch, borrowed)
+            self._publish(batch, borrowed, refs)
         else:
             for frame in batch.frames():  # one seq per request part, as before 2.0
                 frame.seq = self.publisher.next_seq(frame.request_id)
-                self._publish(frame, borrowed)
+                self._publish(frame, borrowed, refs)
         self.ring.count("frames", frames)
         self.ring.count("bytes", nbytes)
 
-    def _publish(self, msg, borrowed: bool = False) -> None:
-        """Hand ``msg`` to the publisher. If that fails, the seqs it held are dropped frames, each named."""
+    def _publish(self, msg, borrowed: bool = False, refs=None) -> None:
+        """Hand ``msg`` to the publisher (``refs``: the sink naming its chunk of the host ring, whose tensors it
+        then references in place). If that fails, the seqs it held are dropped frames, each named."""
         try:
-            if borrowed:
+            if refs is not None:
+                self.publisher.publish(msg, borrowed=self.ring.data, host_ring=refs)
+                if refs.end:  # the chunk stays until the broker has received this message
+                    self.ring.published_references(refs.end, refs.bytes)
+            elif borrowed:
                 self.publisher.publish(msg, borrowed=self.ring.data)
             else:
                 self.publisher.publish(msg)

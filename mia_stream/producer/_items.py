@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 class Init(NamedTuple):
     config: Any  # DrainConfig
     producer_id: str
+    ring_secret: bytes = b""  # the host ring's owner secret: the drain's publisher proves ownership with it
 
 
 class Config(NamedTuple):

@@ -126,6 +126,7 @@ class ProducerRuntime:
         self._drain: StepDrain | None = None
         if publisher is None:
             self._sidecar = DrainSidecar.start(self._ring, drain_cfg, producer_id)
+            self._ring.leave_name_to_drain()
             self._sink = self._sidecar.send
             # at exit, hand the sidecar what the engine queued and go: it publishes the rest on its own, and an
             # engine process that waited for it could outlast vLLM's shutdown grace and be killed

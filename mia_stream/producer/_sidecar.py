@@ -65,7 +65,8 @@ class DrainSidecar:
         except OSError:
             pass
         cmd = [sys.executable, "-m", "mia_stream.producer._sidecar", "--pipe-fd", str(read_fd),
-               "--ring-fd", str(ring.fd), "--ring-size", str(ring.size), "--parent", str(os.getpid()),
+               "--ring-fd", str(ring.fd), "--ring-size", str(ring.size), "--ring-name", ring.name,
+               "--parent", str(os.getpid()),
                "--ready-fd", str(ready_w)]
         # Its own log file, not the engine's stdout/stderr: vLLM's shutdown waits for the engine's output pipes
         # to close, and a sidecar still flushing held them open until vLLM killed the engine process.
@@ -86,7 +87,7 @@ class DrainSidecar:
         side = cls(proc, Connection(write_fd, readable=False))
         side.log_path = log_path
         try:
-            side.send(Init(config, producer_id))
+            side.send(Init(config, producer_id, ring.secret))  # through the pipe: never on a command line
             side._wait_ready(ready_r, ready_timeout, log_start)
         except SidecarError:
             side.close(timeout=1.0)
@@ -170,27 +171,32 @@ def _serve(conn: Connection, ring, parent: int, ready_fd: int | None = None) -> 
     init = pickle.loads(conn.recv_bytes())
     if type(init) is not Init:
         raise SidecarError(f"the first item must be Init, not {type(init).__name__}")
-    config, producer_id = init
+    config, producer_id, ring.secret = init
     publisher = make_publisher(producer_id)
     drain = StepDrain(config, publisher, ring)
     if ready_fd is not None:  # the engine waits for this before it goes on starting
         os.write(ready_fd, b"1")
         os.close(ready_fd)
+    closed = False
     try:
         while True:
             if not conn.poll(1.0):
                 if os.getppid() != parent:  # the engine died without closing the pipe
                     logger.warning("mia_stream: engine process %d is gone; drain sidecar exiting", parent)
+                    closed = True
                     return
                 continue
             try:
                 data = conn.recv_bytes()
             except EOFError:  # the engine closed the pipe: everything it sent has been handled
                 drain.close()  # and what async scheduling held back can go: no later step will come
+                closed = True
                 return
             drain.handle(pickle.loads(data))
     finally:
         publisher.close(timeout=5.0)
+        if closed:  # the last to publish from the host ring removes its name (a restarted sidecar's dies first)
+            ring.unlink()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -198,13 +204,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pipe-fd", type=int, required=True)
     ap.add_argument("--ring-fd", type=int, required=True)
     ap.add_argument("--ring-size", type=int, required=True)
+    ap.add_argument("--ring-name", default="")
     ap.add_argument("--parent", type=int, required=True)
     ap.add_argument("--ready-fd", type=int, default=None)
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s mia_stream sidecar %(levelname)s %(message)s")
     from mia_stream.producer._host_ring import HostRing
 
-    ring = HostRing(args.ring_fd, args.ring_size)
+    ring = HostRing(args.ring_fd, args.ring_size, args.ring_name)
     conn = Connection(args.pipe_fd, writable=False)
     t0 = time.monotonic()
     try:

@@ -75,6 +75,11 @@ def _decode_tensors(entries: list, buffers: list, verify: bool, ring: tuple | No
                     row_bytes *= d
                 data = ring[0].gather(ring[1], p.shm, p.nbytes, p.shape[0], take[0], row_bytes, take[1])
                 gathered = True
+            elif p.method == "none" and getattr(ring[0], "zero_copy", False):
+                payload = ring[0].view(ring[1], p.shm, p.nbytes)  # in place: the reader checks it stayed intact
+                if payload.nbytes != p.nbytes:
+                    raise MalformedFrameError(f"tensor {p.name!r}: ring gave {payload.nbytes} bytes, header says "
+                                              f"{p.nbytes}")
             else:
                 payload = ring[0].read(ring[1], p.shm, p.nbytes)
                 if _len(payload) != p.nbytes:
@@ -138,11 +143,16 @@ def _gather_layers(p: _Entry, ring: tuple, take: tuple | None) -> np.ndarray:
     if p.nbytes != p.shape[0] * layer_bytes:
         raise MalformedFrameError(f"tensor {p.name!r}: {p.nbytes} bytes are not {p.shape[0]} layers of {layer_bytes}")
     parts = []
+    in_place = take is None and getattr(ring[0], "zero_copy", False)
     for li in p.layer_index.tolist():
         pos = p.shm + li * layer_bytes
-        if take is None:
+        if in_place:  # one layer stays a view; several are joined (a copy of the selected layers only)
+            parts.append(ring[0].view(ring[1], pos, layer_bytes))
+        elif take is None:
             parts.append(np.frombuffer(ring[0].read(ring[1], pos, layer_bytes), np.uint8))
         else:
             parts.append(np.frombuffer(ring[0].gather(ring[1], pos, layer_bytes, 1, take[0], row_bytes, take[1]),
                                        np.uint8))
+    if len(parts) == 1:
+        return parts[0]
     return np.concatenate(parts) if parts else np.zeros(0, np.uint8)

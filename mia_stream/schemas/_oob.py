@@ -39,3 +39,6 @@ class BufferSource(Protocol):
 
     def gather(self, name: str, pos: int, nbytes: int, outer: int, stored_rows: int, row_bytes: int,
                rows: np.ndarray) -> np.ndarray: ...
+
+    # Optional: a source with ``zero_copy = True`` also has ``view(name, pos, nbytes) -> np.ndarray`` (read-only,
+    # no copy); the decoder then takes uncompressed payloads that way, and the source answers for their validity.

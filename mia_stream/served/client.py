@@ -140,7 +140,7 @@ def _bus_worker(source: Any, request_id: str, put: Callable[[tuple], None], stop
                     if ev.stream.request_id != request_id:
                         continue
                     seen = True
-                    put(("bus", ev))
+                    put(("bus", ev.keep()))  # read by another thread, after this one moved on: its own tensors
                     progress.see(ev)
                     if progress.done or stop.is_set():
                         return

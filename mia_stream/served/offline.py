@@ -144,7 +144,8 @@ class StreamLLM:
         """
         by_id: dict[str, list] = {}
         for ev in self.stream(prompts, sampling_params, capture=capture, steer=steer, tags=tags, timeout=timeout):
-            by_id.setdefault(ev.stream.request_id, []).append(ev)
+            # kept past its release: a copy of tensors that may view a producer's ring (wire-format.md 9)
+            by_id.setdefault(ev.stream.request_id, []).append(ev.keep())
         return [StreamResult(rid, out, by_id.get(rid, [])) for rid, out in self._last_outputs.items()]
 
     def close(self) -> None:
