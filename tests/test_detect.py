@@ -336,7 +336,7 @@ def test_the_shipped_free_detector_alerts_when_a_tokens_own_neg_logprob_reaches_
         out = engine.generate([PROMPTS[2]], [params], use_tqdm=False)[0]
         col.wait_ended([rid])
         _wait_for(col, rid, lambda: len(_scores(col, rid, "engine:neg_logprob")[0]) == 15)
-    an = _analysis(col, rid, "engine:neg_logprob")
+    an = _analysis(col, rid, "engine:neg_logprob", final=False)
     pos, risk = _scores(col, rid, "engine:neg_logprob")
     alerts = np.concatenate([np.asarray(a.alerts, bool) for a in an])
     ids = list(out.prompt_token_ids) + list(out.outputs[0].token_ids)
