@@ -100,7 +100,7 @@ class Engine:
             with open_stream(self.run_dir, patterns=[f"act-{tag}-*"], timeout=120) as events:
                 ready.set()
                 for ev in events:
-                    if ev.kind == "analysis" and ev.analysis.analyzer in first_alert:
+                    if ev.kind == "analysis" and ev.analysis.analyzer in first_alert and ev.analysis.step >= 0:
                         a, rid = ev.analysis, ev.stream.request_id
                         hot = [p for p, al in zip(a.positions, a.alerts) if al]
                         if hot and rid not in first_alert[a.analyzer]:
