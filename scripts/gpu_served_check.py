@@ -33,6 +33,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from mia_stream.served.serve import READY_PREFIX  # noqa: E402
+from _procs import ensure_plugin_entry_point  # noqa: E402  (scripts/_procs.py, beside this file)
 
 
 def _free_port() -> int:
@@ -52,6 +53,7 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     port, address = _free_port(), f"/tmp/mia-served-{os.getpid()}"
+    ensure_plugin_entry_point(Path(f"/tmp/mia-served-ep-{os.getpid()}"))  # a checkout on PYTHONPATH has none
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
     env.pop("MIA_STREAM_BROKER", None)
     log_path = out / "serve.log"
@@ -87,7 +89,7 @@ def main() -> int:
 def _checks(url: str, broker: str, args) -> dict:
     import openai
 
-    from mia_stream import StreamClient
+    from mia_stream.served.client import StreamClient
 
     client = StreamClient(url, broker=broker, keep_frames=True)
     model = client.openai.models.list().data[0].id
@@ -106,8 +108,8 @@ def _checks(url: str, broker: str, args) -> dict:
                   for j, p in enumerate(f.positions)}
     r["captured_positions"] = len(positions)
     r["ok_captured_in_order"] = positions == list(range(len(positions))) and len(positions) > 16
-    r["ok_captured_text"] = bool(req.text) and req.end is not None and req.end.status in ("finished", "length", "stop")
-    r["end_status"] = getattr(req.end, "status", None)
+    r["ok_captured_text"] = bool(req.text) and req.end is not None and req.end.finish_reason in ("length", "stop")
+    r["end_status"] = getattr(req.end, "finish_reason", None)
     # 2. steered: the same prompt, a vector added at the captured layer
     vec = np.random.default_rng(0).standard_normal(hidden).astype(np.float32)
     vec *= 4.0 / np.linalg.norm(vec)

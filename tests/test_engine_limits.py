@@ -135,9 +135,11 @@ def test_the_plugin_engine_shuts_down_cleanly_leaving_no_ring(run):
     out = run["out"]
     pids, during = out["pids"], out["rings_while_running"]
     assert {"engine_core", "worker0", "sidecar0"} <= set(pids), pids
-    # only the drain sidecar publishes tensors: EngineCore (steering control) has no ring to leave behind
-    assert during["engine_core"] == [] and during["frontend"] == [] and during["worker0"] == []
-    assert len(during["sidecar0"]) == 1
+    # EngineCore (steering control) and the frontend have no ring; the worker's host ring (the rows its copies
+    # land in, which consumers read in place) and the drain sidecar's publisher ring are the only two, and
+    # neither outlives the engine
+    assert during["engine_core"] == [] and during["frontend"] == []
+    assert len(during["worker0"]) == 1 and len(during["sidecar0"]) == 1
     assert set(out["exited_s"]) == {name for name in pids if name != "frontend"}, out["exited_s"]
     assert "force killing" not in run["log"]
     assert not any(run["rings_after"].values()), run["rings_after"]

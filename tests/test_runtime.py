@@ -477,3 +477,37 @@ def test_a_sidecar_that_dies_later_is_replaced_a_bounded_number_of_times_then_th
     kinds = [e.kind for e in events]
     assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("frame") == 2
     assert events[-1].end.frames_dropped == 0
+
+
+def test_a_step_whose_quantization_finds_no_device_memory_is_a_counted_drop_not_a_crash(bus, monkeypatch):
+    """On the H100 (two 8B engines at 0.45) quantizing a 16k-token prefill of every layer raised
+    ``torch.OutOfMemoryError`` in ``end_step`` and killed the engine core. That step's frames are now dropped as
+    ``quantize_out_of_memory``, named by a gap and counted in StreamEnd, and the next steps are captured. (The
+    allocation failure is a GPU's: here it is raised by a stand-in for the quantizer, the one mock.)"""
+    pub, stream = bus
+    rt = _runtime(pub, hold=False)
+    spec = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}, "quantize": "int8"}},
+                      GEO)
+    rt.add_request("e1", "rt-qoom", spec, [1, 2, 3])
+    real_parts = rt._quantize.parts
+
+    def parts(p):
+        if rt._stats["steps"] == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.94 GiB")
+        return real_parts(p)
+
+    monkeypatch.setattr(rt._quantize, "parts", parts)
+    _step(rt, 1, 0, [1, 2, 3]); rt.on_sampled(1, ["e1"], [[7]])
+    _step(rt, 2, 3, [7]); rt.on_sampled(2, ["e1"], [[8]])
+    _step(rt, 3, 4, [8]); rt.on_sampled(3, ["e1"], [[9]])
+    rt.finish_request("e1", "length", num_tokens=6)
+    events = _events(stream)
+    rt.close()
+    gaps = [e.gap for e in events if e.kind == "gap"]
+    assert [(g.reason, g.origin) for g in gaps] == [("quantize_out_of_memory", "producer")]
+    end = events[-1].end
+    assert end.drops == {"quantize_out_of_memory": 1} and end.frames_sent + end.frames_dropped == end.seq + 1
+    frames = [e.frame for e in events if e.kind == "frame"]
+    assert [list(f.positions) for f in frames] == [[0, 1, 2], [4]]
+    assert frames[1].raw_tensors["hs"].dtype == "int8"  # the steps around it quantized as asked
+    assert rt._stats["quantize_oom"] == 1

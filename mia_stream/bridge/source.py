@@ -81,6 +81,8 @@ def parse_url(url: str) -> tuple[list[str], str | None, str | None, dict]:
 class NatsClient:
     """The streams of a NATS JetStream stream, as a ``BrokerClient`` gives a broker's (see the module doc)."""
 
+    zero_copy = False  # its tensors arrive inside NATS messages, owned: no shared-memory ring to lease
+
     def __init__(self, url: str, *, consumer_id: str | None = None, stream: str | None = None,
                  prefix: str | None = None, engines: Sequence[str] | None = None,
                  max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, connect_timeout: float = 10.0, **_ignored: Any):

@@ -71,14 +71,20 @@ def quantize_rows_triton(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
         raise RuntimeError("Triton is not importable")
     q, scale = _empty(src, fmt)
     width = src.shape[-1]
-    rows = src.reshape(-1, width)
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
-    n = rows.shape[0]
+    if src.dim() == 3 and src.stride(-1) == 1:
+        # [layers, rows, W] read in place: the capture's ``aperture[:, :rows]`` is not contiguous, and a
+        # contiguous copy of it was 3.94 GiB at an 8B model's 16k-token prefill (an OOM outside vLLM's budget)
+        rows, per_layer, layer_stride, row_stride = src, src.shape[1], src.stride(0), src.stride(1)
+    else:
+        rows = src.reshape(-1, width)
+        if rows.stride(-1) != 1:
+            rows = rows.contiguous()
+        per_layer, layer_stride, row_stride = max(rows.shape[0], 1), 0, rows.stride(0)
+    n = q.numel() // width if width else 0
     if n and width:
         block = triton.next_power_of_2(width)
-        _quantize_rows_kernel[(n,)](rows, q.view(-1, width), scale.view(-1), width, rows.stride(0),
-                                    QMAX=QUANT_FORMATS[fmt][2], INT8=fmt == "int8", BLOCK=block,
+        _quantize_rows_kernel[(n,)](rows, q.view(-1, width), scale.view(-1), width, per_layer, layer_stride,
+                                    row_stride, QMAX=QUANT_FORMATS[fmt][2], INT8=fmt == "int8", BLOCK=block,
                                     num_warps=4 if block <= 2048 else 8)
     return q, scale
 
@@ -86,12 +92,13 @@ def quantize_rows_triton(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(src_ptr, q_ptr, scale_ptr, width, src_row_stride,
+    def _quantize_rows_kernel(src_ptr, q_ptr, scale_ptr, width, rows_per_layer, src_layer_stride, src_row_stride,
                               QMAX: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
+        row = tl.program_id(0).to(tl.int64)  # the output row; the source row is (layer, row within it)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
-        x = tl.load(src_ptr + row * src_row_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        src_row = (row // rows_per_layer) * src_layer_stride + (row % rows_per_layer) * src_row_stride
+        x = tl.load(src_ptr + src_row + cols, mask=mask, other=0.0).to(tl.float32)
         s = tl.max(tl.abs(x), axis=0) / QMAX
         s = tl.where(s > 0, s, 1.0)
         y = x / s

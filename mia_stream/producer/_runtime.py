@@ -488,7 +488,20 @@ class ProducerRuntime:
         device_tokens = isinstance(step_tokens, tuple) and step_tokens[0] is not None and step_tokens[1]
         if device_tokens:
             parts.append(("tok", step_tokens[0], step_tokens[1], None))
-        parts = self._quantize.parts(parts)  # quantized on the device: fewer bytes copied, ringed, published
+        try:
+            parts = self._quantize.parts(parts)  # quantized on the device: fewer bytes copied, ringed, published
+        except torch.OutOfMemoryError as e:  # its outputs are allocated per step, outside vLLM's budget (a
+            # step's rows, at half the bytes for int8): the step's capture is lost, counted, not the engine
+            if not self._stats.get("quantize_oom"):
+                logger.error("mia_stream: no device memory to quantize step %d's captured rows (%s); its frames are "
+                             "dropped as 'quantize_out_of_memory' (a lower gpu_memory_utilization leaves room)",
+                             step, str(e).split(".")[0])
+            self._stats["quantize_oom"] = self._stats.get("quantize_oom", 0) + 1
+            for eid in dict.fromkeys(hs_seg.eids + qk_seg.eids):
+                req = self.requests.get(eid)
+                if req is not None:
+                    self._drop_now(req, step, "quantize_out_of_memory")
+            return
         sizes = [rows * (len(layers) * ap.shape[2] if layers is not None else 1) * ap.element_size()
                  for _, ap, rows, layers in parts]
         aligned = [-(-s // 64) * 64 for s in sizes]
