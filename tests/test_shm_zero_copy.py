@@ -370,3 +370,49 @@ def test_only_the_producer_that_proved_its_host_ring_may_reference_it():
     assert pub.counters["host_ring_refs"] == 1 and pub.shm_ring.bytes == 0
     assert totals["shm_ring_not_owned"] == 1 and totals["shm_ring_proof_refused"] == 1
     assert [r[1] for r in replies if r[0] == "error"] == ["shm_ring_not_owned", "shm_ring_not_owned"]
+
+
+def test_the_host_ring_outlives_its_producer_for_the_brokers_grace_when_handed_over():
+    """At exit the drain sidecar hands the host ring to the broker (as a publisher hands over its own ring): a
+    consumer that has not yet read the last rows referenced in it reads them after the producer is gone, and the
+    broker removes the file after its grace. A ring this publisher never proved is not offered."""
+    import os
+
+    from bus_helpers import processes, stats
+    from mia_stream.bus.shm_ring import SHM_DIR, ownership_proof
+    from mia_stream.producer._host_ring import HostRing
+
+    nbytes = 64 << 10
+    ring = HostRing.create(1 << 20, shared=True)
+    path = os.path.join(SHM_DIR, ring.name)
+    with run_dir() as d, processes() as procs:
+        procs.append(start_broker(f"ipc://{d}", "--ring-grace", "3"))
+        with open_stream(f"ipc://{d}", patterns=("late-*",), timeout=20, consumer_id="late-host-reader") as events:
+            wait_for(lambda: len(stats(d)["consumers"]) >= 1, timeout=10)
+            pub = FramePublisher(f"ipc://{d}", producer_id="host-exits", shm_bytes=1 << 20)
+            pub.add_ring_proof(ownership_proof(ring.name, ring.secret))
+            wait_for(lambda: pub.broker_shm_received, timeout=10)
+            wait_for(lambda: stats(d)["totals"].get("shm_rings_proven", 0) >= 2, timeout=10)
+            pub.publish(StreamStart("late-0", pub.producer_id, pub.epoch, pub.next_seq("late-0")))
+            offset, mark = ring.alloc(nbytes)
+            rows = ring.view(offset, nbytes).view(np.float32).reshape(1, 1, -1)
+            rows[:] = np.arange(rows.size, dtype=np.float32)
+            refs = ring.references(mark)
+            assert pub.publish(TensorFrame("late-0", pub.producer_id, pub.epoch, pub.next_seq("late-0"), 0,
+                                           positions=[0], tensors=[Tensor.from_array("hs", rows, layers=(0,))]),
+                               host_ring=refs)
+            pub.publish(StreamEnd("late-0", pub.producer_id, pub.epoch, pub.next_seq("late-0"), "length",
+                                  frames_sent=3))
+            assert pub.flush(10)
+            assert not pub.hand_over_ring("mia-stream-ring-not-proven", lambda: None)
+            taken = pub.hand_over_ring(ring.name, ring.mark_handed_over)
+            pub.close()
+            ring.close()  # the producer is gone; it did not remove the name: the broker took it
+            assert taken and os.path.exists(path)
+            got = [ev for ev in events if ev.kind in ("frame", "gap", "end")]  # read only now
+            totals = stats(d)["totals"]
+            wait_for(lambda: not os.path.exists(path), timeout=15)
+    frames = [ev.frame for ev in got if ev.kind == "frame"]
+    assert [ev.kind for ev in got] == ["frame", "end"]
+    np.testing.assert_array_equal(frames[0].tensors["hs"].reshape(-1), np.arange(nbytes // 4, dtype=np.float32))
+    assert totals["shm_rings_handed_over"] == 1

@@ -149,6 +149,8 @@ class FramePublisher:
         self._heartbeats = 0
         self._ring_lock = threading.Lock()
         self._ring_taken = threading.Event()  # the broker took the ring this publisher offered at close
+        self._rings_taken: set[str] = set()  # names of every ring the broker said it took (extra rings too)
+        self._ring_taken_cond = threading.Condition()
         # ring bytes queued past what the broker has received before tensor frames are dropped (0: no bound)
         ring_size = self.shm_ring.size if self.shm_ring is not None else 0
         if shm_ahead_bytes is None:
@@ -440,6 +442,24 @@ class FramePublisher:
             self._append(frames, _transport.frames_nbytes(frames))
         return self._ring_taken.wait(min(timeout, _RING_HANDOVER_WAIT_S))
 
+    def hand_over_ring(self, name: str, mark_handed_over: Callable[[], None], timeout: float = _RING_HANDOVER_WAIT_S
+                       ) -> bool:
+        """Offer another ring this publisher proved (``add_ring_proof``; the producer's host ring) to the broker,
+        as ``close`` offers its own: taken, it outlives its writers for the broker's grace, so consumers a little
+        behind still read the last rows referenced in it, and the broker removes it. Whether it was taken (the
+        caller removes the ring itself when not). Call before ``close``."""
+        if not self.broker_shm or not any(p.get("ring") == name for p in self._extra_proofs):
+            return False
+        mark_handed_over()
+        hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(),
+                       {**self.stats(), **Capabilities(ring_closed=name).to_stats()})
+        frames = encode(hb)
+        with self._lock:
+            self._append(frames, _transport.frames_nbytes(frames))
+        self._wake()
+        with self._ring_taken_cond:
+            return self._ring_taken_cond.wait_for(lambda: name in self._rings_taken, min(timeout, _RING_HANDOVER_WAIT_S))
+
     def _open_ring(self, shm_bytes: int | None, min_bytes: int) -> ShmRingWriter | None:
         """The shared-memory ring for large tensor buffers: only to a broker on this host (ipc), where
         /dev/shm is writable; ``shm_bytes`` (default: ``MIA_STREAM_SHM_BYTES`` or 256 MiB) 0 disables it."""
@@ -702,8 +722,12 @@ class FramePublisher:
     def _on_broker_heartbeat(self, hb: Heartbeat) -> None:
         news = self.broker.on_heartbeat(hb)
         caps = self.broker.capabilities
-        if self.shm_ring is not None and caps.ring_taken == self.shm_ring.name:
-            self._ring_taken.set()
+        if caps.ring_taken:
+            with self._ring_taken_cond:
+                self._rings_taken.add(caps.ring_taken)
+                self._ring_taken_cond.notify_all()
+            if self.shm_ring is not None and caps.ring_taken == self.shm_ring.name:
+                self._ring_taken.set()
         self.broker_batches = caps.batch is True
         self.broker_shm = caps.shm is True
         self.broker_shm_received = self.broker_shm and caps.shm_received is True

@@ -38,8 +38,8 @@ import weakref
 import numpy as np
 
 from mia_stream import settings
-from mia_stream.bus.shm_ring import (DATA_AT, DEFAULT_MIN_BYTES, RECEIVED_AT, RESERVED_AT, create_ring_file,
-                                     shm_available, unlink_ring)
+from mia_stream.bus.shm_ring import (DATA_AT, DEFAULT_MIN_BYTES, HANDED_OVER_AT, RECEIVED_AT, RESERVED_AT,
+                                     create_ring_file, shm_available, unlink_ring)
 
 logger = logging.getLogger("mia_stream.producer")
 
@@ -134,6 +134,12 @@ class HostRing:
         """The sidecar publishes last (it outlives the engine at exit): it removes the name, not this process."""
         if self._unlink_at_exit is not None:
             self._unlink_at_exit.detach()
+
+    def mark_handed_over(self) -> None:
+        """Stamp the shared header's ``handed_over`` time (the broker took the ring: no sweep removes it for its
+        writers being gone until its grace has passed; spec section 9)."""
+        if self.name:
+            np.frombuffer(self.mm, dtype="<u8", count=1, offset=HANDED_OVER_AT)[0] = time.time_ns()
 
     def unlink(self) -> None:
         """Remove the ring's name (readers that mapped it keep reading); the last process to publish does."""
