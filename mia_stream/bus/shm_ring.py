@@ -273,15 +273,7 @@ class ShmRingReader:
     def view(self, name: str, pos: int, nbytes: int) -> np.ndarray:
         """A read-only uint8 view of ``nbytes`` at ``pos`` of ring ``name`` (no copy), checked like ``read`` when it
         is made; the bytes stay trustworthy only while ``take_lease()``'s lease is ``intact()``."""
-        ring = self._rings.get(name)
-        if ring is None:
-            ring = self._open(name)
-        size = ring.size
-        offset = pos % size
-        if pos < 0 or nbytes < 0:
-            raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes}: negative position or size")
-        if offset + nbytes > size:
-            raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
+        ring, size, offset = self._locate(name, pos, nbytes)
         reserved = int(ring.reserved[0])
         if reserved < pos + nbytes:
             raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} is past what ring {name!r} "
@@ -302,13 +294,9 @@ class ShmRingReader:
         self.bytes_viewed += nbytes
         return out
 
-    def take_lease(self) -> RingLease | None:
-        """The extent of the views handed out since the last call (None: none), and start over."""
-        lease, self._lease = self._lease, None
-        return None if lease is None else RingLease(*lease)
-
-    def read(self, name: str, pos: int, nbytes: int) -> bytes:
-        """A copy of ``nbytes`` at ``pos`` of ring ``name``, checked not to have been overwritten."""
+    def _locate(self, name: str, pos: int, nbytes: int) -> tuple["_MappedRing", int, int]:
+        """The ring of a reference (opened on first use), its size and the reference's offset in it; a negative
+        reference is malformed, one past the ring's end unavailable (only the ring shows it: spec 9)."""
         ring = self._rings.get(name)
         if ring is None:
             ring = self._open(name)
@@ -316,8 +304,18 @@ class ShmRingReader:
         offset = pos % size
         if pos < 0 or nbytes < 0:
             raise MalformedFrameError(f"shared-memory reference {pos}+{nbytes}: negative position or size")
-        if offset + nbytes > size:  # only the ring shows it: the payload is unavailable (spec 9), not malformed
+        if offset + nbytes > size:
             raise ShmUnavailableError(f"shared-memory reference {pos}+{nbytes} lies outside ring {name!r}")
+        return ring, size, offset
+
+    def take_lease(self) -> RingLease | None:
+        """The extent of the views handed out since the last call (None: none), and start over."""
+        lease, self._lease = self._lease, None
+        return None if lease is None else RingLease(*lease)
+
+    def read(self, name: str, pos: int, nbytes: int) -> bytes:
+        """A copy of ``nbytes`` at ``pos`` of ring ``name``, checked not to have been overwritten."""
+        ring, size, offset = self._locate(name, pos, nbytes)
         if int(ring.reserved[0]) > pos + size:  # already overwritten: no copy (a reader far behind its writer
             # would otherwise spend its time copying bytes it must discard, and never catch up)
             raise ShmOverrunError(f"ring {name!r} was overwritten before this reader got to {nbytes} bytes at {pos}")
