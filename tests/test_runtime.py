@@ -511,3 +511,39 @@ def test_a_step_whose_quantization_finds_no_device_memory_is_a_counted_drop_not_
     assert [list(f.positions) for f in frames] == [[0, 1, 2], [4]]
     assert frames[1].raw_tensors["hs"].dtype == "int8"  # the steps around it quantized as asked
     assert rt._stats["quantize_oom"] == 1
+
+
+@pytest.mark.parametrize("staging", [0, 256])
+def test_device_staging_of_a_steps_rows_gives_the_same_frames(bus, staging):
+    """``MIA_STREAM_COPY_STAGING_MB``: a step's rows are first copied into one half of a device staging buffer, and
+    the host copy reads that half, so the next forward need not wait for the host copy. Frames are the rows the
+    'forward' wrote, with or without it; a step bigger than a half (the 6-token prefill here: 384 bytes against a
+    256-byte half) takes the unstaged way. (On the CPU both copies are synchronous; what staging buys, the next
+    forward not waiting for the host copy, is a CUDA-stream matter for the GPU run.)"""
+    pub, stream = bus
+    cfg = RuntimeConfig(aperture_rows=16, host_ring_bytes=1 << 20, steer_slots=4, max_ops_per_layer=2,
+                        capture_qk=False, steering=True, copy_staging_bytes=staging)
+    rt = ProducerRuntime(geo=GEO, model_name="toy", tokenizer="toy", dtype=torch.float32,
+                         device=torch.device("cpu"), max_tokens=8, tp_rank=0, tp_size=1, dp_rank=0,
+                         publisher=pub, cfg=cfg)
+    spec = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}}}, GEO)
+    rid = f"rt-stage-{staging}"
+    rt.add_request("e1", rid, spec, [1, 2, 3, 4, 5, 6])
+    _step(rt, 1, 0, [1, 2, 3, 4, 5, 6]); rt.on_sampled(1, ["e1"], [[7]])
+    for k in range(4):
+        _step(rt, 2 + k, 6 + k, [7 + k]); rt.on_sampled(2 + k, ["e1"], [[8 + k]])
+    rt.finish_request("e1", "length", num_tokens=11)
+    events = _events(stream)
+    stats = dict(rt._stats)
+    rt.close()
+    frames = [e.frame for e in events if e.kind == "frame"]
+    assert [list(f.positions) for f in frames] == [[0, 1, 2, 3, 4, 5], [6], [7], [8], [9]]
+    for f in frames:  # what _step's 'forward' wrote: arange(n * 8) + 100 * first position + 1000 * layer
+        n, first = len(f.positions), f.positions[0]
+        want = np.stack([np.arange(n * 8, dtype=np.float32).reshape(n, 8) + 100 * first + 1000 * layer
+                         for layer in range(GEO.num_layers)])
+        np.testing.assert_array_equal(f.tensors["hs"], want)
+    if staging:
+        assert stats["staged_copies"] == 4 and stats["unstaged_copies"] == 1  # decode steps staged, prefill not
+    else:
+        assert "staged_copies" not in stats

@@ -22,6 +22,7 @@ class RuntimeConfig:
     # None: the engine's max tokens per step (the scheduler's max_num_batched_tokens), so every row fits
     aperture_rows: int | None = field(default_factory=lambda: settings.get_int("MIA_STREAM_APERTURE_ROWS"))
     host_ring_bytes: int = field(default_factory=lambda: settings.get_size("MIA_STREAM_HOST_RING_MB"))
+    copy_staging_bytes: int = field(default_factory=lambda: settings.get_size("MIA_STREAM_COPY_STAGING_MB"))
     steer_slots: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_SLOTS"))
     max_ops_per_layer: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_OPS_PER_LAYER"))
     capture_qk: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_CAPTURE_QK"))

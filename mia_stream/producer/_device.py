@@ -172,6 +172,8 @@ class DeviceState(torch.nn.Module):
             buf("op_codes", (cfg.steer_slots,), torch.int32)
             buf("scales", (cfg.steer_slots,), torch.float32)
             buf("thresholds", (cfg.steer_slots,), torch.float32)
+        if cfg.copy_staging_bytes:  # two halves a step's rows are copied into on the device before the host copy
+            buf("copy_staging", (2, -(-cfg.copy_staging_bytes // 256) * 256), torch.uint8)
         if cfg.detect:  # in-engine detectors: probe directions, per-layer routing, one score per (row, detector)
             buf("probe_table", (cfg.probe_slots, geo.hidden_size), torch.float32)
             buf("probe_route", (L, max_tokens, cfg.detectors_per_request), torch.int32, -1)
