@@ -266,7 +266,7 @@ def evaluate_and_train(args, out: Path, header, records, layers, tbg, gen, offse
     if args.phase in ("all", "report"):
         rep = pe.evaluate(ds, variants, eval_layers, loro=not args.no_loro, log=log)
         rep["command"] = header["command"]
-        (out / "report.json").write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
+        (out / "report.json").write_text(json.dumps(rep, indent=1, default=pm.json_default) + "\n")
         (out / "report.txt").write_text(pe.format_report(rep) + "\n")
         log("report written")
         chosen = {v: (d["layer"], d["C"], d["selection"]) for v, d in rep["detectors"].items()}
@@ -299,14 +299,6 @@ def evaluate_and_train(args, out: Path, header, records, layers, tbg, gen, offse
             np.savez_compressed(out / "tbg.npz", request_ids=np.asarray(feats.request_ids),
                                 rows=tbg[:, li].astype(np.float16), layer=layer)
         log(f"wrote {name}: layer {layer}, C {fit['C']}, test {metrics['test'].get('answer')}")
-
-
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(type(o).__name__)
 
 
 if __name__ == "__main__":

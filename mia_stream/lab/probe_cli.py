@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from mia_stream.errors import MiaStreamError
+from mia_stream.lab.probe_metrics import json_default
 
 PROG = "mia-stream probe"
 
@@ -251,7 +252,7 @@ def _train(argv) -> int:
         probe.save(out)
         _log(f"wrote {out}")
     print(json.dumps({"detector": args.detector, "layer": probe.layer, "C": fit["C"], "cv_auc": fit["cv_auc"],
-                      "threshold": probe.threshold, **metrics}, indent=1, default=_json_default))
+                      "threshold": probe.threshold, **metrics}, indent=1, default=json_default))
     return 0
 
 
@@ -269,7 +270,7 @@ def _calibrate(argv) -> int:
     args = ap.parse_args(argv)
     ds, rec, _ = _dataset(args)
     r = calibrate_file(ds, rec, args.probe, args.false_alert_rate, args.out or args.probe)
-    print(json.dumps(r, indent=1, default=_json_default))
+    print(json.dumps(r, indent=1, default=json_default))
     return 0
 
 
@@ -343,7 +344,7 @@ def _eval(argv) -> int:
                       f"[{_fmt(a['recall_ci'][0])},{_fmt(a['recall_ci'][1])}] ({a['correct']} right, "
                       f"{a['wrong']} wrong)")
     if args.json:
-        Path(args.json).write_text(json.dumps(rep, indent=1, default=_json_default) + "\n")
+        Path(args.json).write_text(json.dumps(rep, indent=1, default=json_default) + "\n")
     return 0
 
 
@@ -369,14 +370,6 @@ def versus_baseline(ds, answer_risk: dict, reference: str = "mean_neg_logprob") 
         out[name] = {"auroc": b["probe"]["auroc"], "ci": b["probe"]["ci"], "diff": b["probe"]["diff"],
                      "diff_ci": b["probe"]["diff_ci"], "reference_auroc": b[reference]["auroc"]}
     return out
-
-
-def _json_default(o):
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(type(o).__name__)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,3 +173,12 @@ def question_prior(records: Sequence[dict], train: Sequence[int]) -> dict[str, f
     out = {k: float(np.mean(v)) for k, v in cells.items()}
     out[""] = float(np.mean([records[r]["label"] for r in train])) if len(train) else 0.5
     return out
+
+
+def json_default(o):
+    """``json.dumps(..., default=json_default)`` for reports and metrics holding numpy values."""
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(type(o).__name__)
