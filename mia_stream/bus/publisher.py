@@ -148,9 +148,8 @@ class FramePublisher:
         self._extra_proofs: list[dict] = []  # rings besides shm_ring this publisher references (add_ring_proof)
         self._heartbeats = 0
         self._ring_lock = threading.Lock()
-        self._ring_taken = threading.Event()  # the broker took the ring this publisher offered at close
-        self._rings_taken: set[str] = set()  # names of every ring the broker said it took (extra rings too)
-        self._ring_taken_cond = threading.Condition()
+        self._rings_taken: set[str] = set()  # names of the rings the broker said it took (at close)
+        self._rings_taken_cond = threading.Condition()
         # ring bytes queued past what the broker has received before tensor frames are dropped (0: no bound)
         ring_size = self.shm_ring.size if self.shm_ring is not None else 0
         if shm_ahead_bytes is None:
@@ -433,14 +432,12 @@ class FramePublisher:
         ring = self.shm_ring
         if ring is None or not ring.buffers or not self.broker_shm:
             return False
-        with self._ring_lock:
-            ring.mark_handed_over()
-        hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(),
-                       {**self.stats(), **Capabilities(ring_closed=ring.name).to_stats()})
-        frames = encode(hb)
-        with self._lock:
-            self._append(frames, _transport.frames_nbytes(frames))
-        return self._ring_taken.wait(min(timeout, _RING_HANDOVER_WAIT_S))
+
+        def mark() -> None:
+            with self._ring_lock:
+                ring.mark_handed_over()
+
+        return self._offer_ring(ring.name, mark, timeout)
 
     def hand_over_ring(self, name: str, mark_handed_over: Callable[[], None], timeout: float = _RING_HANDOVER_WAIT_S
                        ) -> bool:
@@ -450,6 +447,11 @@ class FramePublisher:
         caller removes the ring itself when not). Call before ``close``."""
         if not self.broker_shm or not any(p.get("ring") == name for p in self._extra_proofs):
             return False
+        return self._offer_ring(name, mark_handed_over, timeout)
+
+    def _offer_ring(self, name: str, mark_handed_over: Callable[[], None], timeout: float) -> bool:
+        """Stamp the ring handed over, name it in a last heartbeat (``shm_ring_closed``) and wait for the broker's
+        ``shm_ring_taken`` of it."""
         mark_handed_over()
         hb = Heartbeat(self.producer_id, "producer", self.epoch, time.time_ns(),
                        {**self.stats(), **Capabilities(ring_closed=name).to_stats()})
@@ -457,8 +459,9 @@ class FramePublisher:
         with self._lock:
             self._append(frames, _transport.frames_nbytes(frames))
         self._wake()
-        with self._ring_taken_cond:
-            return self._ring_taken_cond.wait_for(lambda: name in self._rings_taken, min(timeout, _RING_HANDOVER_WAIT_S))
+        with self._rings_taken_cond:
+            return self._rings_taken_cond.wait_for(lambda: name in self._rings_taken,
+                                                   min(timeout, _RING_HANDOVER_WAIT_S))
 
     def _open_ring(self, shm_bytes: int | None, min_bytes: int) -> ShmRingWriter | None:
         """The shared-memory ring for large tensor buffers: only to a broker on this host (ipc), where
@@ -723,11 +726,9 @@ class FramePublisher:
         news = self.broker.on_heartbeat(hb)
         caps = self.broker.capabilities
         if caps.ring_taken:
-            with self._ring_taken_cond:
+            with self._rings_taken_cond:
                 self._rings_taken.add(caps.ring_taken)
-                self._ring_taken_cond.notify_all()
-            if self.shm_ring is not None and caps.ring_taken == self.shm_ring.name:
-                self._ring_taken.set()
+                self._rings_taken_cond.notify_all()
         self.broker_batches = caps.batch is True
         self.broker_shm = caps.shm is True
         self.broker_shm_received = self.broker_shm and caps.shm_received is True

@@ -499,20 +499,14 @@ class ProducerRuntime:
                              "dropped as 'quantize_out_of_memory' (a lower gpu_memory_utilization leaves room)",
                              step, str(e).split(".")[0])
             self._stats["quantize_oom"] = self._stats.get("quantize_oom", 0) + 1
-            for eid in dict.fromkeys(hs_seg.eids + qk_seg.eids):
-                req = self.requests.get(eid)
-                if req is not None:
-                    self._drop_now(req, step, "quantize_out_of_memory")
+            self._drop_all(dict.fromkeys(hs_seg.eids + qk_seg.eids), step, "quantize_out_of_memory")
             return
         sizes = [rows * (len(layers) * ap.shape[2] if layers is not None else 1) * ap.element_size()
                  for _, ap, rows, layers in parts]
         aligned = [-(-s // 64) * 64 for s in sizes]
         got = self._ring.alloc(sum(aligned))
         if got is None:
-            for eid in dict.fromkeys(hs_seg.eids + qk_seg.eids):
-                req = self.requests.get(eid)
-                if req is not None:
-                    self._drop_now(req, step, "host_ring_full")
+            self._drop_all(dict.fromkeys(hs_seg.eids + qk_seg.eids), step, "host_ring_full")
             return
         offset, mark = got
         host, meta = [], {}
@@ -600,6 +594,13 @@ class ProducerRuntime:
         if eids:
             self._enqueue(Tokens(step, eids, toks))
 
+    def _drop_all(self, eids, step: int, reason: str) -> None:
+        """Each of ``eids`` still streamed loses its frame of ``step`` (counted, and named by a gap)."""
+        for eid in eids:
+            req = self.requests.get(eid)
+            if req is not None:
+                self._drop_now(req, step, reason)
+
     def _drop_now(self, req: _Request, step: int, reason: str) -> None:
         req.frames_dropped += 1
         req.drops[reason] = req.drops.get(reason, 0) + 1
@@ -630,10 +631,7 @@ class ProducerRuntime:
             step, eids = item.step, dict.fromkeys(item.hs.eids + item.qk.eids)
         else:
             step, eids = item.step, item.eids
-        for eid in eids:
-            req = self.requests.get(eid)
-            if req is not None:
-                self._drop_now(req, step, "drain_queue_full")
+        self._drop_all(eids, step, "drain_queue_full")
 
     # ---------------------------------------------------------------- forwarder thread
     def _forward_loop(self) -> None:

@@ -197,19 +197,15 @@ def _serve(conn: Connection, ring, parent: int, ready_fd: int | None = None) -> 
         # the last to publish from the host ring (a restarted sidecar's predecessor dies first) hands it to the
         # broker, like the publisher's own ring, so consumers a little behind still read the last rows it
         # referenced; it removes the name itself when the broker does not take it
-        taken = closed and bool(ring.name) and _hand_over(publisher, ring)
+        taken = False
+        if closed and ring.name:
+            try:
+                taken = publisher.hand_over_ring(ring.name, ring.mark_handed_over)
+            except Exception:  # noqa: BLE001 -- at exit: the publisher still closes, and the ring is removed here
+                logger.exception("mia_stream: handing the host ring to the broker failed")
         publisher.close(timeout=5.0)
         if closed and not taken:
             ring.unlink()
-
-
-def _hand_over(publisher, ring) -> bool:
-    hand_over = getattr(publisher, "hand_over_ring", None)
-    try:
-        return bool(hand_over and hand_over(ring.name, ring.mark_handed_over))
-    except Exception:  # noqa: BLE001 -- at exit: the ring is then removed here, as before
-        logger.exception("mia_stream: handing the host ring to the broker failed")
-        return False
 
 
 def main(argv: list[str] | None = None) -> int:
