@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from mia_stream.producer._config import RuntimeConfig, StepBatch
+from mia_stream.producer._copy_staging import CopyStaging
 from mia_stream.producer._device import DeviceState, _PinnedStaging, _SteeringTable
 from mia_stream.producer._drain import DrainConfig, StepDrain
 from mia_stream.producer._host_ring import HostRing
@@ -110,8 +111,8 @@ class ProducerRuntime:
         self._config_epoch = 0  # bumped by every request/steering change: a cached decode step is then stale
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._last_copy_done = None
-        self._staging_turn = 0  # which half of the device staging the next staged step uses
-        self._staging_read = [None, None]  # per half: the event of the host copy that last read it
+        staging = getattr(self.state, "copy_staging", None)  # MIA_STREAM_COPY_STAGING_MB
+        self._copy_staging = CopyStaging(staging, device) if staging is not None else None
         self._step_tokens = None
         self._staging = _PinnedStaging(device) if device.type == "cuda" else None
         self._stats = {"steps": 0, "dropped_frames": 0, "items_lost": 0, "sidecar_restarts": 0, "drain_in_engine": 0}
@@ -525,9 +526,12 @@ class ProducerRuntime:
                     host.extend((view[j], ap[layer, :rows]) for j, layer in enumerate(layers))
             offset += room
         event = None
-        staged = self._stage(host)
+        staged = self._copy_staging.stage(host) if self._copy_staging is not None else None
         if staged is not None:
             half, host = staged
+            self._stats["staged_copies"] = self._stats.get("staged_copies", 0) + 1
+        elif self._copy_staging is not None:
+            self._stats["unstaged_copies"] = self._stats.get("unstaged_copies", 0) + 1
         if self._copy_stream is not None:
             self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._copy_stream):
@@ -538,7 +542,7 @@ class ProducerRuntime:
             if staged is None:
                 self._last_copy_done = event  # the next begin_step orders the next forward after it
             else:  # the next forward overwrites the aperture freely: the host copy reads the staging half
-                self._staging_read[half] = event
+                self._copy_staging.read_by(half, event)
         else:
             for dst, src in host:
                 dst.copy_(src)
@@ -547,35 +551,6 @@ class ProducerRuntime:
         item = StepItem(step=step, time_ns=time.time_ns(), mark=mark, parts=meta, hs=hs_seg, qk=qk_seg,
                         token_ids=token_ids)
         self._enqueue(item, event)
-
-    def _stage(self, host: list) -> tuple[int, list] | None:
-        """``host``'s copies re-pointed at one half of the device staging (``MIA_STREAM_COPY_STAGING_MB``), after
-        copying the step's rows there on the compute stream: (half, copies), or None (no staging, or the step
-        does not fit a half). The device copy is ordered before the next forward, so that forward need not wait
-        for the host copy (the aperture is single-buffered: CUDA graphs keep its address); a half is reused
-        two staged steps later, once the host copy that read it has finished (normally long done)."""
-        staging = getattr(self.state, "copy_staging", None)
-        if staging is None:
-            return None
-        sizes = [-(-src.numel() * src.element_size() // 256) * 256 for _, src in host]
-        if sum(sizes) > staging.shape[1]:
-            self._stats["unstaged_copies"] = self._stats.get("unstaged_copies", 0) + 1
-            return None
-        half = self._staging_turn
-        self._staging_turn ^= 1
-        read = self._staging_read[half]
-        if read is not None:
-            torch.cuda.current_stream(self.device).wait_event(read)
-            self._staging_read[half] = None
-        buf, offset, out = staging[half], 0, []
-        for (dst, src), size in zip(host, sizes):
-            nbytes = src.numel() * src.element_size()
-            stage = buf[offset:offset + nbytes].view(src.dtype).view(src.shape)
-            stage.copy_(src)
-            out.append((dst, stage))
-            offset += size
-        self._stats["staged_copies"] = self._stats.get("staged_copies", 0) + 1
-        return half, out
 
     def take_scores(self, upto_step: int | None = None) -> list[DetectScores]:
         """The in-engine detectors' scores of the steps run so far (up to ``upto_step``), for the engine core."""
