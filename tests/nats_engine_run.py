@@ -3,7 +3,7 @@ and its own environment, MIA_STREAM_BROKER naming the test's broker):
 
     python tests/nats_engine_run.py --model DIR --out out.json --hold HOLD_FILE
 
-Three greedy requests stream their tokens (``n0``, ``n1``: 24 tokens; ``long``: up to 400, which a remote
+Three greedy requests stream their tokens (``n0``, ``n1``: 24 tokens; ``long``: up to LONG_MAX_TOKENS, which a remote
 consumer aborts over NATS). ``out.json``: each request's token ids and finish reason as vLLM returned them (the
 reference the remote consumer's stream is checked against). Then it waits until HOLD_FILE is gone, so the test
 scrapes the metrics of the engine's processes while they run.
@@ -16,6 +16,10 @@ import json
 import os
 import time
 
+# The abort is sent after 8 of its tokens reach the remote consumer. In CI (2 loaded cores) that consumer once
+# lagged past all of a 400-token answer and the abort found the request finished: the answer is long enough that
+# only a lost abort, not a slow path, lets it end by itself.
+LONG_MAX_TOKENS = 3000
 PROMPTS = {"n0": "The capital of France is", "n1": "Name three colors:",
            "long": "Write a very long story about a dragon and a knight."}
 
@@ -29,11 +33,11 @@ def main() -> int:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    llm = LLM(args.model, dtype="float32", max_model_len=512, max_num_seqs=4, enforce_eager=True, seed=0)
+    llm = LLM(args.model, dtype="float32", max_model_len=LONG_MAX_TOKENS + 64, max_num_seqs=4, enforce_eager=True, seed=0)
     params = []
     for rid in PROMPTS:
         spec = {"id": rid, "capture": {"hidden_states": {"layers": [0], "positions": "all"}}}
-        params.append(SamplingParams(max_tokens=400 if rid == "long" else 24, temperature=0, ignore_eos=True,
+        params.append(SamplingParams(max_tokens=LONG_MAX_TOKENS if rid == "long" else 24, temperature=0, ignore_eos=True,
                                      extra_args={"mia_stream": spec}))
     t0 = time.time()
     outs = llm.generate(list(PROMPTS.values()), params)
