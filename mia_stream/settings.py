@@ -219,7 +219,8 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("MIA_STREAM_RECORDING_MAX_CHUNK_BYTES", "size", "consumers",
             "Bytes a compressed MCAP chunk of a recording may declare uncompressed; a larger one is refused "
             "before it is decompressed (`CorruptRecordingError`), and none decompresses past what it declares. "
-            "`mia-stream record` writes uncompressed chunks (their size is their file bytes).",
+            "Uncompressed chunks are read from the file, unbounded by it; `mia-stream record --compression lz4` "
+            "keeps its compressed chunks within it and writes a larger message uncompressed.",
             default=64 * MiB, minimum=1),
     Setting("MIA_STREAM_TRUSTED_ANALYZERS", "text", "consumers",
             "Comma-separated `producer_id` prefixes of the analyses whose alerts may be acted on (abort, steer: "

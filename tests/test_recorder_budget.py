@@ -99,3 +99,37 @@ def test_an_lz4_recording_replays_byte_identical_tensors(tmp_path):
     # the stream's values are compressible (each step's rows hold the step number): lz4 makes the file smaller
     size = {r: sum(p.stat().st_size for p in (tmp_path / r).iterdir()) for r in ("plain", "lz4")}
     assert size["lz4"] < size["plain"] / 4
+
+
+def test_an_lz4_message_larger_than_a_reader_decompresses_is_recorded_and_replays(tmp_path, monkeypatch):
+    """A message over MIA_STREAM_RECORDING_MAX_CHUNK_BYTES (an 8B model's all-layer decode step is 64 MiB, the
+    default) once made an lz4 chunk its own reader refused as a bomb: it goes uncompressed in a chunk of its
+    own, every compressed chunk stays within the limit, and the recording replays byte-identical."""
+    from mcap.reader import make_reader
+
+    from mia_stream.schemas import RowGroup, Tensor
+
+    limit = 64 << 10
+    monkeypatch.setenv("MIA_STREAM_RECORDING_MAX_CHUNK_BYTES", str(limit))
+    rng = np.random.default_rng(0)
+    start = StreamStart("big", "p", 0, tags={})
+    big = rng.integers(0, 1 << 16, size=(2, 1, 40_000), dtype=np.uint16)  # 160 KB: past the limit
+    small = np.zeros((2, 1, 64), np.uint16)
+    msgs = [start]
+    for step, rows in enumerate([small, big, small, small, big]):
+        t = Tensor("hs", "bfloat16", rows.shape, rows, (0, 1))
+        msgs.append(StepBatch("p", 1, step, ["big"], [step + 1], [RowGroup([0], [1], np.array([step]), [t])]))
+    _record(tmp_path / "rec", msgs, compression="lz4")
+    for part in (tmp_path / "rec").glob("part-*.mcap"):
+        with open(part, "rb") as f:
+            chunks = list(make_reader(f).get_summary().chunk_indexes)
+        assert {c.compression for c in chunks} == {"lz4", ""}
+        assert all(c.uncompressed_size <= limit for c in chunks if c.compression == "lz4")
+    got = []
+    with open_batches(str(tmp_path / "rec")) as events:
+        for ev in events:
+            if ev.kind == "batch":
+                got.extend(t.numpy().tobytes() for f in ev.batch.frames() for t in f.tensors)
+    # numpy() widens bfloat16 to float32: the same bits in the high half
+    want = [(r.astype(np.uint32) << 16).tobytes() for r in (small, big, small, small, big)]
+    assert [len(g) for g in got] == [len(w) for w in want] and got == want

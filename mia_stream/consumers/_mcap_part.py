@@ -96,7 +96,7 @@ def _decompress(chunk: Any, limit: int) -> bytes:
     if declared > limit:
         raise _Damage(f"a {chunk.compression} chunk declares {declared} bytes uncompressed, more than "
                       f"MIA_STREAM_RECORDING_MAX_CHUNK_BYTES ({limit}); refused before decompressing it "
-                      "(mia-stream record writes no compressed chunks)")
+                      "(mia-stream record compresses no chunk past it)")
     try:
         if chunk.compression == "lz4":
             import lz4.frame

@@ -11,7 +11,8 @@ finished it gets a request index (an MCAP attachment): which messages of each pr
 request, so one request loads without scanning the file. Chunks are written to the OS as soon as they are
 complete and at least every ``flush_interval_s``, so a killed recorder loses at most the chunk being filled.
 Parts rotate by size and before MCAP's u16 channel-id limit. ``compression="lz4"`` writes LZ4-frame chunks
-(MCAP's own chunk compression, which the reader undoes). ``budget_bytes``: once the data messages recorded
+(MCAP's own chunk compression, which the reader undoes), each within what a reader decompresses; a message
+larger than that goes uncompressed in a chunk of its own. ``budget_bytes``: once the data messages recorded
 would pass it, the recorder records no more data and closes each stream's recording with one gap notice of
 reason ``recorder_budget`` naming every seq it left out (``_budget``).
 """
@@ -37,6 +38,7 @@ import numpy as np
 
 from mia_stream import settings
 from mia_stream.consumers._budget import RecordingBudget
+from mia_stream.consumers._mcap_part import max_chunk_bytes
 from mia_stream.consumers.recording import (BUS_TOPIC, INDEX_ATTACHMENT, INDEX_MEDIA_TYPE, MESSAGE_ENCODING,
                                             METADATA_NAME, PART_GLOB, PRODUCER_TOPIC_PREFIX, SCHEMA_ENCODING,
                                             SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
@@ -53,6 +55,29 @@ DEFAULT_MAX_CHANNELS = 65_000  # MCAP channel ids are u16 (max 65,535); keep a m
 DEFAULT_FLUSH_INTERVAL_S = 1.0
 _MESSAGE_RECORD_OVERHEAD = 31  # opcode, length, channel id, sequence, log and publish time
 _UNBOUNDED = 1 << 62
+
+
+def _check_chunk_compression_switch() -> None:
+    import io
+
+    from mcap.writer import Writer
+
+    if not hasattr(Writer(io.BytesIO()), "_Writer__compression"):
+        raise RuntimeError("this mcap version's Writer has no compression attribute to switch per chunk: record "
+                           "with compression='none' (messages over MIA_STREAM_RECORDING_MAX_CHUNK_BYTES need it)")
+
+
+def _flush_uncompressed(writer: Any) -> None:
+    """Close ``writer``'s chunk uncompressed. mcap's Writer has one compression per file, read when a chunk
+    closes from its private ``__compression``; the recorder checks that attribute when it opens a part."""
+    from mcap.writer import CompressionType
+
+    saved = writer._Writer__compression
+    writer._Writer__compression = CompressionType.NONE
+    try:
+        writer.flush()
+    finally:
+        writer._Writer__compression = saved
 
 
 @dataclass
@@ -110,6 +135,9 @@ class Recorder:
         if compression not in ("none", "lz4"):
             raise ValueError(f"compression must be 'none' or 'lz4', got {compression!r}")
         self.compression = compression
+        self._compressed_chunk_limit = max_chunk_bytes()
+        if compression != "none":
+            _check_chunk_compression_switch()
         self.budget = RecordingBudget(budget_bytes) if budget_bytes else None
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -187,6 +215,11 @@ class Recorder:
             if len(self._channels) >= self.max_channels:
                 self._rotate()
             channel = self._register_channel(topic)
+        record_bytes = len(data) + _MESSAGE_RECORD_OVERHEAD
+        oversized = self.compression != "none" and record_bytes > self._compressed_chunk_limit
+        if self._chunk_fill and (oversized or (self.compression != "none" and
+                                               self._chunk_fill + record_bytes > self._compressed_chunk_limit)):
+            self.flush()  # a compressed chunk stays within what a reader decompresses
         seq = self._sequences[channel]
         self._sequences[channel] = seq + 1
         self._writer.add_message(channel_id=channel, log_time=log_time, data=data,
@@ -195,10 +228,12 @@ class Recorder:
             log = self._batch_log.setdefault(channel, ([], []))
             log[0].append(log_time)
             log[1].append(header.get("request_ids") or ())
-        self._chunk_fill += len(data) + _MESSAGE_RECORD_OVERHEAD
+        self._chunk_fill += record_bytes
         self.stats.messages += 1
         self.stats.bytes += len(data)
-        if self._chunk_fill >= self.chunk_bytes:
+        if oversized:
+            self.flush(compressed=False)
+        elif self._chunk_fill >= self.chunk_bytes:
             self.flush()
         else:
             self.tick()
@@ -228,10 +263,16 @@ class Recorder:
         if self._chunk_fill and time.monotonic() - self._last_flush >= self.flush_interval_s:
             self.flush()
 
-    def flush(self) -> None:
-        """Close the chunk in progress and hand it (with its message index) to the OS."""
+    def flush(self, compressed: bool = True) -> None:
+        """Close the chunk in progress and hand it (with its message index) to the OS. ``compressed=False``
+        writes it uncompressed whatever ``compression`` says: a message larger than a reader decompresses
+        (``MIA_STREAM_RECORDING_MAX_CHUNK_BYTES``; an 8B model's all-layer decode step is 64 MiB) goes in a
+        chunk of its own that the reader reads from the file, unbounded by that limit."""
         if self._writer is not None and self._chunk_fill:
-            self._writer.flush()
+            if compressed or self.compression == "none":
+                self._writer.flush()
+            else:
+                _flush_uncompressed(self._writer)
             self._part_bytes = self._file.tell()
             self._chunk_fill = 0
         self._last_flush = time.monotonic()
