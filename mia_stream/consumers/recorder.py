@@ -39,9 +39,10 @@ import numpy as np
 from mia_stream import settings
 from mia_stream.consumers._budget import RecordingBudget
 from mia_stream.consumers._mcap_part import max_chunk_bytes
+from mia_stream.consumers._mcap_writer import McapWriter
 from mia_stream.consumers.recording import (BUS_TOPIC, INDEX_ATTACHMENT, INDEX_MEDIA_TYPE, MESSAGE_ENCODING,
                                             METADATA_NAME, PART_GLOB, PRODUCER_TOPIC_PREFIX, SCHEMA_ENCODING,
-                                            SCHEMA_NAME, SCHEMA_TEXT, pack_frames)
+                                            SCHEMA_NAME, SCHEMA_TEXT, frame_pieces)
 from mia_stream.errors import WireError
 from mia_stream.schemas import MESSAGE_TYPES, MULTI_REQUEST_KINDS, SCHEMA_VERSION, encode, inline_shm, shm_loss_gaps
 from mia_stream.bus.shm_ring import ShmRingReader
@@ -55,29 +56,6 @@ DEFAULT_MAX_CHANNELS = 65_000  # MCAP channel ids are u16 (max 65,535); keep a m
 DEFAULT_FLUSH_INTERVAL_S = 1.0
 _MESSAGE_RECORD_OVERHEAD = 31  # opcode, length, channel id, sequence, log and publish time
 _UNBOUNDED = 1 << 62
-
-
-def _check_chunk_compression_switch() -> None:
-    import io
-
-    from mcap.writer import Writer
-
-    if not hasattr(Writer(io.BytesIO()), "_Writer__compression"):
-        raise RuntimeError("this mcap version's Writer has no compression attribute to switch per chunk: record "
-                           "with compression='none' (messages over MIA_STREAM_RECORDING_MAX_CHUNK_BYTES need it)")
-
-
-def _flush_uncompressed(writer: Any) -> None:
-    """Close ``writer``'s chunk uncompressed. mcap's Writer has one compression per file, read when a chunk
-    closes from its private ``__compression``; the recorder checks that attribute when it opens a part."""
-    from mcap.writer import CompressionType
-
-    saved = writer._Writer__compression
-    writer._Writer__compression = CompressionType.NONE
-    try:
-        writer.flush()
-    finally:
-        writer._Writer__compression = saved
 
 
 @dataclass
@@ -119,8 +97,9 @@ class Recorder:
         self._patterns, self._source = list(patterns), source
         self._start_ns = time.time_ns()
         self.stats = RecorderStats()
-        self._writer: Any = None
-        self._file: Any = None
+        self._writer: McapWriter | None = None
+        self._fd = -1
+        self._part_path: Path | None = None
         self._channels: dict[str, int] = {}  # topic -> channel id, in the current part
         self._sequences: dict[int, int] = {}
         # producer channel id -> (log time, request ids) of each of its messages in the current part: the index
@@ -136,8 +115,6 @@ class Recorder:
             raise ValueError(f"compression must be 'none' or 'lz4', got {compression!r}")
         self.compression = compression
         self._compressed_chunk_limit = max_chunk_bytes()
-        if compression != "none":
-            _check_chunk_compression_switch()
         self.budget = RecordingBudget(budget_bytes) if budget_bytes else None
 
     # ------------------------------------------------------------------------------------------ lifecycle
@@ -163,7 +140,7 @@ class Recorder:
 
     @property
     def current_part(self) -> Path | None:
-        return Path(self._file.name) if self._file is not None else None
+        return self._part_path if self._writer is not None else None
 
     # ------------------------------------------------------------------------------------------ writing
 
@@ -195,10 +172,11 @@ class Recorder:
         log_time = max(now, self._last_log_time + 1)
         self._last_log_time = log_time
         publish_time = header.get("time_ns") if isinstance(header.get("time_ns"), int) else 0
-        data = pack_frames(frames)
+        data = frame_pieces(frames)  # the recorded bytes, not joined: the writer hands them to the kernel as they are
+        size = sum(map(len, data))
         budget = self.budget
         if budget is not None:
-            if not budget.admits(header.get("kind"), self.stats.bytes, len(data)):
+            if not budget.admits(header.get("kind"), self.stats.bytes, size):
                 self._leave_out(header)
                 return
             rid = header.get("request_id")
@@ -208,14 +186,14 @@ class Recorder:
                     self._write(gap_frames, self._header_of(gap_frames), recv_time_ns)
         if self._writer is None:
             self._open_part()
-        elif (self._part_bytes + self._chunk_fill + len(data) > self.rotate_bytes and self._part_bytes + self._chunk_fill > 0):
+        elif (self._part_bytes + self._chunk_fill + size > self.rotate_bytes and self._part_bytes + self._chunk_fill > 0):
             self._rotate()
         channel = self._channels.get(topic)
         if channel is None:
             if len(self._channels) >= self.max_channels:
                 self._rotate()
             channel = self._register_channel(topic)
-        record_bytes = len(data) + _MESSAGE_RECORD_OVERHEAD
+        record_bytes = size + _MESSAGE_RECORD_OVERHEAD
         oversized = self.compression != "none" and record_bytes > self._compressed_chunk_limit
         if self._chunk_fill and (oversized or (self.compression != "none" and
                                                self._chunk_fill + record_bytes > self._compressed_chunk_limit)):
@@ -230,7 +208,7 @@ class Recorder:
             log[1].append(header.get("request_ids") or ())
         self._chunk_fill += record_bytes
         self.stats.messages += 1
-        self.stats.bytes += len(data)
+        self.stats.bytes += size
         if oversized:
             self.flush(compressed=False)
         elif self._chunk_fill >= self.chunk_bytes:
@@ -269,11 +247,8 @@ class Recorder:
         (``MIA_STREAM_RECORDING_MAX_CHUNK_BYTES``; an 8B model's all-layer decode step is 64 MiB) goes in a
         chunk of its own that the reader reads from the file, unbounded by that limit."""
         if self._writer is not None and self._chunk_fill:
-            if compressed or self.compression == "none":
-                self._writer.flush()
-            else:
-                _flush_uncompressed(self._writer)
-            self._part_bytes = self._file.tell()
+            self._writer.flush(compressed=compressed)
+            self._part_bytes = self._writer.offset
             self._chunk_fill = 0
         self._last_flush = time.monotonic()
 
@@ -313,15 +288,13 @@ class Recorder:
         return max(indices) + 1 if indices else 0
 
     def _open_part(self) -> None:
-        from mcap.writer import CompressionType, Writer
-
         path = self.out_dir / f"part-{self._part_index:05d}.mcap"
         # never overwrite a part; 0600 whatever the umask (the bus is 0600: a recording holds the same text)
-        self._file = open(path, "xb", opener=lambda p, flags: os.open(p, flags, 0o600))
-        os.fchmod(self._file.fileno(), 0o600)
-        # Chunks are closed by this class (size and age), so the Writer's own threshold is disabled.
-        self._writer = Writer(self._file, chunk_size=_UNBOUNDED, compression=(
-            CompressionType.LZ4 if self.compression == "lz4" else CompressionType.NONE))
+        self._part_path = path
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o600)
+        os.fchmod(self._fd, 0o600)
+        # Chunks are closed by this class (size and age); records go straight to the kernel (no user buffer).
+        self._writer = McapWriter(self._fd, compression=self.compression)
         self._writer.start(profile="", library=f"mia_stream {_mia_stream_version()}")
         self._schema_id = self._writer.register_schema(SCHEMA_NAME, SCHEMA_ENCODING, SCHEMA_TEXT)
         self._writer.add_metadata(METADATA_NAME, {
@@ -335,8 +308,7 @@ class Recorder:
             "source": self._source,
             "hostname": socket.gethostname(),
         })
-        self._file.flush()  # header + metadata on disk: even an empty killed part opens
-        self._part_bytes = self._file.tell()
+        self._part_bytes = self._writer.offset  # header + metadata written: even an empty killed part opens
         self._channels, self._sequences, self._batch_log = {}, {}, {}
         self._chunk_fill = 0
         self.stats.parts += 1
@@ -364,10 +336,9 @@ class Recorder:
         if self._batch_log:
             self._write_index()
         self._writer.finish()
-        self._file.flush()
-        os.fsync(self._file.fileno())
-        self._file.close()
-        self._writer = self._file = None
+        os.fsync(self._fd)
+        os.close(self._fd)
+        self._writer, self._fd = None, -1
         self._part_index += 1
 
     def _write_index(self) -> None:

@@ -30,11 +30,16 @@ from mia_stream.schemas import Message, compact, decode, decode_header, select_r
 log = logging.getLogger(__name__)
 
 
+def frame_pieces(frames: Sequence[Any]) -> list[memoryview]:
+    """``mia_stream/multipart`` encoding as pieces, no byte copied: the u32le count and u32le lengths, then each
+    frame. Their concatenation is ``pack_frames``."""
+    views = [memoryview(getattr(f, "buffer", f)).cast("B") for f in frames]
+    return [memoryview(struct.pack(f"<{len(views) + 1}I", len(views), *(len(v) for v in views))), *views]
+
+
 def pack_frames(frames: Sequence[Any]) -> bytes:
     """``mia_stream/multipart`` encoding: u32le count, u32le lengths, frames concatenated (one copy)."""
-    views = [memoryview(getattr(f, "buffer", f)).cast("B") for f in frames]
-    head = struct.pack(f"<{len(views) + 1}I", len(views), *(len(v) for v in views))
-    return b"".join([head, *views])
+    return b"".join(frame_pieces(frames))
 
 
 def unpack_frames(data: bytes | memoryview) -> list[bytes]:
