@@ -140,6 +140,13 @@ SETTINGS: dict[str, Setting] = _table(
     Setting("MIA_STREAM_CAPTURE_QK", "flag", "engine",
             "0 leaves the Q/K capture ops out of the graph; a request that captures `qk` is then refused at "
             "admission (ValueError naming this setting).", default=True),
+    Setting("MIA_STREAM_QUANTIZE", "flag", "engine",
+            "1 reserves device memory, inside vLLM's budget, for `capture.quantize`'s outputs: one byte per value of "
+            "every aperture row (hs, and q/k unless MIA_STREAM_CAPTURE_QK=0) and a float32 scale per row and layer, "
+            "half the apertures' bytes in bf16 (an 8B model at 8192 rows: 2.25 GiB). 0 (the default: most engines "
+            "never quantize) refuses a request with `quantize` at admission (an error naming this setting). "
+            "Requests of two formats in one step: the second format's outputs are allocated for that step, outside "
+            "the budget (`quantize_out_of_memory` drops when the device has no room).", default=False),
     Setting("MIA_STREAM_STEERING", "flag", "engine",
             "0 leaves the steering ops out of the graph; a request with `steer` is then refused at admission and "
             "live steering commands get an error ack.", default=True),

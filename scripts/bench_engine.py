@@ -381,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MIA_STREAM_VECTORS", tempfile.mkdtemp(prefix="mia-be-vec-"))
     table = rows(L, H, np.random.default_rng(0))
     names = list(table) if a.rows == "all" else a.rows.split(",")
+    if any("quantize" in table[n][0].get("capture", {}) for n in names if n in table):
+        # the workspace quantized rows are written into, reserved inside vLLM's budget (off by default)
+        os.environ.setdefault("MIA_STREAM_QUANTIZE", "1")
     run_dir = tempfile.mkdtemp(prefix="mia-be-", dir="/tmp")
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
     broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run_dir],

@@ -65,6 +65,7 @@ def broker_address():
 def engine(model_dir, broker_address):
     """The session's real vLLM engine (CPU, float32, torch.compile on, prefix caching on, chunked prefill)."""
     os.environ["MIA_STREAM_BROKER"] = broker_address
+    os.environ.setdefault("MIA_STREAM_QUANTIZE", "1")  # test_quantize's captures (the workspace is off by default)
     from vllm import LLM
 
     llm = LLM(model_dir, dtype="float32", max_model_len=MAX_MODEL_LEN,

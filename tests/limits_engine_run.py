@@ -4,8 +4,8 @@ budget. tests/test_engine_limits.py runs it in a subprocess, with the settings i
 
     python tests/limits_engine_run.py --model DIR --out out.json --prefix P [--burst 64] [--grace 30]
 
-1. a request with ``steer`` and one capturing ``qk``: each must be refused at admission (ValueError), then a
-   plain request shows the engine still serves;
+1. a request with ``steer``, one capturing ``qk`` and one quantizing (MIA_STREAM_QUANTIZE left at its default,
+   off): each must be refused at admission (ValueError), then a plain request shows the engine still serves;
 2. a burst of ``--burst`` prompts (~70 tokens each) capturing the hidden states of one layer at all positions,
    submitted at once: the first prefill step carries ``max_num_batched_tokens`` rows;
 3. ``engine_core.shutdown(timeout=--grace)`` while a thread records when each engine process exits.
@@ -91,6 +91,8 @@ def main(argv=None) -> int:
     refused_specs = {
         "steer": {"steer": [{"layer": 3, "op": "add", "vector": [0.5] * 576}], "id": f"{args.prefix}-steer"},
         "qk": {"capture": {"qk": {"layers": [3], "heads": "all", "positions": "all"}}, "id": f"{args.prefix}-qk"},
+        # MIA_STREAM_QUANTIZE defaults to 0: no workspace reserved, so quantized capture is refused
+        "quantize": {"capture": {"hidden_states": {"layers": [3]}, "quantize": "int8"}, "id": f"{args.prefix}-quantize"},
     }
     for name, spec in refused_specs.items():
         try:

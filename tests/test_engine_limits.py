@@ -3,8 +3,8 @@ with the plugin (tests/limits_engine_run.py, in a subprocess: it needs its own e
 MIA_STREAM_STEERING=0 and MIA_STREAM_CAPTURE_QK=0, every other setting default, in vLLM's default topology; the
 broker runs here (its ring grace 1 s) and this process is the consumer.
 
-- A request with ``steer`` / capturing ``qk`` is refused at admission with an error naming the setting, and the
-  engine keeps serving (before: the steered request killed the engine; the qk one streamed hs only, silently).
+- A request with ``steer`` / capturing ``qk`` / quantizing (MIA_STREAM_QUANTIZE off by default: no workspace) is
+  refused at admission with an error naming the setting, and the engine keeps serving (before: the steered request killed the engine; the qk one streamed hs only, silently).
 - Default settings keep whole prefill steps: a burst whose first step computes ``max_num_batched_tokens`` (4096
   on vLLM CPU) rows, twice the old 2048-row aperture, loses no frame, and the rows equal Hugging Face's.
 - Shutdown: EngineCore holds no shared-memory ring (before: an unused 256 MiB one, left in /dev/shm whenever
@@ -60,7 +60,8 @@ def run(model_dir):
     env = dict(os.environ, MIA_STREAM_BROKER=run_dir, MIA_STREAM_STEERING="0", MIA_STREAM_CAPTURE_QK="0",
                VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(p for p in (str(HERE.parent), os.environ.get("PYTHONPATH")) if p))
-    for name in ("MIA_STREAM_APERTURE_ROWS", "MIA_STREAM_HOST_RING_MB", "VLLM_ENABLE_V1_MULTIPROCESSING"):
+    for name in ("MIA_STREAM_APERTURE_ROWS", "MIA_STREAM_HOST_RING_MB", "MIA_STREAM_QUANTIZE",
+                 "VLLM_ENABLE_V1_MULTIPROCESSING"):
         env.pop(name, None)  # defaults, and vLLM's default multiprocess engine
     try:
         with run_broker_in_thread(address=run_dir, ring_grace_s=RING_GRACE_S):
@@ -95,14 +96,17 @@ def test_a_request_needing_a_switched_off_feature_is_refused_naming_the_setting(
     refused, out = run["out"]["refused"], run["out"]
     assert refused["steer"] is not None and "MIA_STREAM_STEERING=0" in refused["steer"], refused
     assert refused["qk"] is not None and "MIA_STREAM_CAPTURE_QK=0" in refused["qk"], refused
+    assert refused["quantize"] is not None and "MIA_STREAM_QUANTIZE=1" in refused["quantize"], refused
+    assert refused["quantize"].split(": ", 1)[1].startswith(
+        "mia_stream: extra_args['mia_stream']['capture']['quantize']")
     assert refused["steer"].split(": ", 1)[1].startswith("mia_stream: extra_args['mia_stream']['steer']")
     assert refused["qk"].split(": ", 1)[1].startswith("mia_stream: extra_args['mia_stream']['capture']['qk']")
     # one error hierarchy: the refusal is the spec error a caller catches, whatever vLLM build wraps it
     assert "SteeringSpecError" in out["refused_kinds"]["steer"] and "MiaStreamError" in out["refused_kinds"]["steer"]
     assert "CaptureSpecError" in out["refused_kinds"]["qk"] and "MiaStreamError" in out["refused_kinds"]["qk"]
     # the engine kept serving after each refusal, and the refused requests never reached it
-    assert len(out["served_after_refusal"]) == 2 and all("Paris" in t for t in out["served_after_refusal"])
-    assert not [rid for rid in run["events"] if rid.endswith(("-steer", "-qk"))]
+    assert len(out["served_after_refusal"]) == 3 and all("Paris" in t for t in out["served_after_refusal"])
+    assert not [rid for rid in run["events"] if rid.endswith(("-steer", "-qk", "-quantize"))]
     assert "EngineDeadError" not in run["log"]
 
 

@@ -120,6 +120,9 @@ def test_triton_on_cuda_is_bit_identical_to_the_reference():
             assert torch.equal(scale, rscale), (name, fmt)
 
 
+_PICKED = [2, 0]  # layers picked in place from a [L, rows, W] case (the producer's subset of captured layers)
+
+
 def _run_interpreted(in_path: str, out_path: str) -> None:
     from mia_stream.kernels import last_backend
 
@@ -129,6 +132,13 @@ def _run_interpreted(in_path: str, out_path: str) -> None:
             q, scale = quantize_rows(x, fmt)
             out[f"{name}/{fmt}"] = (q.view(torch.uint8) if fmt == "fp8_e4m3" else q, scale,
                                     last_backend("quantize_rows"))
+            if x.dim() == 3 and x.shape[0] > max(_PICKED):  # into given buffers, picking layers
+                shape = (len(_PICKED), *x.shape[1:])
+                dest = (torch.full(shape, 7, dtype=q.dtype), torch.full((*shape[:-1], 1), -1.0))
+                q, scale = quantize_rows(x, fmt, dest, layers=torch.tensor(_PICKED))
+                assert q.data_ptr() == dest[0].data_ptr()
+                out[f"{name}/{fmt}/picked"] = (q.view(torch.uint8) if fmt == "fp8_e4m3" else q, scale,
+                                               last_backend("quantize_rows"))
     torch.save(out, out_path)
 
 
@@ -141,6 +151,7 @@ def test_triton_interpreted_is_bit_identical_to_the_reference(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     got = torch.load(out_path)
+    picked = 0
     for name, x in _cases().items():
         for fmt in ("int8", "fp8_e4m3"):
             q, scale, backend = got[f"{name}/{fmt}"]
@@ -148,6 +159,13 @@ def test_triton_interpreted_is_bit_identical_to_the_reference(tmp_path):
             assert backend == "triton"
             assert torch.equal(q, rq.view(torch.uint8) if fmt == "fp8_e4m3" else rq), (name, fmt)
             assert torch.equal(scale, rscale), (name, fmt)
+            if f"{name}/{fmt}/picked" in got:  # the picked layers, read in place: the reference of their copy
+                q, scale, backend = got[f"{name}/{fmt}/picked"]
+                rq, rscale = quantize_rows_reference(x[_PICKED].contiguous(), fmt)
+                assert torch.equal(q, rq.view(torch.uint8) if fmt == "fp8_e4m3" else rq), (name, fmt)
+                assert torch.equal(scale, rscale) and backend == "triton", (name, fmt)
+                picked += 1
+    assert picked >= 2
 
 
 @pytest.mark.slow

@@ -491,10 +491,10 @@ def test_a_step_whose_quantization_finds_no_device_memory_is_a_counted_drop_not_
     rt.add_request("e1", "rt-qoom", spec, [1, 2, 3])
     real_parts = rt._quantize.parts
 
-    def parts(p):
+    def parts(p, state=None):
         if rt._stats["steps"] == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.94 GiB")
-        return real_parts(p)
+        return real_parts(p, state)
 
     monkeypatch.setattr(rt._quantize, "parts", parts)
     _step(rt, 1, 0, [1, 2, 3]); rt.on_sampled(1, ["e1"], [[7]])

@@ -30,28 +30,52 @@ __all__ = ["QUANT_FORMATS", "quantize_rows", "quantize_rows_reference", "quantiz
 QUANT_FORMATS = {"int8": (torch.int8, "int8", 127.0), "fp8_e4m3": (torch.float8_e4m3fn, "float8_e4m3fn", 448.0)}
 
 
-def _empty(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+def _empty(shape: tuple, device, fmt: str, out: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
     if fmt not in QUANT_FORMATS:
         raise ValueError(f"quantize: unknown format {fmt!r}; known: {sorted(QUANT_FORMATS)}")
-    q = torch.empty(src.shape, dtype=QUANT_FORMATS[fmt][0], device=src.device)
-    scale = torch.empty((*src.shape[:-1], 1), dtype=torch.float32, device=src.device)
+    shape = tuple(shape)
+    if out is not None:
+        q, scale = out
+        if (tuple(q.shape) != shape or q.dtype != QUANT_FORMATS[fmt][0] or tuple(scale.shape) != (*shape[:-1], 1)
+                or scale.dtype != torch.float32 or not (q.is_contiguous() and scale.is_contiguous())):
+            raise ValueError(f"quantize: out must be contiguous {shape} {QUANT_FORMATS[fmt][0]} and "
+                             f"{(*shape[:-1], 1)} float32, got {tuple(q.shape)} {q.dtype} and "
+                             f"{tuple(scale.shape)} {scale.dtype}")
+        return q, scale
+    q = torch.empty(shape, dtype=QUANT_FORMATS[fmt][0], device=device)
+    scale = torch.empty((*shape[:-1], 1), dtype=torch.float32, device=device)
     return q, scale
 
 
-def quantize_rows(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+def _out_shape(src: Tensor, layers: Tensor | None) -> tuple:
+    if layers is None:
+        return tuple(src.shape)
+    if src.dim() != 3:
+        raise ValueError(f"quantize: layers picks dim 0 of a [layers, rows, W] source, got {tuple(src.shape)}")
+    return (layers.numel(), *src.shape[1:])
+
+
+def quantize_rows(src: Tensor, fmt: str, out: tuple[Tensor, Tensor] | None = None,
+                  layers: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(q, scale)``: ``src`` ``[..., W]`` quantized per row to ``fmt`` (``"int8"`` | ``"fp8_e4m3"``), and the
-    float32 scales ``[..., 1]``; new tensors on ``src``'s device."""
+    float32 scales ``[..., 1]``: new tensors on ``src``'s device, or written into ``out`` (contiguous, of those
+    shapes and dtypes: the producer's workspace inside vLLM's memory budget). ``layers`` (an int tensor on the
+    device): only those entries of dim 0 of a ``[L, rows, W]`` source, in that order (the kernel reads them in
+    place; an ``index_select`` copy of 16 of an 8B model's layers at a 16k-token prefill would be 2 GiB)."""
     if _dispatch.active_backend(src.device) == "triton" and src.numel():
-        out = quantize_rows_triton(src, fmt)
+        result = quantize_rows_triton(src, fmt, out, layers)
         _dispatch._record("quantize_rows", "triton")
-        return out
+        return result
     _dispatch._record("quantize_rows", "reference")
-    return quantize_rows_reference(src, fmt)
+    return quantize_rows_reference(src, fmt, out, layers)
 
 
-def quantize_rows_reference(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+def quantize_rows_reference(src: Tensor, fmt: str, out: tuple[Tensor, Tensor] | None = None,
+                            layers: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The torch reference of ``quantize_rows`` (and its spec)."""
-    q, scale = _empty(src, fmt)
+    q, scale = _empty(_out_shape(src, layers), src.device, fmt, out)
+    if layers is not None:
+        src = src.index_select(0, layers)
     qmax = QUANT_FORMATS[fmt][2]
     x = src.to(torch.float32)
     absmax = x.abs().amax(dim=-1, keepdim=True)
@@ -65,12 +89,15 @@ def quantize_rows_reference(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     return q, scale
 
 
-def quantize_rows_triton(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
+def quantize_rows_triton(src: Tensor, fmt: str, out: tuple[Tensor, Tensor] | None = None,
+                         layers: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """The Triton implementation (CUDA, or CPU under ``TRITON_INTERPRET=1``): one program per row."""
     if triton is None:
         raise RuntimeError("Triton is not importable")
-    q, scale = _empty(src, fmt)
+    q, scale = _empty(_out_shape(src, layers), src.device, fmt, out)
     width = src.shape[-1]
+    if layers is not None and src.stride(-1) != 1:
+        src = src.contiguous()
     if src.dim() == 3 and src.stride(-1) == 1:
         # [layers, rows, W] read in place: the capture's ``aperture[:, :rows]`` is not contiguous, and a
         # contiguous copy of it was 3.94 GiB at an 8B model's 16k-token prefill (an OOM outside vLLM's budget)
@@ -83,21 +110,26 @@ def quantize_rows_triton(src: Tensor, fmt: str) -> tuple[Tensor, Tensor]:
     n = q.numel() // width if width else 0
     if n and width:
         block = triton.next_power_of_2(width)
-        _quantize_rows_kernel[(n,)](rows, q.view(-1, width), scale.view(-1), width, per_layer, layer_stride,
-                                    row_stride, QMAX=QUANT_FORMATS[fmt][2], INT8=fmt == "int8", BLOCK=block,
-                                    num_warps=4 if block <= 2048 else 8)
+        pick = layers is not None
+        _quantize_rows_kernel[(n,)](rows, layers if pick else scale, q.view(-1, width), scale.view(-1), width,
+                                    per_layer, layer_stride, row_stride, QMAX=QUANT_FORMATS[fmt][2],
+                                    INT8=fmt == "int8", PICK=pick, BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return q, scale
 
 
 if triton is not None:
 
     @triton.jit
-    def _quantize_rows_kernel(src_ptr, q_ptr, scale_ptr, width, rows_per_layer, src_layer_stride, src_row_stride,
-                              QMAX: tl.constexpr, INT8: tl.constexpr, BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(src_ptr, layer_ptr, q_ptr, scale_ptr, width, rows_per_layer, src_layer_stride,
+                              src_row_stride, QMAX: tl.constexpr, INT8: tl.constexpr, PICK: tl.constexpr,
+                              BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # the output row; the source row is (layer, row within it)
         cols = tl.arange(0, BLOCK)
         mask = cols < width
-        src_row = (row // rows_per_layer) * src_layer_stride + (row % rows_per_layer) * src_row_stride
+        layer = row // rows_per_layer
+        if PICK:  # the output's j-th layer is the source's layer_ptr[j]
+            layer = tl.load(layer_ptr + layer).to(tl.int64)
+        src_row = layer * src_layer_stride + (row % rows_per_layer) * src_row_stride
         x = tl.load(src_ptr + src_row + cols, mask=mask, other=0.0).to(tl.float32)
         # correctly rounded divisions, as torch's: Triton's "/" on float32 is the approximate PTX division on
         # CUDA, and the H100 run of scripts/bench_quantize.py found its bytes differing from the reference

@@ -26,6 +26,7 @@ class RuntimeConfig:
     steer_slots: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_SLOTS"))
     max_ops_per_layer: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_STEER_OPS_PER_LAYER"))
     capture_qk: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_CAPTURE_QK"))
+    quantize: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_QUANTIZE"))
     steering: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_STEERING"))
     detect: bool = field(default_factory=lambda: settings.get_flag("MIA_STREAM_DETECT"))
     probe_slots: int = field(default_factory=lambda: settings.get_int("MIA_STREAM_PROBE_SLOTS"))

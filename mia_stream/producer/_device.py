@@ -166,6 +166,14 @@ class DeviceState(torch.nn.Module):
             buf("q_aperture", (L, rows, local_q_width), dtype)
             buf("k_aperture", (L, rows, local_k_width), dtype)
             buf("qk_route", (L, max_tokens), torch.int32, self.sentinel)
+        if cfg.quantize:  # capture.quantize's outputs, 1 byte a value (int8 / fp8 views), float32 scale per row
+            buf("hs_quantized", (L, rows, geo.hidden_size), torch.uint8)
+            buf("hs_quantized_scale", (L, rows, 1), torch.float32)
+            if cfg.capture_qk:
+                buf("q_quantized", (L, rows, local_q_width), torch.uint8)
+                buf("q_quantized_scale", (L, rows, 1), torch.float32)
+                buf("k_quantized", (L, rows, local_k_width), torch.uint8)
+                buf("k_quantized_scale", (L, rows, 1), torch.float32)
         if cfg.steering:
             buf("steer_slots", (L, max_tokens, cfg.max_ops_per_layer), torch.int32, -1)
             buf("vectors", (cfg.steer_slots, geo.hidden_size), torch.float32)

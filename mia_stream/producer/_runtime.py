@@ -492,9 +492,9 @@ class ProducerRuntime:
         if device_tokens:
             parts.append(("tok", step_tokens[0], step_tokens[1], None))
         try:
-            parts = self._quantize.parts(parts)  # quantized on the device: fewer bytes copied, ringed, published
-        except torch.OutOfMemoryError as e:  # its outputs are allocated per step, outside vLLM's budget (a
-            # step's rows, at half the bytes for int8): the step's capture is lost, counted, not the engine
+            parts = self._quantize.parts(parts, st)  # quantized on the device: fewer bytes copied, ringed, published
+        except torch.OutOfMemoryError as e:  # a second format's outputs are allocated per step, outside vLLM's
+            # budget (the first's are in the reserved workspace): the step's capture is lost, counted, not the engine
             if not self._stats.get("quantize_oom"):
                 logger.error("mia_stream: no device memory to quantize step %d's captured rows (%s); its frames are "
                              "dropped as 'quantize_out_of_memory' (a lower gpu_memory_utilization leaves room)",

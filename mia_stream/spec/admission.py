@@ -2,7 +2,7 @@
 sees the request. Pure (no torch, no vLLM, no producer runtime), so vLLM's frontend and API server check a spec with
 the spec package alone. Owns no state.
 
-``cfg`` is any object with the engine's start-time settings ``steering``, ``capture_qk``, ``detect``,
+``cfg`` is any object with the engine's start-time settings ``steering``, ``capture_qk``, ``quantize``, ``detect``,
 ``detectors_per_request``, ``aperture_rows`` (None:
 ``max_tokens``) and ``host_ring_bytes``: the producer's ``RuntimeConfig``, read from the same environment the workers
 read when the engine starts.
@@ -41,6 +41,11 @@ def check_admission(spec: RequestSpec, prompt_len: int, geo: ModelGeometry, cfg:
         raise CaptureSpecError(
             f"extra_args['{SPEC_KEY}']['capture']['qk']: this engine was started with MIA_STREAM_CAPTURE_QK=0, so it "
             "has no Q/K capture ops; start it without that setting to capture Q/K, or capture only hidden_states")
+    if spec.quantize and spec.captures and not getattr(cfg, "quantize", True):
+        raise CaptureSpecError(
+            f"extra_args['{SPEC_KEY}']['capture']['quantize']: this engine was started without MIA_STREAM_QUANTIZE=1, "
+            "so it has no device memory reserved for quantized rows; start it with that setting to quantize, or "
+            "leave 'quantize' out")
     rows = cfg.aperture_rows if cfg.aperture_rows is not None else max_tokens
     need, row_bytes = 0, 0
     for layers, mode, width in ((spec.hs_layers, spec.hs_positions, geo.hidden_size),
