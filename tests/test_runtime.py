@@ -376,6 +376,16 @@ def test_admission_refuses_what_the_engine_settings_cannot_serve_and_names_the_s
     # 4096 rows x 4 layers x 64 x 4 bytes = 4 MiB: more than a 1 MiB host ring holds in one step
     with pytest.raises(CaptureSpecError, match="MIA_STREAM_HOST_RING_MB=1"):
         check_admission(hs_all, 5000, geo, cfg(host_ring_bytes=1 << 20), 4096, 4)
+    # quantized, the same step is 4096 x 4 x (64 x 1 byte + a 4-byte scale) = 1.06 MiB: a 2 MiB ring takes it
+    hs_int8 = parse_spec({"capture": {"hidden_states": {"layers": "all", "positions": "all"}, "quantize": "int8"}},
+                         geo)
+    with pytest.raises(CaptureSpecError, match="MIA_STREAM_HOST_RING_MB=2"):
+        check_admission(hs_all, 5000, geo, cfg(host_ring_bytes=2 << 20), 4096, 4)
+    check_admission(hs_int8, 5000, geo, cfg(host_ring_bytes=2 << 20, quantize=True), 4096, 4)
+    with pytest.raises(CaptureSpecError, match="MIA_STREAM_HOST_RING_MB=1"):
+        check_admission(hs_int8, 5000, geo, cfg(host_ring_bytes=1 << 20, quantize=True), 4096, 4)
+    with pytest.raises(CaptureSpecError, match=r"\['quantize'\]: .*without MIA_STREAM_QUANTIZE=1"):
+        check_admission(hs_int8, 10, geo, cfg(quantize=False), 4096, 4)
 
 
 def test_the_sidecar_gets_the_parents_sys_path_after_its_own_pythonpath(monkeypatch):

@@ -48,12 +48,13 @@ def check_admission(spec: RequestSpec, prompt_len: int, geo: ModelGeometry, cfg:
             "leave 'quantize' out")
     rows = cfg.aperture_rows if cfg.aperture_rows is not None else max_tokens
     need, row_bytes = 0, 0
-    for layers, mode, width in ((spec.hs_layers, spec.hs_positions, geo.hidden_size),
-                                (spec.qk_layers, spec.qk_positions,
-                                 (geo.num_heads + geo.num_kv_heads) // tp_size * geo.head_dim)):
+    for layers, mode, width, parts in ((spec.hs_layers, spec.hs_positions, geo.hidden_size, 1),
+                                       (spec.qk_layers, spec.qk_positions,
+                                        (geo.num_heads + geo.num_kv_heads) // tp_size * geo.head_dim, 2)):
         if layers:
             need = max(need, min(prompt_len, max_tokens) if mode in ("all", "prompt") else 1)
-            row_bytes += len(layers) * width * itemsize
+            # quantized: one byte a value and a float32 scale per row, layer and part (q and k are two)
+            row_bytes += len(layers) * (width + 4 * parts if spec.quantize else width * itemsize)
     if need > rows:
         raise CaptureSpecError(
             f"extra_args['{SPEC_KEY}']['capture']: capturing this {prompt_len}-token prompt needs up to {need} rows "
