@@ -121,13 +121,19 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
     gc.callbacks.append(on_gc)
 
     def rec(rid):
-        return per.setdefault(rid, {"frames": 0, "gap_seqs": 0, "lat": []})
+        return per.setdefault(rid, {"frames": 0, "gap_seqs": 0, "gap_reasons": {}, "lat": []})
+
+    def gap(rid, g):
+        r = rec(rid)
+        r["gap_seqs"] += g.count
+        r["gap_reasons"][g.reason] = r["gap_reasons"].get(g.reason, 0) + g.count
 
     def done(rid, end):
         r = per.pop(rid, None) or rec(rid)
         lat = r["lat"]
         # producer drops are counted in the end's frames_dropped and announced by gaps naming their seqs
         out.write(json.dumps({"id": rid, "frames": r["frames"], "gap_seqs": r["gap_seqs"],
+                              "gap_reasons": r["gap_reasons"],
                               "dropped": end.frames_dropped, "drops": end.drops, "reason": end.finish_reason,
                               "lat": [round(x, 3) for x in lat]}) + "\n")
 
@@ -153,7 +159,7 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
                         r["frames"] += 1
                         r["lat"].append(ms)
                 elif ev.kind == "gap":
-                    rec(ev.gap.request_id)["gap_seqs"] += ev.gap.count
+                    gap(ev.gap.request_id, ev.gap)
                 elif ev.kind == "end":
                     done(ev.end.request_id, ev.end)
         return
@@ -164,7 +170,7 @@ def consumer_main(address: str, out_path: str, api: str) -> None:
                 r["frames"] += 1
                 r["lat"].append((time.time_ns() - ev.frame.time_ns) / 1e6)
             elif ev.kind == "gap":
-                rec(ev.stream.request_id)["gap_seqs"] += ev.gap.count
+                gap(ev.stream.request_id, ev.gap)
             elif ev.kind == "end":
                 done(ev.stream.request_id, ev.end)
 
@@ -518,6 +524,12 @@ def main(argv: list[str] | None = None) -> int:
                             reasons[why] = reasons.get(why, 0) + k
                     if reasons:
                         c["drop_reasons"] = reasons
+                    gap_reasons: dict[str, int] = {}  # every loss the consumer was told of, wherever it happened
+                    for e in ends:
+                        for why, k in (e.get("gap_reasons") or {}).items():
+                            gap_reasons[why] = gap_reasons.get(why, 0) + k
+                    if gap_reasons:
+                        c["gap_reasons"] = gap_reasons
                     # all frames; decode frames (a request's first frame carries its whole prompt, with the
                     # batch's other prompts: the burst of the round's first steps); steady decode (past the burst)
                     c.update(_latency("lat", [x for e in ends for x in e["lat"]], step_ms))

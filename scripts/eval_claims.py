@@ -4,10 +4,12 @@ every checkable claim of "Tell me about X." (``lab/claims.py``) scored by the ma
 -log p and entropy over the claim's tokens), with 95 % bootstrap CIs by entity.
 
     mia-stream probe collect DIR --sets long_form --samples 0 --max-tokens 64 --hs-layers 12,16,20,24,29 --qk-layers none
-    python scripts/eval_claims.py --data DIR [--layers 12,16,20,24] [--logit]
+    python scripts/eval_claims.py --data DIR [--layers 12,16,20,24] [--logit] [--shipped PROBE.json]
 
 The probe trains on every generated token of the training entities (1 = a token of an unsupported claim), its
-layer and C chosen on the validation entities' claim AUROC.
+layer and C chosen on the validation entities' claim AUROC. ``--shipped``: a probe file (trained on short
+answers) scored on the same held-out claims, unchanged (its layer must be captured): how the detector users get
+transfers to long-form text, with its alert rates at the file's threshold on claims and on the other tokens.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> int:
     ap.add_argument("--data", required=True)
     ap.add_argument("--layers", default=None)
     ap.add_argument("--logit", action="store_true")
+    ap.add_argument("--shipped", default=None, help="a probe file to score unchanged beside the trained probe")
     args = ap.parse_args()
     from transformers import AutoTokenizer
 
@@ -91,13 +94,35 @@ def main() -> int:
     for name, key, sign, agg in (("max_neg_logprob", "logprobs", -1, np.max), ("mean_neg_logprob", "logprobs", -1, np.mean),
                                  ("max_entropy", "entropies", 1, np.max)):
         scores[name] = np.asarray([agg(sign * np.asarray(ds.records[r][key])[toks]) for r, toks, _, _ in ct])
-    base = {k: pm.auroc(y, v) or 0 for k, v in scores.items() if k != "token_probe"}
+    shipped = None
+    if args.shipped:
+        import json
+
+        d = json.loads(Path(args.shipped).read_text())
+        shipped = {k: np.asarray(d[k], np.float64) for k in ("weights", "scale", "mean", "bias")}, d
+        scores["shipped_probe"] = claim_scores(shipped[0], d["layer"], ct)
+    base = {k: pm.auroc(y, v) or 0 for k, v in scores.items() if k not in ("token_probe", "shipped_probe")}
     ref = max(base, key=base.get)
     res = pm.bootstrap(y, scores, groups, reference=ref)
     print(f"token_probe{' + logit' if args.logit else ''}: layer {layer}, C {C} (validation claim AUROC {best[0]:.3f})")
     for k, v in res.items():
         diff = f"{v['diff']:+.3f} [{v['diff_ci'][0]:+.3f},{v['diff_ci'][1]:+.3f}]" if "diff" in v else "(best baseline)" if k == ref else ""
         print(f"{k:>18} claim AUROC {v['auroc']:.3f} [{v['ci'][0]:.3f},{v['ci'][1]:.3f}] {diff}")
+    if shipped is not None:
+        fit, d = shipped
+        thr, flag = d["threshold"], scores["shipped_probe"] >= d["threshold"]
+        other = other_alerts = 0
+        f = pt.detector_features(ds, "token_probe", d["layer"])
+        for r in test:  # every held-out generated token outside a claim
+            risk = pt._probe_risk(fit, f(r))
+            in_claim = {k for c in ds.records[r].get("claims") or [] for k in range(len(risk))
+                        if _overlap(ds.records[r], k, c)}
+            rest = [k for k in range(len(risk)) if k not in in_claim]
+            other += len(rest)
+            other_alerts += int((risk[rest] >= thr).sum())
+        print(f"shipped probe {Path(args.shipped).name} (layer {d['layer']}, threshold {thr:.3f}): alerts on "
+              f"{flag[y == 1].mean():.3f} of unsupported claims, {flag[y == 0].mean():.3f} of supported claims, "
+              f"{other_alerts / max(other, 1):.3f} of the {other} other tokens")
     return 0
 
 

