@@ -102,6 +102,9 @@ def rows(L: int, H: int, rng: np.random.Generator) -> dict:
 
 def consumer_main(address: str, out_path: str, api: str) -> None:
     """Subscribed to ``*``: writes one JSON line per ended request (frames, lost seqs, latencies in ms)."""
+    import logging
+
+    logging.basicConfig(level=logging.WARNING, format="[consumer] %(message)s")  # losses it is told of, to the log
     from mia_stream.consumers import open_stream
 
     import gc

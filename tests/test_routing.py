@@ -388,6 +388,29 @@ def test_stale_ring_messages_of_several_requests_become_one_gap_batch(ring_dir):
     assert consumer["dropped"] == consumer["gaps_notified"] == bus.totals["shm_stale_dropped"] == 3 * len(lost)
 
 
+def test_a_ring_message_larger_than_half_the_ring_is_delivered_not_dropped_as_stale(ring_dir):
+    """An all-layer prompt step can fill most of the producer's ring. Measured from its start, the writer was
+    more than half a ring past it the moment it was written, and the broker dropped it as stale for every
+    consumer (the CPU benchmark of 2026-12-06: each request's 283 MB prompt step lost in a 512 MiB ring). Its room
+    is measured from its end now: it arrives, and so do the small steps after it (small messages far behind are
+    still dropped as before: the test above)."""
+    ring = ShmRingWriter(size=1 << 20, min_bytes=1024, directory=ring_dir)
+    ring.max_bytes = ring.size  # as the engine's host ring, whose chunks are a step's rows whatever their size
+    bus = Bus(shm=ShmRingReader(directory=ring_dir, writable=True))
+    try:
+        bus.prove(ring)
+        bus.subscribe(b"reader", "*", shm=True)
+        bus.produce(start("a"))
+        bus.produce(step_batch(1, {"a": 1}, nbytes_per_row=600 << 10), ring=ring)  # 0.59 of the ring
+        for step in range(2, 5):  # small steps after it: 3 x 16 KiB, within the room it leaves
+            bus.produce(step_batch(step, {"a": step}, nbytes_per_row=16 << 10), ring=ring)
+        got = per_request(bus.receive(b"reader"))["a"]
+    finally:
+        ring.close()
+    assert got[1:] == [("step_batch", s) for s in range(1, 5)]
+    assert bus.totals.get("shm_stale_dropped", 0) == 0
+
+
 def _seq_view(messages: list) -> dict:
     """``per_request`` with each gap split into its seqs (how gaps are grouped into messages left out)."""
     return {rid: [g for e in events for g in ([("gap", e[1], x) for x in e[2]] if e[0] == "gap" else [e])]

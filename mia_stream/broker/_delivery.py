@@ -248,7 +248,7 @@ class Delivery:
             self.enqueue(c, frames, _frames_nbytes(frames), None, None, None, "gap")
 
     def view(self, entry: _Entry, idx: list[int] | None, reads_rings: bool, views: dict | None) -> tuple:
-        """``(frames, bytes, (ring, oldest position) or None)`` of what a consumer gets of ``entry``: the frames
+        """``(frames, bytes, (ring, oldest position, end) or None)`` of what a consumer gets of ``entry``: the frames
         as received when it gets all of it and can read its ring; else a selection of requests ``idx`` and/or
         the bytes inline. ``(None, reason, None)`` when the ring no longer holds the bytes."""
         if idx is None or len(idx) == len(entry.ids):
@@ -302,7 +302,7 @@ class Delivery:
             view = (frames, n, None)
         else:
             n = _frames_nbytes(frames)
-            view = (frames, n + extent[2], (extent[0], extent[1])) if extent is not None else (frames, n, None)
+            view = (frames, n + extent[2], (extent[0], extent[1], extent[3])) if extent is not None else (frames, n, None)
         if views is not None:
             views[key] = view
         return view
@@ -445,16 +445,22 @@ class Delivery:
 
     def drop_stale_head(self, c: _Consumer) -> None:
         """Drop the ring-held messages at the head of ``c``'s queue whose bytes the producer is about to
-        overwrite (more than half a ring behind its writer), with their gaps put in their place.
+        overwrite (its writer has used up more than half of the room the message left it: for a small message,
+        more than half a ring past it), with their gaps put in their place.
 
         A consumer that falls behind then gets the newest frames the ring still holds, and its loss is the
-        fraction it cannot keep up with; without this it would receive only frames already overwritten."""
+        fraction it cannot keep up with; without this it would receive only frames already overwritten. (The
+        room is measured from the message's end: from its start, a message over half the ring, an all-layer
+        prompt step, was "stale" the moment it was written, and every consumer lost every such step.)"""
         q, lag = c.queue, self.shm.lag
         dropped: dict[tuple, list[list[int]]] = {}
         count = 0
         while q:
             frames, n, entry, idx, ring = q[0]
-            if ring is None or lag(ring[0], ring[1]) <= _SHM_STALE_LAG:
+            if ring is None:
+                break
+            past_end = lag(ring[0], ring[2])  # ring sizes the writer is past the message's end
+            if past_end <= _SHM_STALE_LAG * (1.0 - (lag(ring[0], ring[1]) - past_end)):
                 break
             q.popleft()
             c.queue_bytes -= n

@@ -35,7 +35,7 @@ class _Entry:
 
     def __init__(self, kind: str, order: int, frames: list, nbytes: int, ring: tuple | None):
         self.kind, self.order, self.frames, self.nbytes = kind, order, frames, nbytes
-        self.ring = ring  # (ring, oldest position) when tensor bytes are in the producer's ring (nbytes counts them)
+        self.ring = ring  # (ring, oldest position, end) when tensor bytes are in the producer's ring (nbytes counts them)
         self.key: tuple | None = None  # a per-request message: its stream ...
         self.seq = -1  # ... and seq (-1: none, a gap notice)
         self.header: dict | None = None  # a columnar message (or a producer's gap): its header; request ids, seqs

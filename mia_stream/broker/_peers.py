@@ -180,7 +180,7 @@ class Peers:
     # ------------------------------------------------------------------------------------------ ring ownership
 
     def admit_ring(self, p: _Producer, extent: tuple, body: list, nbytes: int) -> tuple | None:
-        """``(ring, oldest position)`` of a message's ring reference (``extent``: its ``shm_extent``) when this
+        """``(ring, oldest position, end)`` of a message's ring reference (``extent``: its ``shm_extent``) when this
         producer proved it owns that ring; else None: the message is refused, or held for the proof."""
         if not self.ctx.accept_shm:  # a peer on another host cannot have a ring here: a forged reference
             self.report_bad(PRODUCERS, p.identity, MalformedFrameError(
@@ -197,7 +197,7 @@ class Peers:
             return None
         self.ctx.counters.shm_bytes_in += extent[2]
         self.shm.note_received(name, extent[3])
-        return name, extent[1]
+        return name, extent[1], extent[3]
 
     def hold_more(self, p: _Producer, body: list, nbytes: int) -> None:
         """A message of a producer whose earlier ring reference waits for its proof: it waits too, in order."""

@@ -133,6 +133,11 @@ class _Source:
                 continue
             if not intact(leases):  # overwritten while the assembler held it: never handed out
                 gaps = overrun_gaps(ev, OVERRUN_BEFORE_HANDOUT, self.assembler)
+                if not counters[OVERRUN_BEFORE_HANDOUT]:
+                    worst = max(leases, key=lambda lease: lease.lag())
+                    logger.warning("mia_stream: ring %s was overwritten (the writer %.2f ring sizes past it) before "
+                                   "this consumer was handed a %s event of %d gap(s); more are counted "
+                                   "(%s)", worst.name, worst.lag(), ev.kind, len(gaps), OVERRUN_BEFORE_HANDOUT)
                 counters[OVERRUN_BEFORE_HANDOUT] += 1
                 counters["ring_loss_gaps"] += len(gaps)
                 yield from gaps
