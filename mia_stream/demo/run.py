@@ -2,7 +2,7 @@
 
 Start a broker, a hallucination detector (an analyzer process), a consumer process that prints each generated
 token with its risk as the detector publishes it, and the recorder process; start a real ``vllm.LLM``
-(CPU-friendly settings) with the mia_stream plugin; answer three chat prompts while capturing what the detector
+(CPU-friendly settings) with the mia_stream plugin; answer four chat prompts while capturing what the detector
 needs; then replay the MCAP recording through the same detector in a new process, compare its scores with the
 live ones, and draw the recording with the terminal monitor. Every step is a small function run inside one
 ``contextlib.ExitStack``, so each process is torn down even when a step fails. ``--no-streaming`` runs plain
@@ -25,10 +25,15 @@ from mia_stream.errors import ModelError
 
 __all__ = ["DEMO_PROMPTS", "Answer", "DemoConfig", "main", "run_demo"]
 
+# Two right answers and two wrong ones (the embedded model says 16 for oxygen and 29 for selenium). At the
+# shipped probe's calibrated threshold the detector catches about half of wrong answers (docs/hallucination.md):
+# selenium's "29" raises an alert on its claim, oxygen's "16" does not. Selenium was picked for that among 24
+# questions of held-out entities run through the demo; the probe never trained on either element.
 DEMO_PROMPTS: tuple[str, ...] = (
     "What is the capital of France?",
     "What is the chemical symbol of gold?",
     "What is the atomic number of oxygen?",
+    "What is the atomic number of selenium?",
 )
 
 # CPU-friendly engine defaults; setdefault so the caller's environment wins.
@@ -208,7 +213,7 @@ class _EngineHandle:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="mia-stream demo",
-        description="Run a real vLLM engine on the embedded model (or --model) and answer three chat prompts.")
+        description="Run a real vLLM engine on the embedded model (or --model) and answer four chat prompts.")
     parser.add_argument("--model", default=None,
                         help="a local Hugging Face model directory (default: $MIA_STREAM_MODEL, else the "
                              "embedded SmolLM2-135M-Instruct, built once by `mia-stream model`)")
