@@ -27,8 +27,8 @@ __all__ = ["DEMO_PROMPTS", "Answer", "DemoConfig", "main", "run_demo"]
 
 # Two right answers and two wrong ones (the embedded model says 16 for oxygen and 29 for selenium). At the
 # shipped probe's calibrated threshold the detector catches about half of wrong answers (docs/hallucination.md):
-# selenium's "29" raises an alert on its claim, oxygen's "16" does not. Selenium was picked for that among 24
-# questions of held-out entities run through the demo; the probe never trained on either element.
+# selenium's "29" raises an alert on its claim, oxygen's "16" does not. Selenium was picked for that after 24
+# questions about held-out entities ran through the demo (docs/hallucination.md); the probe never trained on either.
 DEMO_PROMPTS: tuple[str, ...] = (
     "What is the capital of France?",
     "What is the chemical symbol of gold?",
