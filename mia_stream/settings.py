@@ -119,7 +119,9 @@ SETTINGS: dict[str, Setting] = _table(
             default_doc="the scheduler's max_num_batched_tokens (every row of a step fits)", minimum=1),
     Setting("MIA_STREAM_HOST_RING_MB", "size", "engine",
             "Host memory per worker that captured rows wait in until the drain sidecar has published them "
-            "(on CUDA pinned from the start). A step that finds it full drops its frames (`host_ring_full`).",
+            "(on CUDA pinned from the start). A step that finds it full drops its frames (`host_ring_full`); the engine "
+            "logs at start when a full step capturing every layer would not fit (an 8B model's 16k-token prefill of "
+            "all layers is 4 GiB).",
             default=512 * MiB, unit=MiB, minimum=MiB),
     Setting("MIA_STREAM_COPY_STAGING_MB", "size", "engine",
             "Device memory (two halves of this size, inside vLLM's budget) that a step's captured rows are copied "

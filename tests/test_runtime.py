@@ -557,3 +557,26 @@ def test_device_staging_of_a_steps_rows_gives_the_same_frames(bus, staging):
         assert stats["staged_copies"] == 4 and stats["unstaged_copies"] == 1  # decode steps staged, prefill not
     else:
         assert "staged_copies" not in stats
+
+
+def test_the_runtime_says_at_start_when_a_full_all_layer_step_cannot_fit_the_host_ring(bus, caplog):
+    """Admission sees one request; a prefill step of many prompts capturing every layer can still overflow the
+    host ring, and those steps are then dropped (run K on the H100: 1,004 of 1,024 prompt frames). The engine's
+    log says so at start, with the size that would keep them: 32,768 rows x 2 layers x 8 x 4 bytes = 2 MiB
+    against a 1 MiB ring; a ring that holds the step says nothing."""
+    import logging
+
+    pub, _ = bus
+    kw = dict(geo=GEO, model_name="toy", tokenizer="toy", dtype=torch.float32, device=torch.device("cpu"),
+              max_tokens=32768, tp_rank=0, tp_size=1, dp_rank=0, publisher=pub)
+    assert GEO.num_layers * GEO.hidden_size * 4 * 32768 == 2 << 20
+    for ring_bytes, said in ((1 << 20, True), (4 << 20, False)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="mia_stream.producer"):
+            rt = ProducerRuntime(**kw, cfg=RuntimeConfig(host_ring_bytes=ring_bytes, steer_slots=4,
+                                                         max_ops_per_layer=2, capture_qk=False))
+            rt.close()
+        lines = [r.getMessage() for r in caplog.records if "host_ring_full" in r.getMessage()]
+        assert bool(lines) == said, lines
+        if said:
+            assert "(MIA_STREAM_HOST_RING_MB=1) holds 16384 token rows" in lines[0] and "needs 2 MiB" in lines[0]
