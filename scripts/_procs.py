@@ -1,5 +1,5 @@
-"""Shared by the benchmark and evaluation scripts: process teardown (they run brokers, consumers, analyzers), and
-the plugin's entry point where mia_stream runs from a checkout (the GPU host)."""
+"""Shared by the benchmark and evaluation scripts: a broker process and process teardown (they run brokers,
+consumers, analyzers), and the plugin's entry point where mia_stream runs from a checkout (the GPU host)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,17 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Iterable
+
+
+def start_broker(address: str, env: dict, *args: str) -> subprocess.Popen:
+    """A ``mia_stream.broker`` process at ``address`` (stdout piped; ``args``: more flags), returned once it says
+    it is ready; stopped, and an error raised, when it does not."""
+    proc = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", address, *args],
+                            stdout=subprocess.PIPE, text=True, env=env)
+    if "ready" not in proc.stdout.readline():
+        stop_processes([proc])
+        raise RuntimeError(f"the broker at {address} did not start (exit code {proc.returncode})")
+    return proc
 
 
 def stop_processes(procs: Iterable[subprocess.Popen], timeout: float = 10.0) -> None:

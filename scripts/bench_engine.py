@@ -45,7 +45,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from _procs import ensure_plugin_entry_point, random_probe_file  # noqa: E402  (scripts/_procs.py, beside this file)
+from _procs import ensure_plugin_entry_point, random_probe_file, start_broker  # noqa: E402  (scripts/_procs.py, beside this file)
 
 
 # ---------------------------------------------------------------------------------------------- rows
@@ -395,15 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("MIA_STREAM_QUANTIZE", "1")
     run_dir = tempfile.mkdtemp(prefix="mia-be-", dir="/tmp")
     env = dict(os.environ, PYTHONPATH=f"{REPO}:{os.environ.get('PYTHONPATH', '')}")
-    broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run_dir],
-                              stdout=subprocess.PIPE, text=True, env=env)
+    broker = start_broker(run_dir, env)
     apis = a.consumer_api.split(",")
     ends_paths = {api: str(out / f"consumer-{api}-ends.jsonl") for api in apis}
     consumers: dict[str, subprocess.Popen] = {}
     results: dict = {"args": vars(a), "cuda": cuda, "rows": {}}
     try:
-        if "ready" not in broker.stdout.readline():
-            raise RuntimeError("broker did not start")
         for api in apis:
             consumers[api] = subprocess.Popen([sys.executable, __file__, "--consumer", run_dir, ends_paths[api], api],
                                               stdout=subprocess.PIPE, text=True, env=env)

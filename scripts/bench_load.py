@@ -33,7 +33,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from _procs import stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
+from _procs import start_broker, stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
 _TICK = os.sysconf("SC_CLK_TCK")
 HIDDEN, LAYERS = 4096, 32
 
@@ -216,11 +216,8 @@ def run_one(path: str, rate: float, a: argparse.Namespace) -> dict:
     me = str(Path(__file__).resolve())
     procs: list[subprocess.Popen] = []
     try:
-        broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run_dir],
-                                  stdout=subprocess.PIPE, text=True, env=env)
+        broker = start_broker(run_dir, env)
         procs.append(broker)
-        if "ready" not in broker.stdout.readline():
-            raise RuntimeError("broker did not start")
         cons = {}
         for name, pattern in (("all", "*"), ("tenth", "req-*0")):
             cons[name] = _spawn([me, "consume", "--address", run_dir, "--patterns", pattern, "--api", a.api,

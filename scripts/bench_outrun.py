@@ -24,7 +24,6 @@ import collections
 import json
 import multiprocessing as mp
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,6 +33,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from _procs import start_broker  # noqa: E402  (scripts/_procs.py, beside this file)
 
 
 def _parse_size(text: str) -> int:
@@ -112,10 +112,7 @@ def _run(size: int, seconds: float, bounded: bool, broker: str, switch_s: float 
     proc = None
     if broker == "process":
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
-        proc = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", address],
-                                stdout=subprocess.PIPE, text=True, env=env)
-        if "ready" not in proc.stdout.readline():
-            raise RuntimeError("broker did not start")
+        proc = start_broker(address, env)
     ctx = mp.get_context("spawn")
     q, ready = ctx.Queue(), ctx.Event()
     consumer = ctx.Process(target=_consume, args=(address, broker == "thread", ready, q))

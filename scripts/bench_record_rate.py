@@ -34,7 +34,7 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from _procs import stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
+from _procs import start_broker, stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
 
 
 def _rows(a: argparse.Namespace, rng) -> np.ndarray:
@@ -147,11 +147,7 @@ def bench_bus(a: argparse.Namespace, tmp: Path, compression: str) -> dict:
     rec_dir = tmp / f"bus-{compression}"
     procs: list[subprocess.Popen] = []
     try:
-        broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run_dir],
-                                  stdout=subprocess.PIPE, text=True, env=env)
-        procs.append(broker)
-        if "ready" not in broker.stdout.readline():
-            raise RuntimeError("broker did not start")
+        procs.append(start_broker(run_dir, env))
         rec_args = [sys.executable, "-m", "mia_stream.cli", "record", str(rec_dir), "--broker", run_dir,
                     "--compression", compression, "--flush-interval", "0.2"]
         if a.budget:

@@ -34,7 +34,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "scripts"))
-from _procs import stop_processes  # noqa: E402
+from _procs import start_broker, stop_processes  # noqa: E402
 
 
 def consume(a: argparse.Namespace) -> int:
@@ -112,10 +112,7 @@ def main() -> int:
     procs: list[subprocess.Popen] = []
     results = []
     try:
-        broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run_dir],
-                                  stdout=subprocess.PIPE, text=True, env=env)
-        procs.append(broker)
-        assert "ready" in broker.stdout.readline()
+        procs.append(start_broker(run_dir, env))
         os.environ["MIA_STREAM_BROKER"] = run_dir
         from vllm import LLM, SamplingParams
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from _procs import stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
+from _procs import start_broker, stop_processes  # noqa: E402  (scripts/_procs.py, beside this file)
 
 # stage -> substrings of a frame ("function (file:line)") that put a sample in it; the first match wins, innermost
 # frame first, so a copy inside decode counts as the copy
@@ -93,10 +93,7 @@ def main() -> int:
     out = Path(tempfile.mkdtemp(prefix="mia-prof-out-")) / "consumer.txt"
     procs = []
     try:
-        broker = subprocess.Popen([sys.executable, "-m", "mia_stream.broker", "--address", run_dir],
-                                  stdout=subprocess.PIPE, text=True, env=env)
-        procs.append(broker)
-        assert "ready" in broker.stdout.readline()
+        procs.append(start_broker(run_dir, env))
         cons = subprocess.Popen([sys.executable, __file__, "consume", "--address", run_dir, "--idle", str(a.idle),
                                  "--work", a.work, "--select", a.select],
                                 stdout=subprocess.PIPE, text=True, env=env)
