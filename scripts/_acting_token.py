@@ -56,6 +56,37 @@ def neg_logprob_probe(path: Path, like: dict, threshold: float) -> Path:
     return path
 
 
+def generate_watching(llm, run_dir: str, pattern: str, prompts: list, params: list, on_event) -> tuple[list, float]:
+    """``llm.generate`` of ``prompts`` (64 at a time) while a thread subscribed to ``pattern`` hands every bus
+    event to ``on_event`` until all of them have ended: ``(outputs, generate seconds)``. Shared by these arms and
+    eval_acting.py's in-engine arms."""
+    from mia_stream.consumers import open_stream
+
+    ready, done = threading.Event(), threading.Event()
+
+    def collect():
+        ended = 0
+        with open_stream(run_dir, patterns=[pattern], timeout=120) as events:
+            ready.set()
+            for ev in events:
+                on_event(ev)
+                ended += ev.kind == "end"
+                if ended >= len(prompts) and done.is_set():
+                    break
+    t = threading.Thread(target=collect, daemon=True)
+    t.start()
+    ready.wait(30)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    outs = []
+    for a in range(0, len(prompts), 64):
+        outs += llm.generate(prompts[a:a + 64], params[a:a + 64], use_tqdm=False)
+    secs = time.monotonic() - t0
+    done.set()
+    t.join(60)
+    return outs, secs
+
+
 class Engine:
     def __init__(self, run_dir: str, max_num_seqs: int = 64):
         import os
@@ -87,47 +118,27 @@ class Engine:
         alerting position of each detector, and the engine's action records."""
         from vllm import SamplingParams
 
-        from mia_stream.consumers import open_stream
-
         ids = [f"act-{tag}-{i}" for i in range(len(items))]
         names = [f"engine:{d['name']}" for d in detect or []]
         first_alert: dict = {n: {} for n in names}
         actions: dict = {}
-        ready, done = threading.Event(), threading.Event()
 
-        def collect():
-            ended = 0
-            with open_stream(self.run_dir, patterns=[f"act-{tag}-*"], timeout=120) as events:
-                ready.set()
-                for ev in events:
-                    if ev.kind == "analysis" and ev.analysis.analyzer in first_alert and ev.analysis.step >= 0:
-                        a, rid = ev.analysis, ev.stream.request_id
-                        hot = [p for p, al in zip(a.positions, a.alerts) if al]
-                        if hot and rid not in first_alert[a.analyzer]:
-                            first_alert[a.analyzer][rid] = min(hot)
-                    elif ev.kind == "analysis" and ev.analysis.analyzer == "alert_action":
-                        a = ev.analysis
-                        actions[ev.stream.request_id] = {"alert_step": int(a.values["alert_step"][0]),
-                                                         "applied_step": int(a.values["applied_step"][0]),
-                                                         "position": int(a.positions[0])}
-                    elif ev.kind == "end":
-                        ended += 1
-                    if ended >= len(ids) and done.is_set():
-                        break
-        t = threading.Thread(target=collect, daemon=True)
-        t.start()
-        ready.wait(30)
-        time.sleep(0.5)
+        def on_event(ev):
+            if ev.kind == "analysis" and ev.analysis.analyzer in first_alert and ev.analysis.step >= 0:
+                a, rid = ev.analysis, ev.stream.request_id
+                hot = [p for p, al in zip(a.positions, a.alerts) if al]
+                if hot and rid not in first_alert[a.analyzer]:
+                    first_alert[a.analyzer][rid] = min(hot)
+            elif ev.kind == "analysis" and ev.analysis.analyzer == "alert_action":
+                a = ev.analysis
+                actions[ev.stream.request_id] = {"alert_step": int(a.values["alert_step"][0]),
+                                                 "applied_step": int(a.values["applied_step"][0]),
+                                                 "position": int(a.positions[0])}
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=0, logprobs=0,
                                  extra_args={"mia_stream": {"id": rid, **({"detect": detect} if detect else {})}})
                   for rid in ids]
-        t0 = time.monotonic()
-        outs = []
-        for a in range(0, len(items), 64):
-            outs += self.llm.generate(self.prompts(items[a:a + 64]), params[a:a + 64], use_tqdm=False)
-        secs = time.monotonic() - t0
-        done.set()
-        t.join(60)
+        outs, secs = generate_watching(self.llm, self.run_dir, f"act-{tag}-*", self.prompts(items), params,
+                                       on_event)
         return {"ids": ids, "outs": outs, "first_alert": first_alert, "actions": actions, "secs": secs}
 
     def stop(self):

@@ -202,47 +202,27 @@ class Bench:
     def generate_in_engine(self, tag, items, action):
         """Answer ``items`` with the detector inside the engine (each request's spec names the probe, alert and
         action: issue 25); the engine's ``alert_action`` records are collected from the bus."""
-        import threading
-
         from vllm import SamplingParams
 
-        from mia_stream.consumers import open_stream
+        from _acting_token import generate_watching  # scripts/_acting_token.py, beside this file
 
         ids = [f"act-{tag}-{i}" for i in range(len(items))]
         seen = {"alerts": [], "actions": [], "scored": 0}
-        ready, done = threading.Event(), threading.Event()
 
-        def collect():
-            ended = 0
-            with open_stream(str(self.run_dir), patterns=[f"act-{tag}-*"], timeout=120) as events:
-                ready.set()
-                for ev in events:
-                    if ev.kind == "analysis" and ev.analysis.analyzer == "engine:hnode" and ev.analysis.step >= 0:
-                        seen["scored"] += 1
-                        seen["alerts"] += [ev.stream.request_id] * int(sum(ev.analysis.alerts))
-                    elif ev.kind == "analysis" and ev.analysis.analyzer == "alert_action":
-                        a = ev.analysis
-                        applied = int(a.values["applied_step"][0])
-                        seen["actions"].append({"ok": applied >= 0, "applied_step": applied,
-                                                "alert_step": int(a.values["alert_step"][0])})
-                    elif ev.kind == "end":
-                        ended += 1
-                    if ended >= len(ids) and done.is_set():
-                        break
-        t = threading.Thread(target=collect, daemon=True)
-        t.start()
-        ready.wait(30)
-        time.sleep(0.5)
+        def on_event(ev):
+            if ev.kind == "analysis" and ev.analysis.analyzer == "engine:hnode" and ev.analysis.step >= 0:
+                seen["scored"] += 1
+                seen["alerts"] += [ev.stream.request_id] * int(sum(ev.analysis.alerts))
+            elif ev.kind == "analysis" and ev.analysis.analyzer == "alert_action":
+                a = ev.analysis
+                applied = int(a.values["applied_step"][0])
+                seen["actions"].append({"ok": applied >= 0, "applied_step": applied,
+                                        "alert_step": int(a.values["alert_step"][0])})
         detect = [{"probe": PROBE, "positions": "last_prompt", "action": action}]
         params = [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, seed=SEED,
                                  extra_args={"mia_stream": {"id": rid, "detect": detect}}) for rid in ids]
-        t0 = time.monotonic()
-        outs = []
-        for a in range(0, len(items), 64):
-            outs += self.llm.generate(self.prompt_ids(items[a:a + 64]), params[a:a + 64], use_tqdm=False)
-        secs = time.monotonic() - t0
-        done.set()
-        t.join(60)
+        outs, secs = generate_watching(self.llm, str(self.run_dir), f"act-{tag}-*", self.prompt_ids(items), params,
+                                       on_event)
         return outs, seen, secs
 
     def _wait_consumers(self, watcher_id, timeout=60):
