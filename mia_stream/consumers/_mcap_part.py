@@ -20,6 +20,8 @@ from typing import Any, Iterable, Iterator
 import msgpack
 import numpy as np
 
+from mia_stream.consumers._mcap_writer import (MAGIC, OP_ATTACHMENT, OP_CHANNEL, OP_CHUNK, OP_DATA_END, OP_FOOTER,
+                                               OP_HEADER, OP_MESSAGE, OP_METADATA, OP_SCHEMA)
 from mia_stream.errors import MiaStreamError
 from mia_stream.schemas import SCHEMA_VERSION
 
@@ -37,11 +39,9 @@ METADATA_NAME = "mia_stream"
 PART_GLOB = "part-*.mcap"
 log = logging.getLogger(__name__)
 
-_MCAP_MAGIC = b"\x89MCAP0\r\n"
 _FOOTER_RECORD = 1 + 8 + 8 + 8 + 4  # opcode, length, summary start, summary offset start, summary crc
-# MCAP opcodes: 0x01..0x0F are the spec's records, 0x80..0xFF private ones (skipped); others mean damage
-_OP_HEADER, _OP_FOOTER, _OP_SCHEMA, _OP_CHANNEL, _OP_MESSAGE, _OP_CHUNK = 1, 2, 3, 4, 5, 6
-_OP_ATTACHMENT, _OP_METADATA, _OP_DATA_END = 9, 12, 15
+# MCAP opcodes (OP_*, _mcap_writer.py): 0x01..0x0F are the spec's records, 0x80..0xFF private ones (skipped);
+# others mean damage
 
 
 class RecordingError(MiaStreamError):
@@ -75,10 +75,10 @@ def _kind(channel: Any) -> str:
 def _has_footer(f: io.BufferedReader) -> bool:
     f.seek(0, io.SEEK_END)
     size = f.tell()
-    if size < 2 * len(_MCAP_MAGIC) + _FOOTER_RECORD:
+    if size < 2 * len(MAGIC) + _FOOTER_RECORD:
         return False
-    f.seek(size - len(_MCAP_MAGIC))
-    return f.read(len(_MCAP_MAGIC)) == _MCAP_MAGIC
+    f.seek(size - len(MAGIC))
+    return f.read(len(MAGIC)) == MAGIC
 
 
 def max_chunk_bytes() -> int:
@@ -217,8 +217,8 @@ class _Part:
         except OSError as e:
             raise RecordingError(f"{path}: cannot open it: {e.strerror or e}") from None
         with f:
-            head = f.read(len(_MCAP_MAGIC))
-            if head != _MCAP_MAGIC:
+            head = f.read(len(MAGIC))
+            if head != MAGIC:
                 what = "an empty file" if not head else "no MCAP magic at its start"
                 raise RecordingError(f"{path} is not an MCAP file ({what})")
             self.complete = _has_footer(f)  # the writer finished it: reading stops short only on damage
@@ -256,18 +256,18 @@ class _Part:
         """The summary section, its CRC checked (the footer's ``summary_crc``)."""
         from mcap.reader import SeekingReader
 
-        f.seek(self.size - len(_MCAP_MAGIC) - _FOOTER_RECORD)
+        f.seek(self.size - len(MAGIC) - _FOOTER_RECORD)
         footer = f.read(_FOOTER_RECORD)
         opcode, _, summary_start, _, summary_crc = struct.unpack("<BQQQI", footer)
-        if opcode != _OP_FOOTER:
+        if opcode != OP_FOOTER:
             raise _Damage("no footer record before the closing magic")
         if summary_start == 0:
             return None
-        if not len(_MCAP_MAGIC) <= summary_start <= self.size - len(_MCAP_MAGIC) - _FOOTER_RECORD:
+        if not len(MAGIC) <= summary_start <= self.size - len(MAGIC) - _FOOTER_RECORD:
             raise _Damage(f"the footer's summary offset {summary_start} is outside the file")
         if summary_crc:
             f.seek(summary_start)
-            crc = zlib.crc32(f.read(self.size - len(_MCAP_MAGIC) - 4 - summary_start))
+            crc = zlib.crc32(f.read(self.size - len(MAGIC) - 4 - summary_start))
             if crc != summary_crc:
                 raise _Damage(f"summary CRC mismatch (stored {summary_crc:#010x}, computed {crc:#010x})")
         try:
@@ -304,7 +304,7 @@ class _Part:
                 if len(head) < 9:
                     raise _Damage("the request index's attachment is outside the file")
                 opcode, length = struct.unpack("<BQ", head)
-                if opcode != _OP_ATTACHMENT or offset + 9 + length > self.size or length < 4:
+                if opcode != OP_ATTACHMENT or offset + 9 + length > self.size or length < 4:
                     raise _Damage(f"no attachment record where the summary says (opcode {opcode:#04x})")
                 body = f.read(length)
                 (stored,) = struct.unpack_from("<I", body, length - 4)
@@ -370,11 +370,11 @@ class _Part:
     def _chunk_at(self, f: Any, offset: int, length: int) -> list[Any]:
         """The records of the chunk the chunk index places at ``offset`` ([] when damaged and skipped)."""
         try:
-            if not len(_MCAP_MAGIC) <= offset or offset + length > self.size or length < 9:
+            if not len(MAGIC) <= offset or offset + length > self.size or length < 9:
                 raise _Damage(f"the chunk index names bytes {offset}..{offset + length}, outside the file")
             f.seek(offset)
             opcode, body_length = struct.unpack("<BQ", f.read(9))
-            if opcode != _OP_CHUNK or body_length != length - 9:
+            if opcode != OP_CHUNK or body_length != length - 9:
                 raise _Damage(f"no chunk record where the chunk index says (opcode {opcode:#04x}, "
                               f"{body_length} bytes)")
             return _chunk_records(f.read(body_length), self._limit)
@@ -389,9 +389,9 @@ class _Part:
         from mcap.data_stream import ReadDataStream
         from mcap.records import Channel, Message as McapMessage, Metadata, Schema
 
-        simple = {_OP_CHANNEL: Channel.read, _OP_SCHEMA: Schema.read, _OP_METADATA: Metadata.read}
+        simple = {OP_CHANNEL: Channel.read, OP_SCHEMA: Schema.read, OP_METADATA: Metadata.read}
         with open(self.path, "rb") as f:
-            pos = f.seek(len(_MCAP_MAGIC))
+            pos = f.seek(len(MAGIC))
             while True:
                 head = f.read(9)
                 if len(head) < 9:
@@ -408,23 +408,23 @@ class _Part:
                     else:
                         self._cut_short(pos)
                     return
-                if opcode == _OP_FOOTER:
+                if opcode == OP_FOOTER:
                     return
-                if not (_OP_HEADER <= opcode <= _OP_DATA_END or opcode >= 0x80):
+                if not (OP_HEADER <= opcode <= OP_DATA_END or opcode >= 0x80):
                     self._damaged(f"an unknown record opcode {opcode:#04x}; the rest of the part is not read", pos)
                     return
-                if opcode == _OP_CHUNK:
+                if opcode == OP_CHUNK:
                     try:
                         records = _chunk_records(f.read(length), self._limit)
                     except _Damage as e:
                         self._damaged(str(e), pos)
                         records = []
                     yield from records
-                elif opcode in simple or opcode == _OP_MESSAGE:
+                elif opcode in simple or opcode == OP_MESSAGE:
                     body = f.read(length)
                     try:
                         stream = ReadDataStream(io.BytesIO(body))
-                        record = McapMessage.read(stream, length) if opcode == _OP_MESSAGE else simple[opcode](stream)
+                        record = McapMessage.read(stream, length) if opcode == OP_MESSAGE else simple[opcode](stream)
                     except Exception as e:  # noqa: BLE001
                         self._damaged(f"an unreadable record (opcode {opcode:#04x}: {type(e).__name__}: {e})", pos)
                     else:

@@ -24,8 +24,9 @@ import zlib
 from typing import Any, Iterable, Sequence
 
 MAGIC = b"\x89MCAP0\r\n"
-_HEADER, _FOOTER, _SCHEMA, _CHANNEL, _MESSAGE, _CHUNK, _MESSAGE_INDEX, _CHUNK_INDEX = 1, 2, 3, 4, 5, 6, 7, 8
-_ATTACHMENT, _ATTACHMENT_INDEX, _STATISTICS, _METADATA, _METADATA_INDEX, _SUMMARY_OFFSET, _DATA_END = range(9, 16)
+# record opcodes (the spec's; _mcap_part.py reads with the same)
+OP_HEADER, OP_FOOTER, OP_SCHEMA, OP_CHANNEL, OP_MESSAGE, OP_CHUNK, OP_MESSAGE_INDEX, OP_CHUNK_INDEX = 1, 2, 3, 4, 5, 6, 7, 8
+OP_ATTACHMENT, OP_ATTACHMENT_INDEX, OP_STATISTICS, OP_METADATA, OP_METADATA_INDEX, OP_SUMMARY_OFFSET, OP_DATA_END = range(9, 16)
 _IOV_MAX = 1024  # buffers per writev (Linux's IOV_MAX)
 
 
@@ -81,13 +82,13 @@ class McapWriter:
                     break
 
     def start(self, profile: str = "", library: str = "") -> None:
-        self._write([MAGIC, _record(_HEADER, _str(profile) + _str(library))])
+        self._write([MAGIC, _record(OP_HEADER, _str(profile) + _str(library))])
 
     # ------------------------------------------------------------------------------------------ records
 
     def register_schema(self, name: str, encoding: str, data: bytes) -> int:
         schema_id = len(self._schemas) + 1
-        rec = _record(_SCHEMA, struct.pack("<H", schema_id) + _str(name) + _str(encoding)
+        rec = _record(OP_SCHEMA, struct.pack("<H", schema_id) + _str(name) + _str(encoding)
                       + struct.pack("<I", len(data)) + data)
         self._schemas.append(rec)
         self._chunk_add(rec)
@@ -96,7 +97,7 @@ class McapWriter:
     def register_channel(self, topic: str, message_encoding: str, schema_id: int,
                          metadata: dict[str, str] | None = None) -> int:
         channel_id = len(self._channels) + 1
-        rec = _record(_CHANNEL, struct.pack("<HH", channel_id, schema_id) + _str(topic) + _str(message_encoding)
+        rec = _record(OP_CHANNEL, struct.pack("<HH", channel_id, schema_id) + _str(topic) + _str(message_encoding)
                       + _string_map(metadata or {}))
         self._channels.append(rec)
         self._chunk_add(rec)
@@ -104,9 +105,9 @@ class McapWriter:
 
     def add_metadata(self, name: str, metadata: dict[str, str]) -> None:
         start = self.offset
-        rec = _record(_METADATA, _str(name) + _string_map(metadata))
+        rec = _record(OP_METADATA, _str(name) + _string_map(metadata))
         self._write([rec])
-        self._metadata_indexes.append(_record(_METADATA_INDEX, struct.pack("<QQ", start, len(rec)) + _str(name)))
+        self._metadata_indexes.append(_record(OP_METADATA_INDEX, struct.pack("<QQ", start, len(rec)) + _str(name)))
 
     def add_message(self, channel_id: int, log_time: int, data: Any, publish_time: int, sequence: int = 0) -> None:
         """``data``: one buffer, or a sequence of buffers that together are the message's data."""
@@ -114,7 +115,7 @@ class McapWriter:
             else [memoryview(p).cast("B") for p in data]
         size = sum(map(len, pieces))
         self._index.setdefault(channel_id, []).append((log_time, self._chunk_size))
-        self._chunk_add(struct.pack("<BQHIQQ", _MESSAGE, 22 + size, channel_id, sequence, log_time, publish_time),
+        self._chunk_add(struct.pack("<BQHIQQ", OP_MESSAGE, 22 + size, channel_id, sequence, log_time, publish_time),
                         *pieces, size=31 + size)
         if self._chunk_messages == 0:
             self._chunk_start_time = self._chunk_end_time = log_time
@@ -131,10 +132,10 @@ class McapWriter:
         start = self.offset
         body = struct.pack("<QQ", log_time, create_time) + _str(name) + _str(media_type) + struct.pack("<Q", len(data))
         crc = zlib.crc32(data, zlib.crc32(body))
-        rec_head = struct.pack("<BQ", _ATTACHMENT, len(body) + len(data) + 4) + body
+        rec_head = struct.pack("<BQ", OP_ATTACHMENT, len(body) + len(data) + 4) + body
         self._write([rec_head, data, struct.pack("<I", crc)])
         length = len(rec_head) + len(data) + 4
-        self._attachment_indexes.append(_record(_ATTACHMENT_INDEX, struct.pack(
+        self._attachment_indexes.append(_record(OP_ATTACHMENT_INDEX, struct.pack(
             "<QQQQQ", start, length, log_time, create_time, len(data)) + _str(name) + _str(media_type)))
 
     # ------------------------------------------------------------------------------------------ chunks
@@ -172,7 +173,7 @@ class McapWriter:
             payload, name, payload_size = self._pieces, "", self._chunk_size
         fields = struct.pack("<QQQI", self._chunk_start_time, self._chunk_end_time, self._chunk_size, crc) \
             + _str(name) + struct.pack("<Q", payload_size)
-        head = struct.pack("<BQ", _CHUNK, len(fields) + payload_size) + fields
+        head = struct.pack("<BQ", OP_CHUNK, len(fields) + payload_size) + fields
         chunk_start = self.offset
         self._write([head, *payload])
         chunk_length = self.offset - chunk_start
@@ -181,10 +182,10 @@ class McapWriter:
         for channel_id, entries in self._index.items():
             offsets[channel_id] = index_start + sum(map(len, indexes))
             flat = [v for e in entries for v in e]
-            indexes.append(_record(_MESSAGE_INDEX, struct.pack(f"<HI{len(flat)}Q", channel_id, 8 * len(flat), *flat)))
+            indexes.append(_record(OP_MESSAGE_INDEX, struct.pack(f"<HI{len(flat)}Q", channel_id, 8 * len(flat), *flat)))
         self._write(indexes)
         offset_map = b"".join(struct.pack("<HQ", c, o) for c, o in offsets.items())
-        self._chunk_indexes.append(_record(_CHUNK_INDEX, struct.pack(
+        self._chunk_indexes.append(_record(OP_CHUNK_INDEX, struct.pack(
             "<QQQQ", self._chunk_start_time, self._chunk_end_time, chunk_start, chunk_length)
             + struct.pack("<I", len(offset_map)) + offset_map
             + struct.pack("<Q", self.offset - index_start) + _str(name)
@@ -197,26 +198,26 @@ class McapWriter:
         """The last chunk, data end, the summary (schemas, channels, statistics, chunk / attachment /
         metadata indexes, one summary offset per group), the footer and the closing magic."""
         self.flush()
-        self._write([_record(_DATA_END, struct.pack("<I", 0))])
+        self._write([_record(OP_DATA_END, struct.pack("<I", 0))])
         summary_start = self.offset
         counts = b"".join(struct.pack("<HQ", c, n) for c, n in self._channel_counts.items())
-        statistics = _record(_STATISTICS, struct.pack(
+        statistics = _record(OP_STATISTICS, struct.pack(
             "<QHIIIIQQ", self._message_count, len(self._schemas), len(self._channels),
             len(self._attachment_indexes), len(self._metadata_indexes), len(self._chunk_indexes),
             self._start_time, self._end_time) + struct.pack("<I", len(counts)) + counts)
-        groups = [(_SCHEMA, self._schemas), (_CHANNEL, self._channels), (_STATISTICS, [statistics]),
-                  (_CHUNK_INDEX, self._chunk_indexes), (_ATTACHMENT_INDEX, self._attachment_indexes),
-                  (_METADATA_INDEX, self._metadata_indexes)]
+        groups = [(OP_SCHEMA, self._schemas), (OP_CHANNEL, self._channels), (OP_STATISTICS, [statistics]),
+                  (OP_CHUNK_INDEX, self._chunk_indexes), (OP_ATTACHMENT_INDEX, self._attachment_indexes),
+                  (OP_METADATA_INDEX, self._metadata_indexes)]
         summary, offsets, at = [], [], summary_start
         for opcode, records in groups:
             if not records:
                 continue
             length = sum(map(len, records))
-            offsets.append(_record(_SUMMARY_OFFSET, struct.pack("<BQQ", opcode, at, length)))
+            offsets.append(_record(OP_SUMMARY_OFFSET, struct.pack("<BQQ", opcode, at, length)))
             summary.extend(records)
             at += length
         offsets_start = at
-        footer_head = struct.pack("<BQQQ", _FOOTER, 20, summary_start, offsets_start)
+        footer_head = struct.pack("<BQQQ", OP_FOOTER, 20, summary_start, offsets_start)
         crc = 0
         for piece in _chain(summary, offsets, [footer_head]):
             crc = zlib.crc32(piece, crc)
