@@ -518,18 +518,15 @@ def main(argv: list[str] | None = None) -> int:
                         ends = _read_ends(ends_paths[api], ids)
                     c = {"ended": len(ends), "frames": sum(e["frames"] for e in ends),
                          "gap_seqs": sum(e["gap_seqs"] for e in ends), "dropped": sum(e["dropped"] for e in ends)}
-                    reasons: dict[str, int] = {}
-                    for e in ends:
-                        for why, k in (e.get("drops") or {}).items():
-                            reasons[why] = reasons.get(why, 0) + k
-                    if reasons:
-                        c["drop_reasons"] = reasons
-                    gap_reasons: dict[str, int] = {}  # every loss the consumer was told of, wherever it happened
-                    for e in ends:
-                        for why, k in (e.get("gap_reasons") or {}).items():
-                            gap_reasons[why] = gap_reasons.get(why, 0) + k
-                    if gap_reasons:
-                        c["gap_reasons"] = gap_reasons
+                    # the producer's drops (its ends' counts), and every loss the consumer was told of, wherever
+                    # it happened (the gaps it saw)
+                    for key, into in (("drops", "drop_reasons"), ("gap_reasons", "gap_reasons")):
+                        reasons: dict[str, int] = {}
+                        for e in ends:
+                            for why, k in (e.get(key) or {}).items():
+                                reasons[why] = reasons.get(why, 0) + k
+                        if reasons:
+                            c[into] = reasons
                     # all frames; decode frames (a request's first frame carries its whole prompt, with the
                     # batch's other prompts: the burst of the round's first steps); steady decode (past the burst)
                     c.update(_latency("lat", [x for e in ends for x in e["lat"]], step_ms))

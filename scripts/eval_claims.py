@@ -45,6 +45,18 @@ def _overlap(rec, k, c):
     return s < c["stop"] and e > c["start"]
 
 
+def outside_claim_alerts(ds, reqs, token_scores, thr: float) -> tuple[int, int]:
+    """``(alerting, all)`` generated tokens of ``reqs`` outside every claim; a token alerts when its score
+    (``token_scores(r)``: one per token with a state) is at or above ``thr``."""
+    alerts = total = 0
+    for r in reqs:
+        rec, scores = ds.records[r], np.asarray(token_scores(r))
+        rest = [k for k in range(len(scores)) if not any(_overlap(rec, k, c) for c in rec.get("claims") or [])]
+        total += len(rest)
+        alerts += int((scores[rest] >= thr).sum())
+    return alerts, total
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", required=True)
@@ -114,15 +126,8 @@ def main() -> int:
     if shipped is not None:
         fit, d = shipped
         thr, flag = d["threshold"], scores["shipped_probe"] >= d["threshold"]
-        other = other_alerts = 0
         f = pt.detector_features(ds, "token_probe", d["layer"])
-        for r in test:  # every held-out generated token outside a claim
-            risk = pt._probe_risk(fit, f(r))
-            in_claim = {k for c in ds.records[r].get("claims") or [] for k in range(len(risk))
-                        if _overlap(ds.records[r], k, c)}
-            rest = [k for k in range(len(risk)) if k not in in_claim]
-            other += len(rest)
-            other_alerts += int((risk[rest] >= thr).sum())
+        other_alerts, other = outside_claim_alerts(ds, test, lambda r: pt._probe_risk(fit, f(r)), thr)
         print(f"shipped probe {Path(args.shipped).name} (layer {d['layer']}, threshold {thr:.3f}): alerts on "
               f"{flag[y == 1].mean():.3f} of unsupported claims, {flag[y == 0].mean():.3f} of supported claims, "
               f"{other_alerts / max(other, 1):.3f} of the {other} other tokens")
@@ -149,13 +154,8 @@ def main() -> int:
     if args.logprob_alert is not None:
         thr = args.logprob_alert
         flag = scores["max_neg_logprob"] >= thr
-        other = other_alerts = 0
-        for r in test:
-            rec = ds.records[r]
-            nlp = -np.asarray(rec["logprobs"])[:int(ds.rows[r])]
-            rest = [k for k in range(len(nlp)) if not any(_overlap(rec, k, c) for c in rec.get("claims") or [])]
-            other += len(rest)
-            other_alerts += int((nlp[rest] >= thr).sum())
+        other_alerts, other = outside_claim_alerts(
+            ds, test, lambda r: -np.asarray(ds.records[r]["logprobs"])[:int(ds.rows[r])], thr)
         print(f"free detector (a token's -log p >= {thr}): alerts on {flag[y == 1].mean():.3f} of unsupported "
               f"claims, {flag[y == 0].mean():.3f} of supported claims, {other_alerts / max(other, 1):.3f} of the "
               f"{other} other tokens")

@@ -28,6 +28,7 @@ unsupported claim's token). An answer is labelled wrong when it makes an unsuppo
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Sequence
 
@@ -89,6 +90,7 @@ def _names_at(words, i: int, vocab) -> tuple[int, str] | None:
     return None
 
 
+@functools.lru_cache(maxsize=1)
 def _country_names() -> dict[str, set[str]]:
     """Folded country name or alias (up to 3 words) -> the ISO codes it may name."""
     out: dict[str, set[str]] = {}

@@ -175,7 +175,7 @@ class ProducerRuntime:
         foresee (it sees one request). On an H100, 1,004 of 1,024 requests lost their prompt frame that way."""
         if self.tp_rank:
             return
-        row = geo.num_layers * geo.hidden_size * torch.empty((), dtype=dtype).element_size()
+        row = geo.num_layers * geo.hidden_size * dtype.itemsize
         need, have = max_tokens * row, self.cfg.host_ring_bytes
         if need > have:
             logger.info("mia_stream: the host ring (MIA_STREAM_HOST_RING_MB=%d) holds %d token rows of every "
