@@ -53,6 +53,19 @@ _COUNTERS = {"frames": _FRAMES, "bytes": _BYTES, "handled": _HANDLED, "drain_dro
 _REFS_STALL_S = 3.0  # the broker received nothing of the references in flight for this long: they are lost
 
 
+def full_step_note(capacity: int, max_rows: int, row_bytes: int) -> str | None:
+    """What to say at start when a step of ``max_rows`` rows (max_num_batched_tokens) capturing every layer's
+    hidden states (``row_bytes`` a row) cannot fit a ring of ``capacity``: such steps, a batch of prompts
+    prefilled together, are dropped as ``host_ring_full`` (on an H100 1,004 of 1,024 prompt frames); else None."""
+    need = max_rows * row_bytes
+    if need <= capacity:
+        return None
+    return (f"mia_stream: the host ring (MIA_STREAM_HOST_RING_MB={capacity >> 20}) holds {capacity // row_bytes} "
+            f"token rows of every layer's hidden states in one step; a step of {max_rows} rows "
+            f"(max_num_batched_tokens) capturing every layer needs {-(-need >> 20)} MiB: such steps are dropped as "
+            "'host_ring_full' (counted, named). Raise MIA_STREAM_HOST_RING_MB to keep them")
+
+
 class HostRing:
     """One mapping of the ring file. ``HostRing.create(capacity)`` in the engine, ``HostRing(fd, size, name)`` in
     the drain; both see the same bytes. ``name`` is the ring's /dev/shm name ("" for a memfd: nothing is

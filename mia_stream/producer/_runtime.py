@@ -31,7 +31,7 @@ from mia_stream.producer._config import RuntimeConfig, StepBatch
 from mia_stream.producer._copy_staging import CopyStaging
 from mia_stream.producer._device import DeviceState, _PinnedStaging, _SteeringTable
 from mia_stream.producer._drain import DrainConfig, StepDrain
-from mia_stream.producer._host_ring import HostRing
+from mia_stream.producer._host_ring import HostRing, full_step_note
 from mia_stream.producer._items import DATA_ITEMS, Config, End, Gap, Start, StepItem, Tokens
 from mia_stream.producer._quantize import QuantizeState
 from mia_stream.producer._routing import _DecodeCache, _KindRouting, _Request, hits, select
@@ -96,7 +96,9 @@ class ProducerRuntime:
         self.requests: dict[str, _Request] = {}
         self._quantize = QuantizeState()  # capture.quantize: formats live requests want (producer/_quantize.py)
         self._ring = HostRing.create(self.cfg.host_ring_bytes)
-        self._say_ring_limit(geo, dtype, max_tokens)
+        note = full_step_note(self.cfg.host_ring_bytes, max_tokens, geo.num_layers * geo.hidden_size * dtype.itemsize)
+        if note and not tp_rank:  # admission sees one request: a prefill of many can still overflow the ring
+            logger.info(note)
         self._ring_bytes = torch.from_numpy(self._ring.data)  # the data area as a uint8 tensor
         self.ring_pinned = self._pin_ring() if device.type == "cuda" else False
         self._queue: queue.Queue = queue.Queue()  # bounded by _enqueue (data items) and per request (the rest)
@@ -168,21 +170,6 @@ class ProducerRuntime:
     def hold_last_step(self, value: bool) -> None:
         self._hold_last_step = bool(value)
         self._enqueue(Config({"hold_last_step": self._hold_last_step}))
-
-    def _say_ring_limit(self, geo: ModelGeometry, dtype: torch.dtype, max_tokens: int) -> None:
-        """Say at start when a full step capturing every layer's hidden states cannot fit the host ring: such
-        steps (a batch of prompts prefilled together) are dropped as ``host_ring_full``, which admission cannot
-        foresee (it sees one request). On an H100, 1,004 of 1,024 requests lost their prompt frame that way."""
-        if self.tp_rank:
-            return
-        row = geo.num_layers * geo.hidden_size * dtype.itemsize
-        need, have = max_tokens * row, self.cfg.host_ring_bytes
-        if need > have:
-            logger.info("mia_stream: the host ring (MIA_STREAM_HOST_RING_MB=%d) holds %d token rows of every "
-                        "layer's hidden states in one step; a step of %d rows (max_num_batched_tokens) capturing "
-                        "every layer needs %d MiB: such steps are dropped as 'host_ring_full' (counted, named). "
-                        "Raise MIA_STREAM_HOST_RING_MB to keep them", have >> 20, have // row, max_tokens,
-                        -(-need >> 20))
 
     # ---------------------------------------------------------------- request lifecycle (engine thread)
     @_locked
